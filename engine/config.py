@@ -1,0 +1,187 @@
+"""Model configuration read from a Hugging Face config.json; family differences become fields here.
+
+One plain model definition (engine/model.py) serves every family; this file is where Llama,
+Mistral, Qwen2, Qwen3 and GLM differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, field_name: str = "dtype") -> torch.dtype | None:
+    """Map 'bfloat16' / torch.bfloat16 / None to a torch dtype; ValueError naming the field otherwise."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in _DTYPES.values():
+            raise ValueError(f"{field_name}: unsupported dtype {value}; use float32, bfloat16 or float16")
+        return value
+    key = str(value).lower().removeprefix("torch.")
+    if key == "auto":
+        return None
+    if key not in _DTYPES:
+        raise ValueError(f"{field_name}: unsupported dtype {value!r}; use float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False  # GLM rotates interleaved pairs; the rest rotate halves
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sandwich_norm: bool = False  # GLM-4: extra norms after attention and after the MLP
+    tie_word_embeddings: bool = False
+    torch_dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        per_layer = attn + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + lm_head
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json: model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise ValueError(f"config.json: {key} must be a positive integer, got {cfg.get(key)!r}")
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+
+        # transformers 5 folds rope_theta/rope_scaling into rope_parameters; accept both layouts.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope_params.get("rope_type") or (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
+        if rope_type in (None, "default"):
+            rope_scaling = None
+        elif rope_type == "llama3":
+            rope_scaling = {**(rope_scaling or {}), **rope_params, "rope_type": "llama3"}
+        else:
+            raise ValueError(f"config.json: rope type {rope_type!r} is not supported (default and llama3 are)")
+        partial = float(rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+        is_glm = model_type in ("glm", "glm4")
+        if is_glm and "partial_rotary_factor" not in rope_params and "partial_rotary_factor" not in cfg:
+            partial = 0.5
+        qkv_bias = bool(cfg.get("attention_bias", model_type in ("qwen2", "glm", "glm4")))
+        if model_type == "qwen2":
+            qkv_bias = True
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act {act!r} is not supported (silu is)")
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        sliding = cfg.get("sliding_window") if (model_type == "mistral" or cfg.get("use_sliding_window")) else None
+        dtype = parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32", "config.json torch_dtype")
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            partial_rotary_factor=partial,
+            rope_interleaved=is_glm,
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            sandwich_norm=model_type == "glm4",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=dtype or torch.float32,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model_path: no config.json in {model_dir}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config.json: not valid JSON ({e})") from e
+        return cls.from_dict(cfg)
+
+
+def model_identity(model_dir: str | Path, load_format: str = "auto") -> str:
+    """A stable name for (config, tokenizer, weights source): seeds block hashes and the index namespace.
+
+    Independent of the directory's path, so two machines with the same model share index entries.
+    """
+    d = Path(model_dir)
+    h = hashlib.blake2b(digest_size=8)
+    for name in ("config.json", "tokenizer.json"):
+        p = d / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    h.update(load_format.encode())
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    return f"{cfg.get('model_type', 'model')}-{h.hexdigest()}"

@@ -1,0 +1,149 @@
+"""The one decoder-only transformer definition for every supported family (config decides the differences).
+
+Linear layers are merged (qkv_proj, gate_up_proj) for fewer, larger matmuls; the weight loader
+maps Hugging Face names onto them. Attention reads and writes the paged KV cache via kernels.ops.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.rope import build_cos_sin_cache
+from kernels import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.rotary_dim = config.rotary_dim
+        self.is_neox = not config.rope_interleaved
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # q: [tokens, heads, head_dim]
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_cache, v_cache = kv_cache
+        q, _ = ops.rotary_and_store_kv(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+            self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,
+        )
+        if meta.is_decode:
+            out = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.k_scale, meta.v_scale
+            )
+        else:
+            out = ops.extend_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                self.scale, meta.k_scale, meta.v_scale,
+            )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        # GLM-4 normalizes each sublayer's output before it joins the residual stream.
+        self.post_self_attn_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
+
+    def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        return x, residual
+
+
+LayerHook = Callable[[int], None]
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden states [T, hidden]; logits() projects rows."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        after_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, kv_caches[i], meta, self.cos_sin_cache)
+            if after_layer is not None:
+                after_layer(i)  # the layer's K/V are in the cache now: a transfer may push them
+        x, _ = self.norm(x, residual)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()

@@ -1,0 +1,182 @@
+"""Plain-torch reference for every kernel: the CPU path, and the oracle the Triton kernels are tested against.
+
+Shapes: T tokens in a batch, B sequences, Hq query heads, Hk KV heads (Hq % Hk == 0), D head dim.
+Paged cache per layer: K and V of shape [num_blocks, block_size, Hk, D]. A token's slot is
+block_id * block_size + offset. FP8 caches (torch.float8_e4m3fn) store value / scale.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x.dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (rms_norm(x + residual), x + residual)."""
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def rope_cos_sin_cache(
+    max_positions: int, rotary_dim: int, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[max_positions, rotary_dim] with cos in the first half and sin in the second."""
+    t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.float())  # [P, rotary_dim/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def apply_rotary(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool
+) -> torch.Tensor:
+    """Rotate the first `rotary_dim` features of x: [T, H, D] at `positions`: [T].
+
+    is_neox=True rotates halves (rotate_half, Llama/Qwen in Hugging Face layout); False rotates
+    interleaved pairs (GPT-J style, GLM).
+    """
+    cos_sin = cos_sin_cache[positions.long()].float()  # [T, rotary_dim]
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, rotary_dim/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, passthrough = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    if is_neox:
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([out.to(x.dtype), passthrough], dim=-1)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write k, v: [T, Hk, D] into the paged caches at `slot_mapping`: [T] (int64). Slots < 0 are skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    kf = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    vf = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    kf[slots] = _quantize(k[keep], k_cache.dtype, k_scale)
+    vf[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
+
+
+def rotary_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, write rotated k and v into the cache; return (q_rot, k_rot)."""
+    q = apply_rotary(q, positions, cos_sin_cache, rotary_dim, is_neox)
+    k = apply_rotary(k, positions, cos_sin_cache, rotary_dim, is_neox)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q, k
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float = 1.0
+) -> torch.Tensor:
+    """The first `length` tokens of one sequence's cache as [length, Hk, D] (dequantized, float32)."""
+    block_size = cache.shape[1]
+    n = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:n].long()]  # [n, block_size, Hk, D]
+    out = blocks.reshape(n * block_size, *cache.shape[2:])[:length]
+    return _dequantize(out, scale)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Causal attention of new tokens over a paged context that already holds them.
+
+    q: [T, Hq, D], the queries of every sequence packed; sequence i owns rows
+    query_start_loc[i]:query_start_loc[i+1] (int32, [B+1]); its context is its first seq_lens[i]
+    cached tokens, the new ones last (its queries sit at positions seq_lens[i] - q_len .. seq_lens[i]-1).
+    Decode is the case q_len == 1. Returns [T, Hq, D] in q.dtype.
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    hq, hk = q.shape[1], k_cache.shape[2]
+    for i, ctx in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
+        if e == s:
+            continue
+        k = gather_kv(k_cache, block_tables[i], ctx, k_scale)  # [ctx, Hk, D]
+        v = gather_kv(v_cache, block_tables[i], ctx, v_scale)
+        if hq != hk:
+            k = k.repeat_interleave(hq // hk, dim=1)
+            v = v.repeat_interleave(hq // hk, dim=1)
+        qi = q[s:e].float().transpose(0, 1)  # [Hq, q_len, D]
+        scores = torch.matmul(qi, k.permute(1, 2, 0)) * scale  # [Hq, q_len, ctx]
+        q_len = e - s
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """One query per sequence: q [B, Hq, D] attends to its first context_lens[b] cached tokens."""
+    b = q.shape[0]
+    qsl = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    return extend_attention(q, k_cache, v_cache, block_tables, qsl, context_lens, scale, k_scale, v_scale)
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+def _dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return x.float() * scale
+    return x.float()
