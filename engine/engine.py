@@ -1,0 +1,224 @@
+"""The step-level engine: requests in, one scheduling step at a time, token outputs out.
+
+Workers (prefill, decode, both) drive `step()` from their own loops; `LLM` (engine/llm.py) is
+the offline loop over the same calls. One Engine owns one model replica and its KV cache.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import ModelConfig, model_identity, parse_dtype
+from engine.kv_cache import KVCache
+from engine.model import LayerHook
+from engine.model_runner import ModelRunner
+from engine.radix_cache import RadixCache
+from engine.sampler import Sampler, TokenLogprobs
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import FinishReason, Sequence
+from engine.weights import load_model
+from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+from tandem.hashing import seed_hash
+from tandem.tokenizer import Tokenizer
+from tandem.types import SamplingParams, Tier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (float32 on CPU)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from memory
+    max_running: int = 256
+    max_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    load_format: str = "auto"
+    device: str | None = None  # None: cuda when available, else cpu
+    enable_prefix_cache: bool = True
+    swap_space_gb: float = 1.0  # host memory for preempted requests' KV
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8" (e4m3)
+    gpu_memory_fraction: float = 0.90
+    cpu_kv_cache_gb: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one request gained in one step; `finished` on the last one."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    seq: Sequence | None = field(default=None, repr=False)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = Path(config.model_path)
+        self.model_config = ModelConfig.from_dir(path)
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = parse_dtype(config.dtype) or (self.model_config.torch_dtype if device.type == "cuda" else torch.float32)
+        self.device, self.dtype = device, dtype
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.identity = model_identity(path, config.load_format)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.model = load_model(path, self.model_config, dtype, device, config.load_format)
+
+        kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}.get(config.kv_cache_dtype)
+        if kv_dtype is None:
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {config.kv_cache_dtype!r}")
+        block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, kv_dtype)
+        num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {num_blocks}")
+        num_host = int(config.swap_space_gb * 2**30 // block_bytes)
+        self.sched_config = SchedulerConfig(
+            block_size=config.block_size,
+            max_running=config.max_running,
+            max_batched_tokens=config.max_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_cache=config.enable_prefix_cache,
+            num_host_blocks=num_host,
+        )
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, kv_dtype, device, num_host)
+        self.allocator = BlockAllocator(num_blocks)
+        self.hash_seed = seed_hash(self.identity)
+        self.cache = RadixCache(self.allocator, config.block_size, self.hash_seed, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.sched_config, self.allocator, self.cache)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        sampler = Sampler(self.model_config.vocab_size, seed=config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", self.identity, device, dtype, num_blocks, config.block_size)
+
+    def _derive_num_blocks(self, block_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            activation_reserve = 4 * 2**30
+            budget = free * self.config.gpu_memory_fraction - activation_reserve
+        else:
+            budget = self.config.cpu_kv_cache_gb * 2**30
+        want = self.config.max_running * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(int(budget // block_bytes), want))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        tier: Tier | int | str = Tier.STANDARD,
+        prefill_only: bool = False,
+    ) -> Sequence:
+        """Validate and queue one request; ValueError naming the field on bad input."""
+        params = (params or SamplingParams()).validate(self.model_config.vocab_size)
+        tier = Tier.parse(tier)
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room in the model's context of {self.max_model_len}")
+        total_blocks = -(-min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size)
+        if total_blocks > self.allocator.num_total:
+            raise ValueError(
+                f"max_tokens: prompt plus max_tokens needs {total_blocks} KV blocks, the cache has {self.allocator.num_total}"
+            )
+        seq = Sequence(request_id or uuid.uuid4().hex, token_ids, params, tier, prefill_only)
+        if params.stop:
+            seq.detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens), StopMatcher(params.stop))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self, after_layer: LayerHook | None = None) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled_idx, samples = self.runner.execute(out, after_layer)
+        self.scheduler.postprocess(out)
+        return self._process_samples(out, sampled_idx, samples)
+
+    def _process_samples(self, out: SchedulerOutput, idx: list[int], samples) -> list[StepOutput]:
+        results = []
+        for j, i in enumerate(idx):
+            seq = out.scheduled[i].seq
+            token = samples.token_ids[j]
+            lp = samples.logprobs[j]
+            seq.output_token_ids.append(token)
+            seq.output_logprobs.append(lp)
+            reason, stop_reason = self._check_stop(seq, token)
+            if reason is None and seq.prefill_only:
+                reason = FinishReason.PREFILLED
+            if reason is not None:
+                if reason is FinishReason.PREFILLED:
+                    self.scheduler.finish_prefill(seq)
+                else:
+                    self.scheduler.finish(seq, reason)
+                seq.stop_reason = stop_reason
+                seq.finish_reason = reason
+            results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason, seq))
+        return results
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:
+        p = seq.params
+        n = len(seq.output_token_ids)
+        if n >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return FinishReason.STOP, token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP, None
+        if seq.detok is not None:
+            detok, matcher = seq.detok
+            text, stopped = matcher.feed(detok.push([token]))
+            seq.text += text
+            if stopped and n >= p.min_tokens:
+                return FinishReason.STOP, matcher.stop_string if hasattr(matcher, "stop_string") else None
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def output_text(self, seq: Sequence) -> str:
+        """Final text of a finished sequence (cut before a stop string when one ended it)."""
+        if seq.detok is not None:
+            detok, matcher = seq.detok
+            if seq.finish_reason is FinishReason.STOP and seq.stop_reason is not None and not isinstance(seq.stop_reason, int):
+                return seq.text
+            return seq.text + matcher.flush()
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    # ---- introspection --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_total
+
+    def num_free_blocks_after_reset(self) -> int:
+        """Free blocks once the prefix cache drops its unlocked entries (for leak checks)."""
+        self.cache.reset()
+        return self.allocator.num_free

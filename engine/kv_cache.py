@@ -1,0 +1,61 @@
+"""The paged KV cache: per-layer K and V pools on the device, and a host pool for swapped-out blocks."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class KVCache:
+    """K and V of shape [num_blocks, block_size, num_kv_heads, head_dim] per layer.
+
+    `dtype` may be torch.float8_e4m3fn (values stored divided by k_scale / v_scale).
+    Host swap space is a pinned (on CUDA) pool with the same layout, `num_host_blocks` deep.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_host_blocks: int = 0,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.k_scale, self.v_scale = k_scale, v_scale
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self.num_host_blocks = num_host_blocks
+        pin = device.type == "cuda"
+        host_shape = (config.num_layers, 2, num_host_blocks, *shape[1:])
+        self.host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        src = torch.tensor(device_blocks, dtype=torch.long, device=self.layers[0][0].device)
+        dst = torch.tensor(host_blocks, dtype=torch.long)
+        for i, (k, v) in enumerate(self.layers):
+            self.host[i, 0, dst] = k.index_select(0, src).to("cpu")
+            self.host[i, 1, dst] = v.index_select(0, src).to("cpu")
+
+    def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        device = self.layers[0][0].device
+        src = torch.tensor(host_blocks, dtype=torch.long)
+        dst = torch.tensor(device_blocks, dtype=torch.long, device=device)
+        for i, (k, v) in enumerate(self.layers):
+            k.index_copy_(0, dst, self.host[i, 0, src].to(device, non_blocking=True))
+            v.index_copy_(0, dst, self.host[i, 1, src].to(device, non_blocking=True))

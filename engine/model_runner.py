@@ -1,0 +1,103 @@
+"""Turns a SchedulerOutput into tensors, runs the model over the paged cache and samples.
+
+The runner owns the device state (model, KV cache, sampler); it knows nothing of queues.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.model import CausalLM, LayerHook
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # packed row index of each sampling sequence's last token
+    sample_index: list[int]  # index into scheduled of each sampled row
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, eos_token_ids: frozenset[int], device: torch.device
+    ) -> None:
+        self.model, self.kv_cache, self.sampler = model, kv_cache, sampler
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def prepare(self, out: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_index: list[int] = []
+        max_blocks = max((len(s.seq.block_table) for s in out.scheduled), default=1)
+        tables = []
+        for i, s in enumerate(out.scheduled):
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            tokens = seq.all_token_ids
+            ids.extend(tokens[start:end])
+            pos.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(table + [0] * (max_blocks - len(table)))
+            if s.samples:
+                sample_rows.append(qsl[-1] - 1)
+                sample_index.append(i)
+        dev = self.device
+
+        def t(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots),
+            block_tables=t(tables, torch.int32),
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            is_decode=all(s.num_new_tokens == 1 for s in out.scheduled),
+            k_scale=self.kv_cache.k_scale,
+            v_scale=self.kv_cache.v_scale,
+        )
+        return BatchInputs(t(ids), t(pos), meta, t(sample_rows), sample_index)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
+        """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples)."""
+        for dev_blocks, host_blocks in out.swap_out:
+            self.kv_cache.swap_out(dev_blocks, host_blocks)
+        for host_blocks, dev_blocks in out.swap_in:
+            self.kv_cache.swap_in(host_blocks, dev_blocks)
+        if not out.scheduled:
+            return [], None
+        batch = self.prepare(out)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
+        if not batch.sample_index:
+            return [], None
+        logits = self.model.logits(hidden[batch.sample_rows])
+        rows = [
+            SamplingRow(
+                params=out.scheduled[i].seq.params,
+                prompt_token_ids=out.scheduled[i].seq.prompt_token_ids,
+                output_token_ids=out.scheduled[i].seq.output_token_ids,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for i in batch.sample_index
+        ]
+        return batch.sample_index, self.sampler(logits, rows)

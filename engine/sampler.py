@@ -1,0 +1,346 @@
+"""Token sampler: turns one step's batch of next-token logits into token ids and logprobs.
+
+Order of operations follows vLLM: min_tokens masking, repetition penalty, presence and
+frequency penalties, then greedy argmax, or temperature, top-k, top-p, min-p and sampling.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+# Above this k a single full sort is about as cheap as torch.topk, so top-k goes through it.
+_TOPK_ONLY_MAX_K = 1024
+# Exponential noise of exactly 0 would turn a zero-probability token into 0/0 = NaN, which
+# argmax picks; the floor keeps such tokens at probability 0.
+_NOISE_FLOOR = torch.finfo(torch.float32).tiny
+# top_p stored for rows that do not filter: an exclusive cumulative probability never reaches it.
+_TOP_P_OFF = 2.0
+
+
+@dataclass
+class SamplingRow:
+    """One sequence of the batch: its (validated) params and the tokens it has so far.
+
+    `eos_token_ids` are masked while the row has fewer than `params.min_tokens` output tokens,
+    together with `params.stop_token_ids`; pass an empty set to leave EOS unmasked.
+    Token sequences may be lists, tuples, numpy arrays or CPU tensors of ints.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token and the `params.logprobs` most likely tokens, highest first.
+
+    Both come from the model's raw logits (log_softmax before penalties and temperature).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per row, in row order; `logprobs[i]` is None when row i asked for none."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Generator seed (63 bits) for output position `step` of a request seeded with `seed`.
+
+    Depends on (seed, step) only, so a seeded request draws the same noise whatever else is
+    in the batch and when it is recomputed after preemption.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
+
+
+class Sampler:
+    """Samples one token per row from logits of shape [batch, padded_vocab].
+
+    Only the first `vocab_size` columns are candidates (the rest is the model's padding).
+    Work runs in float32 on the logits' device; stages no row needs are skipped, and the
+    results reach the host in a single device-to-host copy. Rows without a seed draw from
+    a sampler-level generator seeded with `seed` (random when None).
+    """
+
+    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed: must be a non-negative integer or None, got {seed!r}")
+        self.vocab_size = vocab_size
+        self._base_seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+        logger.debug("sampler: vocab_size=%d seeded=%s", vocab_size, seed is not None)
+
+    # ------------------------------------------------------------------ entry point
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Pick the next token of every row; `logits` is left unmodified."""
+        self._check(logits, rows)
+        batch = len(rows)
+        if batch == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        device = logits.device
+        raw = logits[:, : self.vocab_size]  # [B, V], drops padding columns
+        params = [row.params for row in rows]
+
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp_index = None if len(lp_rows) in (0, batch) else _index(lp_rows, device)
+        raw_logprobs = None
+        if lp_rows:
+            src = raw if lp_index is None else raw[lp_index]
+            raw_logprobs = torch.log_softmax(src.float(), dim=-1)  # [L, V]
+
+        x = self._apply_penalties(raw, rows)  # [B, V] float32, may alias `raw`
+        tokens = x.argmax(dim=-1)  # greedy answer for every row; sampled rows overwrite it
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            index = None if len(sampled) == batch else _index(sampled, device)
+            xs = x if index is None else x[index]
+            chosen = self._sample(xs, [rows[i] for i in sampled])
+            if index is None:
+                tokens = chosen
+            else:
+                tokens[index] = chosen
+        return self._to_host(tokens, raw_logprobs, lp_rows, lp_index, params)
+
+    # ------------------------------------------------------------------ stages
+
+    def _apply_penalties(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """min_tokens masking, repetition penalty, presence/frequency penalties (vLLM order).
+
+        Returns float32 logits; when no row needs any of these the result may be a view of
+        `raw`, so callers must not write into it in place.
+        """
+        vocab = self.vocab_size
+        mask_rows: list[int] = []
+        mask_tokens: list[int] = []
+        rep_rows: list[int] = []
+        pf_rows: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) < p.min_tokens:
+                for t in set(row.eos_token_ids).union(p.stop_token_ids):
+                    if 0 <= t < vocab:
+                        mask_rows.append(i)
+                        mask_tokens.append(t)
+            if p.repetition_penalty != 1.0:
+                rep_rows.append(i)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                pf_rows.append(i)
+        if not (mask_tokens or rep_rows or pf_rows):
+            return raw.float()
+
+        device = raw.device
+        batch = len(rows)
+        x = raw.to(torch.float32, copy=True)
+        if mask_tokens:
+            where = torch.tensor([mask_rows, mask_tokens], dtype=torch.long).to(device)
+            x[where[0], where[1]] = float("-inf")
+        if rep_rows:
+            # HF semantics over prompt + output: positive logits shrink, negative ones grow.
+            flat = self._flat_token_index(
+                rep_rows, [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows], device
+            )
+            seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
+            seen[flat] = True
+            seen = seen.view(batch, vocab + 1)[:, :vocab]
+            penalty = _row_values(batch, rep_rows, [rows[i].params.repetition_penalty for i in rep_rows], 1.0, device)
+            x = torch.where(seen, torch.where(x > 0, x * penalty, x / penalty), x)
+        if pf_rows:
+            # OpenAI semantics over output tokens only.
+            flat = self._flat_token_index(pf_rows, [_as_tokens(rows[i].output_token_ids) for i in pf_rows], device)
+            counts = torch.zeros(batch * (vocab + 1), dtype=torch.float32, device=device)
+            counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=torch.float32, device=device))
+            counts = counts.view(batch, vocab + 1)[:, :vocab]
+            frequency = _row_values(batch, pf_rows, [rows[i].params.frequency_penalty for i in pf_rows], 0.0, device)
+            presence = _row_values(batch, pf_rows, [rows[i].params.presence_penalty for i in pf_rows], 0.0, device)
+            x = x - frequency * counts - presence * (counts > 0).float()
+        return x
+
+    def _flat_token_index(self, row_ids: list[int], seqs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Index into a flattened [B, V + 1] table for each (row, token); out-of-range tokens land in column V."""
+        vocab = self.vocab_size
+        lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.long)
+        toks = torch.cat(seqs) if seqs else torch.empty(0, dtype=torch.long)
+        toks = torch.where((toks < 0) | (toks >= vocab), vocab, toks)
+        row_of = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
+        return (row_of * (vocab + 1) + toks).to(device)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then an exponential race; x: [S, V], not written to."""
+        vocab = self.vocab_size
+        device = x.device
+        params = [row.params for row in rows]
+        table = torch.tensor(
+            [
+                [
+                    p.temperature,
+                    min(p.top_k, vocab) if p.top_k > 0 else vocab,
+                    p.top_p if p.top_p < 1.0 else _TOP_P_OFF,
+                    p.min_p,
+                ]
+                for p in params
+            ],
+            dtype=torch.float32,
+        ).to(device)
+        temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in table.unbind(1))  # each [S, 1]
+        need_k = any(0 < p.top_k < vocab for p in params)
+        need_p = any(p.top_p < 1.0 for p in params)
+        need_min_p = any(p.min_p > 0.0 for p in params)
+
+        x = x / temperature  # a fresh tensor: everything below may write into it
+        if need_p or (need_k and any(p.top_k <= 0 or p.top_k > _TOPK_ONLY_MAX_K for p in params)):
+            x = self._filter_sorted(x, top_k if need_k else None, top_p if need_p else None, min_p if need_min_p else None)
+        else:
+            if need_k:
+                k_max = max(min(p.top_k, vocab) for p in params)
+                top_vals = x.topk(k_max, dim=-1).values  # [S, k_max]
+                kth = top_vals.gather(1, top_k.long() - 1)
+                x.masked_fill_(x < kth, float("-inf"))
+            if need_min_p:
+                # p / p_max >= min_p  <=>  logit >= max_logit + log(min_p)
+                threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)
+                x.masked_fill_(x < threshold, float("-inf"))
+
+        probs = torch.softmax(x, dim=-1)
+        noise = self._noise(probs.shape, rows, device)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _filter_sorted(
+        x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        """top-k, top-p and min-p with one descending sort; returns logits in vocabulary order."""
+        vals, order = x.sort(dim=-1, descending=True)  # [S, V]
+        if top_k is not None:
+            kth = vals.gather(1, top_k.long() - 1)
+            vals.masked_fill_(vals < kth, float("-inf"))  # ties with the k-th value stay
+        if top_p is not None:
+            probs = vals.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+            drop = before >= top_p  # keeps the smallest prefix reaching top_p
+            drop[:, 0] = False
+            vals.masked_fill_(drop, float("-inf"))
+        if min_p is not None:
+            vals.masked_fill_(vals < vals[:, :1] + torch.log(min_p), float("-inf"))
+        return torch.empty_like(vals).scatter_(1, order, vals)
+
+    def _noise(self, shape: torch.Size, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """Exponential(1) noise [S, V]; seeded rows get noise derived from (seed, step) only."""
+        seeded = [(j, row) for j, row in enumerate(rows) if row.params.seed is not None]
+        noise = torch.empty(shape, dtype=torch.float32, device=device)
+        if len(seeded) < len(rows):
+            noise.exponential_(generator=self._generator(device))
+        if seeded:
+            gen = self._row_generators.get(device)
+            if gen is None:
+                gen = self._row_generators[device] = torch.Generator(device=device)
+            for j, row in seeded:
+                gen.manual_seed(step_seed(row.params.seed, len(row.output_token_ids)))
+                # A fresh full-width tensor, so the draw never depends on where the row sits.
+                noise[j] = torch.empty(shape[1], dtype=torch.float32, device=device).exponential_(generator=gen)
+        return noise.clamp_min_(_NOISE_FLOOR)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(step_seed(self._base_seed, device.index if device.index is not None else -1))
+            self._generators[device] = gen
+        return gen
+
+    # ------------------------------------------------------------------ output
+
+    def _to_host(
+        self,
+        tokens: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        lp_rows: list[int],
+        lp_index: torch.Tensor | None,
+        params: list[SamplingParams],
+    ) -> SamplerOutput:
+        batch = tokens.shape[0]
+        # Everything travels as one float64 vector: token ids (< 2**53) and float32 logprobs
+        # are both exact in it, and one .tolist() is one device sync.
+        parts = [tokens.to(torch.float64)]
+        k_max = 0
+        if raw_logprobs is not None:
+            picked = tokens if lp_index is None else tokens[lp_index]
+            parts.append(raw_logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).to(torch.float64))
+            k_max = min(max(params[i].logprobs or 0 for i in lp_rows), self.vocab_size)
+            if k_max:
+                top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)
+                parts += [top_vals.flatten().to(torch.float64), top_ids.flatten().to(torch.float64)]
+        flat = torch.cat(parts).tolist()
+
+        token_ids = [int(t) for t in flat[:batch]]
+        logprobs: list[TokenLogprobs | None] = [None] * batch
+        n_lp = len(lp_rows)
+        chosen_lp = flat[batch : batch + n_lp]
+        vals_at = batch + n_lp
+        ids_at = vals_at + n_lp * k_max
+        for j, i in enumerate(lp_rows):
+            k = min(params[i].logprobs or 0, k_max)
+            base = j * k_max
+            top = [(int(flat[ids_at + base + c]), flat[vals_at + base + c]) for c in range(k)]
+            logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_lp[j], top=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _check(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError("logits: expected a floating-point tensor of shape [batch, vocab]")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"rows: {len(rows)} rows for {logits.shape[0]} logit rows")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits: {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+
+
+def _index(positions: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long).to(device)
+
+
+def _as_tokens(seq: Sequence[int]) -> torch.Tensor:
+    if isinstance(seq, torch.Tensor):
+        return seq.detach().to("cpu", torch.long).flatten()
+    return torch.as_tensor(seq, dtype=torch.long).flatten()
+
+
+def _cat_tokens(a: Sequence[int], b: Sequence[int]) -> torch.Tensor:
+    return torch.cat([_as_tokens(a), _as_tokens(b)])
+
+
+def _row_values(batch: int, row_ids: list[int], values: list[float], default: float, device: torch.device) -> torch.Tensor:
+    """A [B, 1] column holding `values` at `row_ids` and `default` elsewhere."""
+    column = [default] * batch
+    for i, v in zip(row_ids, values):
+        column[i] = v
+    return torch.tensor(column, dtype=torch.float32).to(device).unsqueeze(1)
+
+
+__all__ = ["Sampler", "SamplingRow", "SamplerOutput", "TokenLogprobs", "step_seed"]

@@ -1,0 +1,76 @@
+"""A request's state inside one engine: tokens, KV blocks, progress and why it finished."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.types import SamplingParams, Tier
+
+_arrival_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its KV lives in host memory
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+    PREFILLED = "prefilled"  # prefill-only request: prompt KV computed, first token sampled
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tier: Tier = Tier.STANDARD
+    prefill_only: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = field(default_factory=lambda: next(_arrival_counter))
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    prefix_match: Any = None  # the radix cache's handle while the sequence holds a lock
+    host_blocks: list[int] = field(default_factory=list)  # where its KV went when swapped
+    text: str = ""  # detokenized output so far (offline engine, for stop strings)
+    detok: Any = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Sort key: lower tier value first, then older first."""
+        return (int(self.tier), self.order)
+
+    def blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """Extra blocks needed so that `num_tokens` tokens fit in the block table."""
+        return max(0, -(-num_tokens // block_size) - len(self.block_table))

@@ -1,0 +1,125 @@
+"""Build a CausalLM on a device and fill it: Hugging Face safetensors (single or sharded) or dummy weights."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import CausalLM
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+) -> CausalLM:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
+    with torch.device(device), _default_dtype(dtype):
+        model = CausalLM(config)
+    model.cos_sin_cache = model.cos_sin_cache.float()
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_safetensors(model, Path(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path: no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"model_path: shard files listed in the index are missing: {missing}")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_safetensors(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the (merged) parameter it belongs to; fail on gaps."""
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    qkv_offsets = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size), "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+    gate_up_offsets = {"gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+    for name, tensor in _iter_tensors(safetensors_files(model_dir)):
+        if "rotary_emb" in name:
+            continue
+        target = name.removeprefix("model.")
+        if target == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        shard = None
+        parts = target.split(".")
+        if len(parts) >= 2 and parts[-2] in qkv_offsets:
+            shard = qkv_offsets[parts[-2]]
+            target = ".".join(parts[:-2] + ["qkv_proj", parts[-1]])
+        elif len(parts) >= 2 and parts[-2] in gate_up_offsets:
+            shard = gate_up_offsets[parts[-2]]
+            target = ".".join(parts[:-2] + ["gate_up_proj", parts[-1]])
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"weights: checkpoint tensor {name!r} has no place in a {cfg.model_type} model")
+        dest = param.data if shard is None else param.data.narrow(0, shard[0], shard[1])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        if shard is None and target.endswith("gate_up_proj.weight"):
+            loaded |= {f"{target}#{off}" for off, _ in gate_up_offsets.values()}  # GLM ships it merged
+        else:
+            loaded.add(target if shard is None else f"{target}#{shard[0]}")
+    expected = _expected_keys(model, qkv_offsets, gate_up_offsets)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _expected_keys(model: CausalLM, qkv: dict, gate_up: dict) -> set[str]:
+    keys: set[str] = set()
+    for name, _ in model.named_parameters():
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            keys |= {f"{name}#{off}" for off, _ in qkv.values()}
+        elif name.endswith("gate_up_proj.weight"):
+            keys |= {f"{name}#{off}" for off, _ in gate_up.values()}
+        else:
+            keys.add(name)
+    return keys
+
+
+def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights (same seed ⇒ same model on the same device type); norms stay 1."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, std, generator=gen)

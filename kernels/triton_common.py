@@ -1,0 +1,70 @@
+"""Helpers shared by the Triton kernels: launch-size arithmetic, device facts, FP8 rounding.
+
+Imports triton at module level, so only kernel modules (themselves imported lazily by
+kernels.ops) import this file.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn value
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; 132 (an H100/H200) when it is not a CUDA device."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def soft_fp8_round() -> bool:
+    """Whether kernels must round to e4m3 themselves before the cast.
+
+    The interpreter's float -> e4m3 cast rounds half-up and loses the carry out of the mantissa
+    (a value just under a power of two can come out halved); the GPU's cvt instruction rounds to
+    nearest even. Rounding to an exactly representable value first makes both casts exact.
+    """
+    return interpreting()
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """Round fp32 `x` (already within +-448) to the nearest e4m3 value, ties to even, in fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    # Keep 3 of 23 mantissa bits: add half an ulp minus one plus the lowest kept bit, truncate.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = bits.to(tl.float32, bitcast=True)
+    # Below 2^-6 e4m3 is subnormal with a fixed step of 2^-9: 1.5 * 2^14 has exactly that ulp.
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def quantize_for_store(x, scale, IS_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """fp32 `x` ready to be cast to the cache dtype: x / scale clamped to +-448 for FP8, else x."""
+    if IS_FP8:
+        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        if SOFT_ROUND:
+            y = round_to_e4m3(y)
+        return y
+    else:
+        return x
