@@ -66,19 +66,17 @@ class BlockRemoved:
 KVEvent = Union[BlockStored, BlockRemoved]
 
 
+@dataclass(eq=False, slots=True)
 class _Node:
-    __slots__ = ("parent", "key", "block_id", "hash", "children", "lock_count", "last_access", "serial", "removed")
-
-    def __init__(self, parent: _Node | None, key: tuple[int, ...], block_id: int, h: int, serial: int) -> None:
-        self.parent = parent
-        self.key = key
-        self.block_id = block_id
-        self.hash = h
-        self.children: dict[tuple[int, ...], _Node] = {}
-        self.lock_count = 0
-        self.last_access = 0
-        self.serial = serial
-        self.removed = False
+    parent: _Node | None
+    key: tuple[int, ...]  # this block's tokens
+    block_id: int
+    hash: int
+    serial: int  # creation order; breaks LRU ties deterministically
+    last_access: int = 0
+    lock_count: int = 0
+    removed: bool = False
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -116,22 +114,15 @@ class RadixCache:
         self.allocator = allocator
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self._enabled = bool(enabled)
-        self._serial = 0
-        self._root = _Node(None, (), -1, hash_seed, 0)
+        self.enabled = bool(enabled)
+        self._root = _Node(None, (), -1, hash_seed, serial=0)
         self._by_block: dict[int, _Node] = {}
         self._heap: list[tuple[int, int, _Node]] = []  # (last_access, serial, node); lazy deletion
-        self._clock = 0
-        self._num_unlocked = 0
+        self._clock = self._serial = self._num_unlocked = 0
+        self._hit_tokens = self._query_tokens = 0
         self._events: list[KVEvent] = []
-        self._hit_tokens = 0
-        self._query_tokens = 0
 
     # ----------------------------------------------------------------- lookups
-    @property
-    def enabled(self) -> bool:
-        return self._enabled
-
     @property
     def cached_blocks(self) -> int:
         return len(self._by_block)
@@ -147,8 +138,8 @@ class RadixCache:
         return list(self._by_block)
 
     def stats(self) -> CacheStats:
-        q = self._query_tokens
-        return CacheStats(self._hit_tokens, q, self._hit_tokens / q if q else 0.0, len(self._by_block), self._num_unlocked)
+        hit, q = self._hit_tokens, self._query_tokens
+        return CacheStats(hit, q, hit / q if q else 0.0, len(self._by_block), self._num_unlocked)
 
     def drain_events(self) -> list[KVEvent]:
         """Return the pending BlockStored / BlockRemoved events, oldest first, and clear them."""
@@ -161,7 +152,7 @@ class RadixCache:
         Changes nothing (no LRU update, no counters) until `lock`."""
         bs = self.block_size
         node, ids = self._root, []
-        if self._enabled:
+        if self.enabled:
             for i in range(max(0, (len(token_ids) - 1) // bs)):
                 child = node.children.get(tuple(token_ids[i * bs : (i + 1) * bs]))
                 if child is None:
@@ -176,7 +167,8 @@ class RadixCache:
         the head of its block table), lock its path, mark it used, count the hit. Call it before
         anything can evict (right after `match_prefix`); a stale match raises ValueError."""
         node = match.last_node
-        self._check_live(node)
+        if node.removed:
+            raise ValueError("match is stale: its blocks were evicted; call match_prefix again")
         self.allocator.incref(match.block_ids)
         self._hit_tokens += match.num_tokens
         self._query_tokens += match.query_tokens
@@ -189,7 +181,7 @@ class RadixCache:
         inserted path (for `relock`); the sequence's references are not changed."""
         bs = self.block_size
         n_full = len(token_ids) // bs
-        if not self._enabled:
+        if not self.enabled:
             return PrefixMatch([], 0, self._root, len(token_ids))
         if len(block_ids) < n_full:
             raise ValueError(f"block_ids has {len(block_ids)} blocks, token_ids fill {n_full}")
@@ -219,8 +211,7 @@ class RadixCache:
             for j in range(i, n_full):
                 key = tuple(token_ids[j * bs : (j + 1) * bs])
                 self._serial += 1
-                child = _Node(node, key, block_ids[j], next_hash(node.hash, key), self._serial)
-                child.last_access = 0
+                child = _Node(node, key, block_ids[j], next_hash(node.hash, key), self._serial, self._clock)
                 node.children[key] = child
                 self._by_block[child.block_id] = child
                 self._num_unlocked += 1
@@ -235,7 +226,8 @@ class RadixCache:
         """Move a sequence's lock from `old`'s path to `new`'s (e.g. the match `insert` returned).
         Reference counts do not change."""
         self._check_locked(old)
-        self._check_live(new.last_node)
+        if new.last_node.removed:
+            raise ValueError("new match is stale")
         self._lock_path(new.last_node)
         self._unlock_path(old.last_node)
 
@@ -255,9 +247,10 @@ class RadixCache:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         freed, removed = 0, []
         while freed < num_blocks and self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
-            if node.removed or node.children or node.lock_count or stamp != node.last_access:
-                continue  # stale entry
+            entry = heapq.heappop(self._heap)
+            if not self._is_current(entry):
+                continue
+            node = entry[2]
             parent = node.parent
             freed += self._remove(node, removed)
             self._maybe_push(parent)
@@ -269,19 +262,12 @@ class RadixCache:
     def reset(self) -> int:
         """Drop every unlocked node (worker start / clear); returns how many blocks became free.
         Locked paths stay. Hit counters are kept (they are monotonic)."""
-        freed, removed = 0, []
-        stack = [self._root]
+        freed, removed, stack = 0, [], [self._root]
         while stack:
             node = stack.pop()
-            for child in list(node.children.values()):
-                if child.lock_count:
-                    stack.append(child)
-                    continue
-                sub = [child]  # an unlocked node has only unlocked descendants
-                while sub:
-                    n = sub.pop()
-                    sub.extend(n.children.values())
-                    freed += self._remove(n, removed)
+            stack.extend(node.children.values())
+            if node is not self._root and not node.lock_count:
+                freed += self._remove(node, removed)
         self._heap.clear()  # every remaining node is locked
         if removed:
             self._events.append(BlockRemoved(removed))
@@ -302,6 +288,7 @@ class RadixCache:
         return 1 if self.allocator.refcount(node.block_id) == 0 else 0
 
     def _lock_path(self, node: _Node) -> None:
+        # A locked node's ancestors are locked too, so lock_count never grows toward the leaves.
         self._clock += 1
         while node is not self._root:
             if node.lock_count == 0:
@@ -333,10 +320,6 @@ class RadixCache:
     def _is_current(entry: tuple[int, int, _Node]) -> bool:
         stamp, _, n = entry
         return not (n.removed or n.children or n.lock_count or stamp != n.last_access)
-
-    def _check_live(self, node: _Node) -> None:
-        if node.removed:
-            raise ValueError("match is stale: its blocks were evicted; call match_prefix again")
 
     def _check_locked(self, match: PrefixMatch) -> None:
         node = match.last_node
