@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on these machines pip takes the local CPU wheel; an unpinned torch
 	# would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 install: $(STAMP)

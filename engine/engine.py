@@ -22,7 +22,6 @@ from engine.sampler import Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.weights import load_model
-from tandem.detokenize import IncrementalDetokenizer, StopMatcher
 from tandem.hashing import seed_hash
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
@@ -142,6 +141,8 @@ class Engine:
             )
         seq = Sequence(request_id or uuid.uuid4().hex, token_ids, params, tier, prefill_only)
         if params.stop:
+            from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+
             seq.detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens), StopMatcher(params.stop))
         self.scheduler.add(seq)
         return seq

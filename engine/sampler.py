@@ -116,26 +116,24 @@ class Sampler:
             src = raw if lp_index is None else raw[lp_index]
             raw_logprobs = torch.log_softmax(src.float(), dim=-1)  # [L, V]
 
-        x = self._apply_penalties(raw, rows)  # [B, V] float32, may alias `raw`
-        tokens = x.argmax(dim=-1)  # greedy answer for every row; sampled rows overwrite it
+        penalised = self._apply_penalties(raw, rows)
+        x = raw if penalised is None else penalised  # [B, V]; never written to below
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            index = None if len(sampled) == batch else _index(sampled, device)
-            xs = x if index is None else x[index]
-            chosen = self._sample(xs, [rows[i] for i in sampled])
-            if index is None:
-                tokens = chosen
-            else:
-                tokens[index] = chosen
+        if len(sampled) == batch:
+            tokens = self._sample(x, rows)
+        else:
+            tokens = x.argmax(dim=-1)  # greedy answer for every row; sampled rows overwrite it
+            if sampled:
+                index = _index(sampled, device)
+                tokens[index] = self._sample(x[index], [rows[i] for i in sampled])
         return self._to_host(tokens, raw_logprobs, lp_rows, lp_index, params)
 
     # ------------------------------------------------------------------ stages
 
-    def _apply_penalties(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _apply_penalties(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
         """min_tokens masking, repetition penalty, presence/frequency penalties (vLLM order).
 
-        Returns float32 logits; when no row needs any of these the result may be a view of
-        `raw`, so callers must not write into it in place.
+        Returns new float32 logits, or None when no row needs any of these.
         """
         vocab = self.vocab_size
         mask_rows: list[int] = []
@@ -154,7 +152,7 @@ class Sampler:
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 pf_rows.append(i)
         if not (mask_tokens or rep_rows or pf_rows):
-            return raw.float()
+            return None
 
         device = raw.device
         batch = len(rows)
@@ -164,17 +162,17 @@ class Sampler:
             x[where[0], where[1]] = float("-inf")
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
-            flat = self._flat_token_index(
-                rep_rows, [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows], device
-            )
+            histories = [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows]
+            flat = self._flat_token_index(rep_rows, histories, device)
             seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
             seen[flat] = True
             seen = seen.view(batch, vocab + 1)[:, :vocab]
             penalty = _row_values(batch, rep_rows, [rows[i].params.repetition_penalty for i in rep_rows], 1.0, device)
-            x = torch.where(seen, torch.where(x > 0, x * penalty, x / penalty), x)
+            x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
         if pf_rows:
             # OpenAI semantics over output tokens only.
-            flat = self._flat_token_index(pf_rows, [_as_tokens(rows[i].output_token_ids) for i in pf_rows], device)
+            outputs = [_as_tokens(rows[i].output_token_ids) for i in pf_rows]
+            flat = self._flat_token_index(pf_rows, outputs, device)
             counts = torch.zeros(batch * (vocab + 1), dtype=torch.float32, device=device)
             counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=torch.float32, device=device))
             counts = counts.view(batch, vocab + 1)[:, :vocab]
@@ -193,7 +191,10 @@ class Sampler:
         return (row_of * (vocab + 1) + toks).to(device)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then an exponential race; x: [S, V], not written to."""
+        """Temperature, top-k, top-p, min-p, then an exponential race.
+
+        x: [S, V] logits of any float dtype, not written to. Returns token ids [S].
+        """
         vocab = self.vocab_size
         device = x.device
         params = [row.params for row in rows]
@@ -214,9 +215,11 @@ class Sampler:
         need_p = any(p.top_p < 1.0 for p in params)
         need_min_p = any(p.min_p > 0.0 for p in params)
 
-        x = x / temperature  # a fresh tensor: everything below may write into it
+        x = x.float() / temperature  # a fresh float32 tensor: everything below may write into it
         if need_p or (need_k and any(p.top_k <= 0 or p.top_k > _TOPK_ONLY_MAX_K for p in params)):
-            x = self._filter_sorted(x, top_k if need_k else None, top_p if need_p else None, min_p if need_min_p else None)
+            x = self._filter_sorted(
+                x, top_k if need_k else None, top_p if need_p else None, min_p if need_min_p else None
+            )
         else:
             if need_k:
                 k_max = max(min(p.top_k, vocab) for p in params)
@@ -230,7 +233,7 @@ class Sampler:
 
         probs = torch.softmax(x, dim=-1)
         noise = self._noise(probs.shape, rows, device)
-        return (probs / noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1)
 
     @staticmethod
     def _filter_sorted(
@@ -335,7 +338,9 @@ def _cat_tokens(a: Sequence[int], b: Sequence[int]) -> torch.Tensor:
     return torch.cat([_as_tokens(a), _as_tokens(b)])
 
 
-def _row_values(batch: int, row_ids: list[int], values: list[float], default: float, device: torch.device) -> torch.Tensor:
+def _row_values(
+    batch: int, row_ids: list[int], values: list[float], default: float, device: torch.device
+) -> torch.Tensor:
     """A [B, 1] column holding `values` at `row_ids` and `default` elsewhere."""
     column = [default] * batch
     for i, v in zip(row_ids, values):

@@ -1,0 +1,1 @@
+"""Generated code; see tandem/_proto/__init__.py."""
