@@ -148,10 +148,41 @@ class Engine:
         return seq
 
     def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        """Stop a queued, running, reserved or prefilled request and free its blocks."""
+        return self.scheduler.abort(request_id) is not None or self.scheduler.release(request_id)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+    # ---- disaggregation hooks (prefill side: add_request(prefill_only=True) then release) ----
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a prefilled (or reserved, never activated) request."""
+        return self.scheduler.release(request_id)
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: Tier | int | str = Tier.STANDARD
+    ) -> tuple[int, list[int]] | None:
+        """Decode side: hold KV blocks for a prompt whose KV a prefill worker will push.
+
+        Returns (leading prompt blocks already cached here, destination block ids for the rest)
+        or None when the cache is too full right now.
+        """
+        params = params.validate(self.model_config.vocab_size)
+        seq = Sequence(request_id, list(prompt_token_ids), params, Tier.parse(tier))
+        if params.stop:
+            from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+
+            seq.detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens), StopMatcher(params.stop))
+        return self.scheduler.reserve(seq)
+
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprobs | None = None) -> StepOutput:
+        """Decode side: the pushed KV is in place; join the running batch after `first_token`.
+
+        Returns the first token's StepOutput (finished already if it was a stop token).
+        """
+        seq = self.scheduler.activate(request_id, first_token, logprob)
+        reason, stop_reason = self._check_stop(seq, first_token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.stop_reason = stop_reason
+        return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason, seq)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self, after_layer: LayerHook | None = None) -> list[StepOutput]:
@@ -184,19 +215,24 @@ class Engine:
         return results
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:
+        """Why `seq` ends after appending `token` (None if it goes on). Stops wait for min_tokens."""
         p = seq.params
         n = len(seq.output_token_ids)
-        if n >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return FinishReason.STOP, token
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return FinishReason.STOP, None
+        armed = n >= p.min_tokens
+        if armed and token in p.stop_token_ids:
+            return FinishReason.STOP, token
+        if armed and not p.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP, None
         if seq.detok is not None:
             detok, matcher = seq.detok
-            text, stopped = matcher.feed(detok.push([token]))
-            seq.text += text
-            if stopped and n >= p.min_tokens:
-                return FinishReason.STOP, matcher.stop_string if hasattr(matcher, "stop_string") else None
+            delta = detok.push([token])
+            if armed:
+                text, stopped = matcher.feed(delta)
+                seq.text += text
+                if stopped:
+                    return FinishReason.STOP, matcher.stop_string
+            else:
+                seq.text += delta
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
@@ -205,9 +241,10 @@ class Engine:
         """Final text of a finished sequence (cut before a stop string when one ended it)."""
         if seq.detok is not None:
             detok, matcher = seq.detok
-            if seq.finish_reason is FinishReason.STOP and seq.stop_reason is not None and not isinstance(seq.stop_reason, int):
+            if matcher.stopped:
                 return seq.text
-            return seq.text + matcher.flush()
+            tail, _ = matcher.feed(detok.flush())
+            return seq.text + tail + matcher.flush()
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     # ---- introspection --------------------------------------------------------------------

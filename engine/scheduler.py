@@ -145,6 +145,42 @@ class Scheduler:
         seq.block_table, seq.prefix_match = [], None
         return True
 
+    # ---- disaggregated decode: KV arrives from a prefill worker -----------------------------
+    def reserve(self, seq: Sequence) -> tuple[int, list[int]] | None:
+        """Hold blocks for `seq`'s prompt: reuse what the radix cache has, allocate the rest.
+
+        Returns (number of leading prompt blocks already cached here, block ids for the rest),
+        or None when the blocks cannot be had without preemption. The sequence waits in
+        `reserved` (not scheduled) until `activate` or `release`.
+        """
+        bs = self.config.block_size
+        match = self.cache.match_prefix(seq.prompt_token_ids)
+        need = -(-(seq.num_prompt_tokens + 1) // bs) - len(match.block_ids)
+        if self.allocator.num_free < need:
+            self.cache.evict(need - self.allocator.num_free)
+        if self.allocator.num_free < need:
+            return None
+        self.cache.lock(match)
+        seq.prefix_match = match
+        seq.block_table = list(match.block_ids) + self.allocator.allocate(need)
+        seq.num_cached_tokens = match.num_tokens
+        self.held[seq.request_id] = seq
+        n_cached = len(match.block_ids)
+        prompt_blocks = -(-seq.num_prompt_tokens // bs)
+        return n_cached, seq.block_table[n_cached:prompt_blocks]
+
+    def activate(self, request_id: str, first_token: int, logprob=None) -> Sequence:
+        """The prompt's KV is in the reserved blocks: start decoding after `first_token`."""
+        seq = self.held.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.output_token_ids.append(first_token)
+        seq.output_logprobs.append(logprob)
+        seq.status = SeqStatus.RUNNING
+        self._by_id[request_id] = seq
+        self._cache_computed(seq)
+        self.running.append(seq)
+        return seq
+
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
