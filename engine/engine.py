@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,6 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.config import ModelConfig, model_identity, parse_dtype
 from engine.kv_cache import KVCache
-from engine.model import LayerHook
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
 from engine.sampler import Sampler, TokenLogprobs
@@ -185,11 +185,17 @@ class Engine:
         return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason, seq)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self, after_layer: LayerHook | None = None) -> list[StepOutput]:
+    def step(self, on_layer: Callable[[int, SchedulerOutput], None] | None = None) -> list[StepOutput]:
+        """Schedule, run and postprocess one batch.
+
+        `on_layer(layer, scheduler_output)` runs after each layer's K/V are in the cache (the
+        prefill worker pushes them to the decode worker from there, overlapping the next layer).
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled_idx, samples = self.runner.execute(out, after_layer)
+        hook = (lambda layer: on_layer(layer, out)) if on_layer is not None else None
+        sampled_idx, samples = self.runner.execute(out, hook)
         self.scheduler.postprocess(out)
         return self._process_samples(out, sampled_idx, samples)
 

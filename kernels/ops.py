@@ -1,10 +1,157 @@
-"""Kernel dispatch (placeholder until the Triton kernels land): every op is the torch reference."""
-from kernels.reference import (  # noqa: F401
-    extend_attention,
-    fused_add_rms_norm,
-    paged_decode_attention,
-    rms_norm,
-    rotary_and_store_kv,
-    silu_and_mul,
-    store_kv,
-)
+"""The kernel entry points the engine calls: Triton on CUDA tensors, kernels.reference elsewhere.
+
+Every function has the name, signature and semantics of its kernels.reference counterpart.
+TANDEM_KERNELS=reference forces the torch reference; TANDEM_KERNELS=triton forces the Triton
+kernels even on CPU tensors (which then need TRITON_INTERPRET=1, as the tests set). Unset or
+"auto": Triton when the tensors are on CUDA and triton imports, else the reference. Triton is
+imported only when a Triton kernel is first used, so this module imports where triton is absent.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernels import reference
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TANDEM_KERNELS"
+_MODES = ("auto", "reference", "triton")
+
+# Reference functions with no Triton version: plain re-exports.
+rope_cos_sin_cache = reference.rope_cos_sin_cache
+gather_kv = reference.gather_kv
+
+
+class KernelBackendError(RuntimeError):
+    """The Triton backend was forced but cannot run here."""
+
+
+def backend_mode() -> str:
+    """The TANDEM_KERNELS setting: 'auto' (default), 'reference' or 'triton'."""
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{ENV_VAR} must be one of {_MODES}, got {mode!r}")
+    return mode
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether triton imports (cached; the import happens on the first call)."""
+    try:
+        importlib.import_module("triton")
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        logger.info("triton unavailable, using the torch reference kernels: %s", exc)
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    mode = backend_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if not triton_available():
+            raise KernelBackendError(f"{ENV_VAR}=triton but triton does not import")
+        if not x.is_cuda and not _interpreting():
+            raise KernelBackendError(f"{ENV_VAR}=triton with {x.device} tensors needs TRITON_INTERPRET=1")
+        return True
+    return x.is_cuda and triton_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _triton(module: str, fn: str) -> Any:
+    return getattr(_module(module), fn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See kernels.reference.rms_norm."""
+    if _use_triton(x):
+        return _triton("norm", "rms_norm")(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.fused_add_rms_norm."""
+    if _use_triton(x):
+        return _triton("norm", "fused_add_rms_norm")(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """See kernels.reference.silu_and_mul."""
+    if _use_triton(x):
+        return _triton("activation", "silu_and_mul")(x)
+    return reference.silu_and_mul(x)
+
+
+def apply_rotary(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool
+) -> torch.Tensor:
+    """See kernels.reference.apply_rotary."""
+    if _use_triton(x):
+        return _triton("rotary", "apply_rotary")(x, positions, cos_sin_cache, rotary_dim, is_neox)
+    return reference.apply_rotary(x, positions, cos_sin_cache, rotary_dim, is_neox)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """See kernels.reference.store_kv."""
+    if _use_triton(k):
+        return _triton("rotary", "store_kv")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_and_store_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, rotary_dim: int, is_neox: bool,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.rotary_and_store_kv."""
+    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim, is_neox,
+            k_scale, v_scale)
+    if _use_triton(q):
+        return _triton("rotary", "rotary_and_store_kv")(*args)
+    return reference.rotary_and_store_kv(*args)
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """See kernels.reference.extend_attention."""
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
+    if _use_triton(q):
+        return _triton("extend_attention", "extend_attention")(*args)
+    return reference.extend_attention(*args)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """See kernels.reference.paged_decode_attention."""
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    if _use_triton(q):
+        return _triton("decode_attention", "paged_decode_attention")(*args)
+    return reference.paged_decode_attention(*args)

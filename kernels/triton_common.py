@@ -68,3 +68,21 @@ def quantize_for_store(x, scale, IS_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr)
         return y
     else:
         return x
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether tl.dot operands of `dtype` must be widened to fp32 first.
+
+    The interpreter multiplies bf16 operands as their raw 16-bit integers; on the GPU the
+    tensor cores take bf16 directly. Widening is exact, so results agree to accumulation order.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot(a, b) with an fp32 accumulator; UPCAST widens bf16 operands (see upcast_dots)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
