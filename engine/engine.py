@@ -184,6 +184,9 @@ class Engine:
             seq.stop_reason = stop_reason
         return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason, seq)
 
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self, on_layer: Callable[[int, SchedulerOutput], None] | None = None) -> list[StepOutput]:
         """Schedule, run and postprocess one batch.

@@ -1,0 +1,272 @@
+"""Which worker gets a request: cache-aware choice of the prefill worker (SGLang's policy,
+with a predicted-load term) and headroom-based choice of the decode worker. Pure logic: the
+caller brings the prefix-index match and the candidates; nothing here does I/O."""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("cache_aware", "round_robin", "load")
+REASONS = ("cache", "load_balance", "round_robin", "load", "only_candidate")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Prefill and decode routing knobs.
+
+    Units: cached tokens and load are both prompt tokens, load being the prefill work a
+    worker still has queued (`LoadTracker`): each dispatched request adds its uncached
+    tokens plus `cached_token_cost` per reused token (the cached KV is still read by
+    attention and pushed to the decode worker), so a worker serving many cheap cache hits
+    still looks busy. A candidate's score is
+        w_cache * cached_tokens - w_load * load,
+    so with w_cache = w_load = 1 it is minus the tokens the worker must compute before this
+    request's prefill is done (load + prompt - cached, the prompt being the same for all):
+    the predicted time to first token on equally fast workers. Raise w_cache to favour cache
+    reuse over queueing delay.
+    When the busiest candidate's load exceeds the idlest's by more than
+    `balance_abs_threshold` tokens AND by more than `balance_rel_threshold` times, the cache
+    is ignored and the idlest worker wins (reason "load_balance").
+    `ewma_alpha` in (0, 1] smooths load decreases (1 = no smoothing). `decode_sticky_bonus`
+    is the fraction of extra headroom credited to the decode worker a session prefers.
+    """
+
+    policy: str = "cache_aware"
+    w_cache: float = 1.0
+    w_load: float = 1.0
+    balance_abs_threshold: float = 4096.0
+    balance_rel_threshold: float = 1.5
+    ewma_alpha: float = 0.3
+    decode_sticky_bonus: float = 0.25
+    cached_token_cost: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("w_cache", "w_load", "balance_abs_threshold", "decode_sticky_bonus", "cached_token_cost"):
+            _check_number(name, getattr(self, name), lo=0.0)
+        _check_number("balance_rel_threshold", self.balance_rel_threshold, lo=1.0)
+        _check_number("ewma_alpha", self.ewma_alpha)
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError(f"ewma_alpha: must be in (0, 1], got {self.ewma_alpha}")
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """The chosen prefill worker, why, and how many prompt tokens it is expected to reuse."""
+
+    worker_id: str
+    reason: str
+    cached_tokens: int
+
+
+class LoadTracker:
+    """Predicted prefill load per worker, in tokens, from what this gateway dispatched.
+
+    `on_dispatch(worker, request_id, tokens)` adds the tokens the worker must compute;
+    `on_complete(request_id)` removes them when the prefill finishes, fails or is cancelled
+    (unknown ids are ignored, so calling it twice is harmless).
+    `predicted(w) = max(outstanding(w), ewma(w))` where `sample()` (called once per routing
+    decision) advances ewma <- alpha * outstanding + (1 - alpha) * ewma. Increases count at
+    once, so back-to-back requests don't pile onto one worker before an average catches up;
+    decreases fade over a few decisions, so a burst of completions doesn't pull every
+    following request onto the worker that just drained. Thread-safe.
+    """
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        _check_number("ewma_alpha", alpha)
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"ewma_alpha: must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+        self._lock = threading.Lock()
+        self._outstanding: dict[str, int] = {}
+        self._ewma: dict[str, float] = {}
+        self._requests: dict[str, tuple[str, int]] = {}  # request id -> (worker, tokens)
+        self._in_flight: dict[str, int] = {}
+
+    def on_dispatch(self, worker_id: str, request_id: str, tokens: int) -> None:
+        """Record a dispatch; a request id already in flight is moved (a retry elsewhere)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens: must be an integer >= 0, got {tokens!r}")
+        with self._lock:
+            self._complete_locked(request_id)
+            self._requests[request_id] = (worker_id, tokens)
+            self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + tokens
+            self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
+
+    def on_complete(self, request_id: str) -> bool:
+        """Forget a request; True if it was in flight."""
+        with self._lock:
+            return self._complete_locked(request_id)
+
+    def outstanding(self, worker_id: str) -> int:
+        with self._lock:
+            return self._outstanding.get(worker_id, 0)
+
+    def in_flight(self, worker_id: str) -> int:
+        with self._lock:
+            return self._in_flight.get(worker_id, 0)
+
+    def predicted(self, worker_id: str) -> float:
+        with self._lock:
+            return max(float(self._outstanding.get(worker_id, 0)), self._ewma.get(worker_id, 0.0))
+
+    def sample(self, workers: Iterable[str]) -> dict[str, float]:
+        """Advance each worker's average one step and return its predicted load."""
+        a = self.alpha
+        out: dict[str, float] = {}
+        with self._lock:
+            for w in workers:
+                x = float(self._outstanding.get(w, 0))
+                s = a * x + (1.0 - a) * self._ewma.get(w, 0.0)
+                self._ewma[w] = s
+                out[w] = max(x, s)
+        return out
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a worker that left, with its in-flight requests."""
+        with self._lock:
+            for rid in [r for r, (w, _) in self._requests.items() if w == worker_id]:
+                del self._requests[rid]
+            self._outstanding.pop(worker_id, None)
+            self._ewma.pop(worker_id, None)
+            self._in_flight.pop(worker_id, None)
+
+    def _complete_locked(self, request_id: str) -> bool:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return False
+        worker_id, tokens = entry
+        self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) - tokens
+        self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) - 1
+        return True
+
+
+class CacheAwareRouter:
+    """Chooses the prefill worker for each request (see `RoutingConfig` for the policy).
+
+    Per request the gateway calls `index.amatch(block_hashes)` and passes the result to
+    `route(...)` with a request id, then `release(request_id)` when the prefill ends in any
+    way. An empty match (index degraded, or nothing cached) makes the choice load-only.
+    """
+
+    def __init__(
+        self, config: RoutingConfig | None = None, *, block_size: int = 16, tracker: LoadTracker | None = None
+    ) -> None:
+        self.config = config or RoutingConfig()
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
+        self.block_size = block_size
+        self.tracker = tracker or LoadTracker(self.config.ewma_alpha)
+        self._lock = threading.Lock()
+        self._turn = 0
+
+    def route(
+        self,
+        candidates: Sequence[str],
+        prompt_tokens: int,
+        matched_blocks: Mapping[str, int] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> RoutingDecision:
+        """Pick a prefill worker among `candidates` for a prompt of `prompt_tokens` tokens.
+
+        `matched_blocks` is `PrefixIndex.match(...)` output (workers outside `candidates` are
+        ignored). With `request_id`, the request's cost (uncached tokens + cached_token_cost
+        x cached tokens) is recorded as the worker's load until `release(request_id)`.
+        """
+        cands = list(dict.fromkeys(candidates))
+        if not cands:
+            raise ValueError("candidates: at least one prefill worker is needed")
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens: must be an integer >= 1, got {prompt_tokens!r}")
+        matched = matched_blocks or {}
+        # At least the last prompt token is always computed (its logits sample the first token).
+        cached = {w: min(int(matched.get(w, 0)) * self.block_size, prompt_tokens - 1) for w in cands}
+        with self._lock:
+            turn = self._turn
+            self._turn += 1
+        n = len(cands)
+        rotation = {w: (i - turn) % n for i, w in enumerate(cands)}
+        cfg = self.config
+
+        if n == 1:
+            worker, reason = cands[0], "only_candidate"
+        elif cfg.policy == "round_robin":
+            worker, reason = cands[turn % n], "round_robin"
+        else:
+            loads = self.tracker.sample(cands)
+            idlest = min(cands, key=lambda w: (loads[w], -cached[w], rotation[w]))
+            hi, lo = max(loads.values()), loads[idlest]
+            if cfg.policy == "load":
+                worker, reason = idlest, "load"
+            elif hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
+                worker, reason = idlest, "load_balance"
+            else:
+                worker = max(
+                    cands, key=lambda w: (cfg.w_cache * cached[w] - cfg.w_load * loads[w], -loads[w], -rotation[w])
+                )
+                reason = "cache" if cached[worker] > 0 else "load"
+        if request_id is not None:
+            cost = prompt_tokens - cached[worker] + cfg.cached_token_cost * cached[worker]
+            self.tracker.on_dispatch(worker, request_id, int(math.ceil(cost)))
+        logger.debug("route %s -> %s (%s, %d cached)", request_id, worker, reason, cached[worker])
+        return RoutingDecision(worker, reason, cached[worker])
+
+    def release(self, request_id: str) -> bool:
+        """The prefill of `request_id` finished, failed or was cancelled."""
+        return self.tracker.on_complete(request_id)
+
+    def pick_decode(
+        self, candidates: Mapping[str, tuple[int, int]], needed_blocks: int, preferred: str | None = None
+    ) -> str | None:
+        return pick_decode(candidates, needed_blocks, preferred, sticky_bonus=self.config.decode_sticky_bonus)
+
+
+def pick_decode(
+    candidates: Mapping[str, tuple[int, int]],
+    needed_blocks: int,
+    preferred: str | None = None,
+    *,
+    sticky_bonus: float = 0.25,
+) -> str | None:
+    """The decode worker that can hold `needed_blocks` with the most headroom.
+
+    `candidates` maps worker -> (free_blocks, running requests). Headroom is
+    free_blocks - needed_blocks; workers without room are skipped; fewer running requests
+    break ties. `preferred` (e.g. the worker holding the session's previous turn) counts its
+    headroom times (1 + sticky_bonus) when it has room: a bonus, never a requirement.
+    Returns None when no candidate has room.
+    """
+    if isinstance(needed_blocks, bool) or not isinstance(needed_blocks, int) or needed_blocks < 0:
+        raise ValueError(f"needed_blocks: must be an integer >= 0, got {needed_blocks!r}")
+    _check_number("sticky_bonus", sticky_bonus, lo=0.0)
+    best: tuple[float, int, str] | None = None
+    for worker, entry in candidates.items():
+        try:
+            free, running = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"candidates: {worker!r} must map to (free_blocks, running), got {entry!r}") from None
+        for name, v in (("free_blocks", free), ("running", running)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"candidates: {name} of {worker!r} must be an integer >= 0, got {v!r}")
+        headroom = free - needed_blocks
+        if headroom < 0:
+            continue
+        score = headroom * (1.0 + sticky_bonus) if worker == preferred else float(headroom)
+        key = (score, -running, worker)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return None if best is None else best[2]
+
+
+def _check_number(name: str, value: object, lo: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: must be >= {lo}, got {value}")
