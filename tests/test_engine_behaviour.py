@@ -1,0 +1,180 @@
+"""Engine behaviour through the offline API: prefix cache, preemption, sampling, stops, no leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tandem.types import Tier
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama"]
+
+
+def random_prompts(n: int, lens, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    e = llm.engine
+    assert not e.has_unfinished()
+    assert not e.scheduler.held
+    assert e.num_free_blocks_after_reset() == e.num_total_blocks
+
+
+def test_prefix_cache_on_off_identical_and_reports_hits(model_dir):
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 256, (37,), generator=g).tolist()  # 2 full blocks + 5 tokens
+    prompts = [shared + torch.randint(0, 256, (k,), generator=g).tolist() for k in (3, 9, 20)]
+    on = LLM(model_dir, num_kv_blocks=64, enable_prefix_cache=True)
+    off = LLM(model_dir, num_kv_blocks=64, enable_prefix_cache=False)
+    first = on.generate(prompts[0], GREEDY)[0]
+    assert first.cached_tokens == 0
+    rest_on = on.generate(prompts[1:], GREEDY)
+    rest_off = off.generate(prompts[1:], GREEDY)
+    assert [o.token_ids for o in rest_on] == [o.token_ids for o in rest_off]
+    assert off.generate(prompts[0], GREEDY)[0].token_ids == first.token_ids
+    full_shared_blocks = len(shared) // 16
+    for o in rest_on:
+        assert o.cached_tokens >= full_shared_blocks * 16
+    assert all(o.cached_tokens == 0 for o in rest_off)
+    stats = on.engine.cache.stats()
+    assert stats.hit_tokens > 0 and 0 < stats.hit_ratio < 1
+    assert_no_leak(on)
+    assert_no_leak(off)
+
+
+def test_repeated_prompt_hits_cache_and_keeps_output(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompt = random_prompts(1, [50], seed=11)[0]
+    a = llm.generate(prompt, GREEDY)[0]
+    b = llm.generate(prompt, GREEDY)[0]
+    assert a.token_ids == b.token_ids
+    assert b.cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("swap_space_gb", [0.0, 0.05], ids=["recompute", "swap"])
+def test_preemption_keeps_outputs(model_dir, swap_space_gb):
+    prompts = random_prompts(6, [20, 31, 40], seed=5)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    big = LLM(model_dir, num_kv_blocks=256)
+    reference = [o.token_ids for o in big.generate(prompts, params)]
+    # Each request needs up to 5 blocks by its end; 12 blocks cannot hold six at once.
+    small = LLM(model_dir, num_kv_blocks=12, swap_space_gb=swap_space_gb, enable_prefix_cache=False)
+    outs = small.generate(prompts, params)
+    stats = small.engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    if swap_space_gb:
+        assert stats.num_swaps_out > 0
+    else:
+        assert stats.num_recomputes > 0
+    assert [o.token_ids for o in outs] == reference
+    assert_no_leak(small)
+    assert small.engine.scheduler.host_allocator is None or small.engine.scheduler.host_allocator.num_used == 0
+
+
+def test_batch_tier_is_preempted_first(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=12, swap_space_gb=0.0, enable_prefix_cache=False)
+    prompts = random_prompts(6, [20, 31, 40], seed=6)
+    tiers = [Tier.BATCH, Tier.INTERACTIVE] * 3
+    engine = llm.engine
+    preempted: list[Tier] = []
+    orig = engine.scheduler._preempt
+
+    def spy(seq, out):
+        preempted.append(seq.tier)
+        return orig(seq, out)
+
+    engine.scheduler._preempt = spy
+    llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), tier=tiers)
+    assert preempted and preempted[0] is Tier.BATCH
+    assert preempted.count(Tier.BATCH) >= preempted.count(Tier.INTERACTIVE)
+    assert_no_leak(llm)
+
+
+def test_seeded_sampling_reproducible_and_topk1_is_greedy(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompts = random_prompts(3, [10, 23], seed=8)
+    sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a = [o.token_ids for o in llm.generate(prompts, sp)]
+    b = [o.token_ids for o in llm.generate(prompts[::-1], sp)][::-1]  # other batch order
+    assert a == b
+    c = [o.token_ids for o in llm.generate(prompts, sp.replace(seed=99))]
+    assert a != c
+    greedy = [o.token_ids for o in llm.generate(prompts, GREEDY.replace(max_tokens=16))]
+    topk1 = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.8, top_k=1, ignore_eos=True))]
+    assert topk1 == greedy
+    assert_no_leak(llm)
+
+
+def test_stop_strings_cut_exactly(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompt = "hello there"
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]  # a stop string we know the greedy text contains
+    cut = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+    assert len(cut.token_ids) < len(free.token_ids)
+    assert_no_leak(llm)
+
+
+def test_stop_token_ids_and_max_tokens(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompt = random_prompts(1, [12], seed=9)[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    target = free.token_ids[5]
+    stopped = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[target]))[0]
+    first = free.token_ids.index(target)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == target
+    later = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                stop_token_ids=[target], min_tokens=first + 2))[0]
+    assert len(later.token_ids) > first + 1
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("max_tokens", 0), ("top_k", -2),
+     ("min_p", 2.0), ("repetition_penalty", 0.0), ("seed", -5), ("logprobs", 100), ("stop_token_ids", [100000])],
+)
+def test_invalid_params_name_the_field(model_dir, field, value):
+    llm = LLM(model_dir, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=field):
+        llm.generate("hi", SamplingParams(**{field: value}))
+    assert_no_leak(llm)
+
+
+def test_invalid_prompts_name_the_field(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2, 999]])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=400))  # 16 blocks of 16 cannot hold it
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model_dir, block_size=24)
+    assert_no_leak(llm)
+
+
+def test_logprobs_match_log_softmax_of_greedy_choice(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=16)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok
+        assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6
+        assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
