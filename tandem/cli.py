@@ -1,0 +1,99 @@
+"""The `tandem` command: `up`, `gateway`, `prefill`, `decode`, `worker`, `generate`, `bench`, `convert`.
+
+Each subcommand imports its service lazily, so `tandem generate` never loads torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = """usage: tandem COMMAND [ARGS]
+
+commands:
+  up         start a local cluster (gateway + prefill + decode workers) and supervise it
+  gateway    run the public gateway
+  prefill    run a prefill worker
+  decode     run a decode worker
+  worker     run a worker with --role prefill|decode|both
+  generate   send one request to a running cluster
+  bench      run a load benchmark against a running cluster
+  convert    convert a checkpoint (llama2c) to a Hugging Face directory
+
+`tandem COMMAND --help` shows each command's options.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        from tandem.launcher import main as run
+    elif cmd == "gateway":
+        from gateway.server import main as run
+    elif cmd == "prefill":
+        from prefill.__main__ import main as run
+    elif cmd == "decode":
+        from decode.__main__ import main as run
+    elif cmd == "worker":
+        from worker.__main__ import main as run
+    elif cmd == "generate":
+        return generate_main(rest)
+    elif cmd == "bench":
+        from bench.load import main as run
+    elif cmd == "convert":
+        from engine.convert.llama2c import main_convert as run
+    else:
+        print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(run(rest) or 0)
+
+
+def generate_main(argv: list[str]) -> int:
+    from tandem.client import Client
+    from tandem.errors import TandemError
+    from tandem.types import Tier
+
+    p = argparse.ArgumentParser(prog="tandem generate", description="Send one request to a Tandem gateway.")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--tier", default="standard", choices=[t.name.lower() for t in Tier])
+    p.add_argument("--stream", action="store_true", help="print text as it arrives")
+    p.add_argument("--timeout", type=float, default=None, help="seconds")
+    a = p.parse_args(argv)
+    kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+              stop=a.stop, tier=Tier.parse(a.tier), timeout=a.timeout)
+    try:
+        with Client(a.target) as client:
+            if a.stream:
+                last = None
+                for chunk in client.stream(a.prompt, **kw):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    last = chunk
+                sys.stdout.write("\n")
+                if last is not None and last.usage is not None:
+                    print(f"[{last.finish_reason}] {last.usage}", file=sys.stderr)
+            else:
+                out = client.generate(a.prompt, **kw)
+                print(out.text)
+                print(f"[{out.finish_reason}] {out.usage}", file=sys.stderr)
+    except TandemError as e:
+        print(f"tandem generate: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"tandem generate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
