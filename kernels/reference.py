@@ -133,24 +133,23 @@ def extend_attention(
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    hq, hk = q.shape[1], k_cache.shape[2]
+    hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
     for i, ctx in enumerate(lens):
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
         k = gather_kv(k_cache, block_tables[i], ctx, k_scale)  # [ctx, Hk, D]
         v = gather_kv(v_cache, block_tables[i], ctx, v_scale)
-        if hq != hk:
-            k = k.repeat_interleave(hq // hk, dim=1)
-            v = v.repeat_interleave(hq // hk, dim=1)
-        qi = q[s:e].float().transpose(0, 1)  # [Hq, q_len, D]
-        scores = torch.matmul(qi, k.permute(1, 2, 0)) * scale  # [Hq, q_len, ctx]
         q_len = e - s
+        # GQA without copies: query head h uses KV head h // (Hq // Hk).
+        qi = q[s:e].float().view(q_len, hk, hq // hk, d).permute(1, 2, 0, 3)  # [Hk, G, q_len, D]
+        scores = torch.matmul(qi, k.permute(1, 2, 0)[:, None]) * scale  # [Hk, G, q_len, ctx]
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[s:e] = torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1).to(q.dtype)
+        o = torch.matmul(probs, v.permute(1, 0, 2)[:, None])  # [Hk, G, q_len, D]
+        out[s:e] = o.permute(2, 0, 1, 3).reshape(q_len, hq, d).to(q.dtype)
     return out
 
 
@@ -164,10 +163,23 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One query per sequence: q [B, Hq, D] attends to its first context_lens[b] cached tokens."""
-    b = q.shape[0]
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-    return extend_attention(q, k_cache, v_cache, block_tables, qsl, context_lens, scale, k_scale, v_scale)
+    """One query per sequence: q [B, Hq, D] attends to its first context_lens[b] cached tokens.
+
+    Vectorized over the batch (one gather of every sequence's blocks, padded to the longest).
+    """
+    b, hq, d = q.shape
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    nb = -(-max_len // block_size)
+    tables = block_tables[:, :nb].long()
+    k = _dequantize(k_cache[tables], k_scale).reshape(b, nb * block_size, hk, d)  # [B, L, Hk, D]
+    v = _dequantize(v_cache[tables], v_scale).reshape(b, nb * block_size, hk, d)
+    qg = q.float().view(b, hk, hq // hk, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hk, G, L]
+    pad = torch.arange(nb * block_size, device=q.device)[None, :] >= context_lens[:, None].long()
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d).to(q.dtype)
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
