@@ -12,6 +12,7 @@ import triton.language as tl
 from kernels.triton_common import next_pow2
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
+ELEMS_PER_WARP = 1024  # tile elements per warp
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block_n = next_pow2(n_cols)
     # Small rows (q/k norm over head_dim) are batched several to a program.
     block_m = max(1, min(64, 2048 // block_n))
-    num_warps = 4 if block_n * block_m <= 4096 else min(32, max(4, block_n // 1024))
+    num_warps = min(32, max(4, block_n * block_m // ELEMS_PER_WARP))
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         xv, rv, weight, out, res_out,
