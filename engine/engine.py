@@ -46,6 +46,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     seed: int | None = None
+    cuda_graphs: bool = True  # capture decode graphs on CUDA devices
 
 
 @dataclass
@@ -99,6 +100,8 @@ class Engine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         sampler = Sampler(self.model_config.vocab_size, seed=config.seed)
         self.runner = ModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device)
+        if config.cuda_graphs and device.type == "cuda":
+            self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", self.identity, device, dtype, num_blocks, config.block_size)
 
     def _derive_num_blocks(self, block_bytes: int) -> int:

@@ -35,6 +35,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.block_size = kv_cache.block_size
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        from engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
+        graphs.capture()
+        self.graphs = graphs
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
@@ -87,7 +95,11 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         batch = self.prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
+        hidden = None
+        if self.graphs is not None and batch.meta.is_decode and after_layer is None:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
         if not batch.sample_index:
             return [], None
         logits = self.model.logits(hidden[batch.sample_rows])

@@ -1,0 +1,286 @@
+"""The H200 benchmark: every figure of the GPU issue in one run, written to one JSON file.
+
+    python bench/h200_bench.py --out bench/results/h200.json [--num-prompts 1000] [--skip ...]
+
+Model: Llama-3.1-8B shape with dummy weights in bf16. Ceilings (device copy GB/s, bf16 matmul
+TFLOP/s) are measured in the same run and every fraction is taken against them.
+Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, prefill, offline,
+fp8_offline, transformers. Each is timed and guarded; a failure is recorded, not fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def log(*a) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB each way
+    a = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = median_ms(lambda: b.copy_(a))
+    copy_gbs = 2 * a.numel() * a.element_size() / ms / 1e6
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: x @ y)
+    return {"copy_GBps": round(copy_gbs, 1), "matmul_bf16_TFLOPs": round(2 * m**3 / ms / 1e9, 1)}
+
+
+def write_model(d: Path, cfg: dict) -> Path:
+    from engine.demo import write_byte_tokenizer
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_byte_tokenizer(d)
+    return d
+
+
+def weight_bytes(cfg) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (one row is read)."""
+    from engine.config import ModelConfig
+
+    mc = ModelConfig.from_dict(cfg)
+    return (mc.num_params() - mc.vocab_size * mc.hidden_size) * 2
+
+
+def gpu_parity(tmp: Path) -> dict:
+    """Greedy tokens of our engine (Triton kernels, CUDA graphs) vs transformers, fp32, random tiny models."""
+    import transformers
+
+    from engine import LLM, SamplingParams
+    from engine.demo import make_random_model
+
+    res = {}
+    for fam in ("llama", "qwen3", "glm4"):
+        d = make_random_model(tmp / f"tiny-{fam}", fam, hidden_size=256, intermediate_size=512,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+        llm = LLM(str(d), num_kv_blocks=256, max_running=8)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 77)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+        same = 0
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p], device="cuda")
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            same += ref == o.token_ids
+        res[fam] = f"{same}/{len(prompts)} identical"
+        del llm, hf
+        torch.cuda.empty_cache()
+    return res
+
+
+def decode_b1(model_dir: Path, cfg: dict, ceil: dict) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=1, max_model_len=4096,
+              num_kv_blocks=512)
+    eng = llm.engine
+    eng.add_request(list(range(100, 228)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+    eng.step()  # prefill
+    for _ in range(5):
+        eng.step()
+    torch.cuda.synchronize()
+    n = 200
+    t = time.perf_counter()
+    for _ in range(n):
+        eng.step()
+    torch.cuda.synchronize()
+    per_token = (time.perf_counter() - t) / n
+    floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
+    for s in list(eng.scheduler.running):
+        eng.abort(s.request_id)
+    del llm
+    torch.cuda.empty_cache()
+    return {"decode_b1_ms_per_token": round(per_token * 1e3, 3), "weight_read_floor_ms": round(floor * 1e3, 3),
+            "decode_b1_roofline_fraction": round(floor / per_token, 3)}
+
+
+def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=4, max_model_len=16384,
+              max_batched_tokens=tokens, num_kv_blocks=4096, cuda_graphs=False)
+    eng = llm.engine
+    times = []
+    for i in range(4):
+        prompt = torch.randint(0, 128000, (tokens + 1,)).tolist()
+        seq = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step()  # exactly `tokens` tokens: the budget cuts the 8193-token prompt there
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        eng.abort(seq.request_id)
+    dt = sorted(times)[len(times) // 2]
+    mc = eng.model_config
+    linear = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size - mc.vocab_size * mc.hidden_size) * tokens
+    attn = 2 * 2 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * tokens / 2  # causal QK^T and PV
+    flops = linear + attn
+    del llm
+    torch.cuda.empty_cache()
+    return {"prefill_tokens": tokens, "prefill_ms": round(dt * 1e3, 2), "prefill_TFLOPs": round(flops / dt / 1e12, 1),
+            "prefill_mfu": round(flops / dt / 1e12 / ceil["matmul_bf16_TFLOPs"], 3)}
+
+
+def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: str = "auto",
+            max_running: int = 384) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=max_running,
+              max_model_len=in_len + out_len + 16, max_batched_tokens=8192, kv_cache_dtype=kv,
+              enable_prefix_cache=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:4], params.replace(max_tokens=8))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    n_out = sum(len(o.token_ids) for o in outs)
+    res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
+           "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
+           "preemptions": llm.engine.scheduler.stats.num_preemptions}
+    del llm
+    torch.cuda.empty_cache()
+    return res
+
+
+def transformers_offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, batch: int) -> dict:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        x = prompts[:2].cuda()
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, **kw)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        n_out = 0
+        for i in range(0, num_prompts, batch):
+            x = prompts[i:i + batch].cuda()
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+            n_out += (out.shape[1] - in_len) * out.shape[0]
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "batch": batch,
+            "seconds": round(dt, 2), "output_tok_s": round(n_out / dt, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(REPO / "bench/results/h200.json"))
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--in-len", type=int, default=1024)
+    p.add_argument("--out-len", type=int, default=1024)
+    p.add_argument("--hf-prompts", type=int, default=64)
+    p.add_argument("--hf-out-len", type=int, default=256)
+    p.add_argument("--skip", default="", help="comma-separated sections to skip")
+    p.add_argument("--only", default="", help="comma-separated sections to run")
+    a = p.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    only = set(filter(None, a.only.split(",")))
+    want = lambda s: (not only or s in only) and s not in skip  # noqa: E731
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(name, fn):
+        if not want(name):
+            return
+        log("section", name)
+        t = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as e:  # record and go on: one broken section must not hide the others
+            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        res.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
+        log(name, json.dumps(res[name])[:800])
+        out.write_text(json.dumps(res, indent=1))
+
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        model_dir = write_model(tmp / "llama31-8b", LLAMA31_8B)
+        section("ceilings", ceilings)
+        ceil = res.get("ceilings") or {"copy_GBps": 4300.0, "matmul_bf16_TFLOPs": 790.0}
+        if "error" in ceil:
+            ceil = {"copy_GBps": 4300.0, "matmul_bf16_TFLOPs": 790.0}
+        section("kernels", lambda: json.loads(subprocess.run(
+            [sys.executable, str(REPO / "bench/kernel_bench.py")], capture_output=True, text=True, check=True
+        ).stdout.strip().splitlines()[-1]))
+        section("gpu_parity", lambda: gpu_parity(tmp))
+        section("decode_b1", lambda: decode_b1(model_dir, LLAMA31_8B, ceil))
+        section("prefill", lambda: prefill(model_dir, LLAMA31_8B, ceil))
+        section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len))
+        section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8"))
+        section("transformers", lambda: transformers_offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len, 64))
+        section("ours_on_hf_subset", lambda: offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len))
+
+    summary = {
+        "decode_b1_roofline_fraction": res.get("decode_b1", {}).get("decode_b1_roofline_fraction"),
+        "decode_attention_bw_fraction": res.get("kernels", {}).get("decode_attention_bw_fraction"),
+        "prefill_mfu": res.get("prefill", {}).get("prefill_mfu"),
+        "offline_output_tok_s": res.get("offline", {}).get("output_tok_s"),
+        "fp8_kv_offline_output_tok_s": res.get("fp8_offline", {}).get("output_tok_s"),
+    }
+    hf = res.get("transformers", {}).get("output_tok_s")
+    ours_sub = res.get("ours_on_hf_subset", {}).get("output_tok_s")
+    summary["vs_transformers"] = round(ours_sub / hf, 2) if hf and ours_sub else None
+    res.update(summary)
+    out.write_text(json.dumps(res, indent=1))
+    log("SUMMARY", json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
