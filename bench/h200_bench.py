@@ -168,7 +168,9 @@ def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
 
 
 def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: str = "auto",
-            max_running: int = 384) -> dict:
+            max_running: int = 384, budget_s: float | None = None) -> dict:
+    """Offline throughput. With `budget_s`, a pilot of 64 prompts first estimates the rate and the
+    prompt count is cut (never raised) so the main run fits the budget; the count used is reported."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=max_running,
@@ -178,6 +180,15 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], params.replace(max_tokens=8))
+    pilot = None
+    if budget_s is not None and num_prompts > 64:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts[:64], params)
+        pilot = 64 * out_len / (time.perf_counter() - t)
+        fit = int(budget_s * pilot * 1.3 / out_len)  # larger batches run faster than the pilot
+        num_prompts = max(64, min(num_prompts, fit))
+        prompts = prompts[:num_prompts]
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -185,7 +196,7 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     n_out = sum(len(o.token_ids) for o in outs)
     res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
-           "preemptions": llm.engine.scheduler.stats.num_preemptions}
+           "preemptions": llm.engine.scheduler.stats.num_preemptions, "pilot_tok_s": pilot}
     del llm
     torch.cuda.empty_cache()
     return res
@@ -225,6 +236,7 @@ def main() -> int:
     p.add_argument("--out-len", type=int, default=1024)
     p.add_argument("--hf-prompts", type=int, default=64)
     p.add_argument("--hf-out-len", type=int, default=256)
+    p.add_argument("--offline-budget-s", type=float, default=None, help="cut the prompt count to fit this")
     p.add_argument("--skip", default="", help="comma-separated sections to skip")
     p.add_argument("--only", default="", help="comma-separated sections to run")
     a = p.parse_args()
@@ -261,8 +273,8 @@ def main() -> int:
         section("gpu_parity", lambda: gpu_parity(tmp))
         section("decode_b1", lambda: decode_b1(model_dir, LLAMA31_8B, ceil))
         section("prefill", lambda: prefill(model_dir, LLAMA31_8B, ceil))
-        section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len))
-        section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8"))
+        section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, budget_s=a.offline_budget_s))
+        section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8", budget_s=a.offline_budget_s))
         section("transformers", lambda: transformers_offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len, 64))
         section("ours_on_hf_subset", lambda: offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len))
 
