@@ -1,0 +1,66 @@
+"""Prometheus metrics of the gateway (`tandem_gateway_*`), on a registry of its own so several
+gateways can live in one process (tests) and `--metrics-port` serves exactly these."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from tandem.types import Tier
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports. Label values: tier names in lower case, gRPC status
+    code names for `status`, routing.REASONS for `reason`."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("tandem_gateway_queue_depth", "Requests waiting in a tier queue", ["tier"], registry=r)
+        self.running = Gauge("tandem_gateway_running_requests", "Requests dispatched to workers and not ended",
+                             registry=r)
+        self.ttft = Histogram("tandem_gateway_time_to_first_token_seconds", "Arrival to first token sent",
+                              ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_gateway_inter_token_seconds", "Time between consecutive chunks with tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_gateway_e2e_seconds", "Arrival to the end of the stream", ["tier"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds", "Arrival to dispatch", ["tier"],
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens_in = Counter("tandem_gateway_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.tokens_out = Counter("tandem_gateway_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.requests = Counter("tandem_gateway_requests", "Finished Generate calls by outcome", ["status"],
+                                registry=r)
+        self.errors = Counter("tandem_gateway_errors", "Generate calls that ended with a non-OK status",
+                              ["status"], registry=r)
+        self.routing = Counter("tandem_gateway_routing_decisions", "Prefill routing decisions by reason",
+                               ["reason"], registry=r)
+        self.dispatched = Counter("tandem_gateway_dispatched", "Requests dispatched, by tier and the tier "
+                                  "they competed in after aging", ["tier", "effective_tier"], registry=r)
+        self.retries = Counter("tandem_gateway_retries", "Attempts restarted after a worker failure, by the stage "
+                               "that failed (reserve, prefill, decode, stream)", ["stage"],
+                               registry=r)
+        self.workers_up = Gauge("tandem_gateway_workers_up", "Workers answering Stats", ["role"], registry=r)
+        self._server: Any = None
+
+    def bind_queue_depth(self, depth: Callable[[Tier], int]) -> None:
+        for tier in Tier:
+            self.queue_depth.labels(tier.name.lower()).set_function(lambda t=tier: depth(t))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

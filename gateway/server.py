@@ -1,0 +1,215 @@
+"""The gateway process: composes model facts, worker registry, prefix index, tier queues,
+dispatcher and the Tandem servicer into one grpc.aio server on uvloop; `main(argv)` is the CLI.
+
+    python -m gateway --model DIR --port 50051 --worker 127.0.0.1:50061
+    python -m gateway --prefill 127.0.0.1:50071 --decode 127.0.0.1:50081 --redis-url redis://...
+
+SIGTERM / SIGINT drain: health turns NOT_SERVING, new calls get UNAVAILABLE, running streams
+get `grace_s` to finish, then the server stops.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import grpc
+
+from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
+from gateway.dispatch import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.modelinfo import ServedModel, load_served_model
+from gateway.request import RequestRunner
+from gateway.routing import POLICIES, CacheAwareRouter, RoutingConfig
+from gateway.service import TandemService
+from gateway.tiers import TierQueues
+from gateway.workers import WorkerRegistry
+from tandem import wire
+from tandem.hashing import seed_hash
+from tandem.types import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    """One gateway: `await start()` binds and serves (returns the port), `await stop()` drains.
+
+    Must be created and used inside one running event loop.
+    """
+
+    def __init__(self, config: GatewayConfig, model: ServedModel | None = None) -> None:
+        self.config = config
+        self.model = model or load_served_model(config.model_dir, load_format=config.load_format,
+                                                max_context=config.max_context, name=config.model_name)
+        self.metrics = GatewayMetrics()
+        self.index, feed = self._make_index()
+        options = [("grpc.max_send_message_length", config.max_message_bytes),
+                   ("grpc.max_receive_message_length", config.max_message_bytes)]
+        self.registry = WorkerRegistry(config.workers, index=self.index, feed_index=feed, metrics=self.metrics,
+                                       channel_options=options, on_change=self._wake)
+        self.router = CacheAwareRouter(config.routing, block_size=config.block_size)
+        queues: TierQueues[Any] = TierQueues({t: c.capacity for t, c in config.tiers.items()},
+                                             {t: c.aging_s for t, c in config.tiers.items()})
+        self.dispatcher = Dispatcher(queues, self.registry, self.router, self.metrics,
+                                     sticky_bonus=config.routing.decode_sticky_bonus)
+        self.runner = RequestRunner(registry=self.registry, dispatcher=self.dispatcher, router=self.router,
+                                    index=self.index, hash_seed=seed_hash(self.model.identity),
+                                    block_size=config.block_size, max_retries=config.max_retries,
+                                    local_prefill_tokens=config.workers.local_prefill_tokens, metrics=self.metrics)
+        self.service = TandemService(config=config, model=self.model, runner=self.runner, dispatcher=self.dispatcher,
+                                     registry=self.registry, metrics=self.metrics)
+        self.metrics.bind_queue_depth(queues.depth)
+        self.metrics.running.set_function(lambda: sum(h.inflight for h in self.registry.decode_workers()))
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._health: Any = None
+
+    def _make_index(self) -> tuple[Any, bool]:
+        """(index or None, whether the gateway feeds it from KvEvents)."""
+        if self.config.routing.policy != "cache_aware":
+            return None, False
+        try:
+            from kvindex import make_index
+        except ImportError as exc:  # routing degrades to load-only
+            logger.warning("prefix index unavailable (%s); routing by load only", exc)
+            return None, False
+        namespace = self.config.namespace or self.model.identity
+        index = make_index(self.config.index_url, namespace)
+        return index, not self.config.index_url
+
+    def _wake(self) -> None:
+        self.dispatcher.wake()
+
+    async def start(self) -> int:
+        cfg = self.config
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", cfg.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options)
+        wire.add_tandem_servicer(self.service, self.server)
+        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE])
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise RuntimeError(f"port: cannot bind {cfg.host}:{cfg.port}")
+        await self.registry.start()
+        self.dispatcher.start()
+        await self.server.start()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+        logger.info("gateway serving %s on %s:%d (%d workers)", self.model.name, cfg.host, self.port,
+                    cfg.workers.num_workers)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: refuse new requests, let running ones finish for `grace_s`, then stop."""
+        self.service.draining = True
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await self.runner.close()
+        await self.dispatcher.close()
+        await self.registry.close()
+        if self.index is not None:
+            self.index.close()
+        self.metrics.close()
+
+
+# ---------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem gateway", description="Tandem gateway (public tandem.v1.Tandem).")
+    p.add_argument("--model", help="Hugging Face model directory (tokenizer + config.json); default: the demo model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker host:port")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker host:port")
+    p.add_argument("--worker", action="append", default=[], metavar="ADDR", help="role-both worker host:port")
+    p.add_argument("--redis-url", default=None, help="shared prefix index (workers publish); default: embedded")
+    p.add_argument("--namespace", default=None, help="prefix-index namespace; default: the model identity")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--routing", choices=POLICIES, default="cache_aware")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--load-format", default="auto", help="the workers' load format (part of the model identity)")
+    p.add_argument("--max-context", type=int, default=None, help="cap on prompt + max_tokens (the workers' max_model_len)")
+    p.add_argument("--max-inflight-per-decode", type=int, default=64)
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="prompts up to this many tokens are prefilled on the decode worker")
+    p.add_argument("--max-retries", type=int, default=3)
+    p.add_argument("--queue-capacity", type=int, default=1024, help="requests each tier queue holds")
+    p.add_argument("--max-message-mb", type=float, default=16.0)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds running streams get on shutdown")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """Raises ValueError naming the flag's field for a bad value."""
+    model_dir = args.model
+    if model_dir is None:
+        from engine.demo import demo_model_dir  # torch-free
+
+        model_dir = str(demo_model_dir())
+    pool = WorkerPoolConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.worker),
+                            max_inflight_per_decode=args.max_inflight_per_decode,
+                            local_prefill_tokens=args.local_prefill_tokens)
+    defaults = GatewayConfig(model_dir=model_dir).tiers
+    tiers = {t: TierConfig(args.queue_capacity, defaults[t].aging_s, defaults[t].default_deadline_s) for t in Tier}
+    return GatewayConfig(
+        model_dir=model_dir, host=args.host, port=args.port, workers=pool, tiers=tiers,
+        routing=RoutingConfig(policy=args.routing), max_retries=args.max_retries, max_context=args.max_context,
+        block_size=args.block_size, load_format=args.load_format, index_url=args.redis_url,
+        namespace=args.namespace, metrics_port=args.metrics_port,
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
+    )
+
+
+async def serve(config: GatewayConfig, model: ServedModel | None = None) -> None:
+    """Run a gateway until SIGTERM or SIGINT, then drain."""
+    gateway = Gateway(config, model)
+    port = await gateway.start()
+    metrics = f" (metrics on port {gateway.metrics_port})" if gateway.metrics_port is not None else ""
+    print(f"tandem gateway listening on {config.host}:{port}{metrics}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: draining for up to %.1f s", config.grace_s)
+    await gateway.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        if not config.workers.num_workers:
+            raise ValueError("workers: give at least one --worker, or --prefill and --decode")
+        if config.workers.prefill and not (config.workers.decode or config.workers.both):
+            raise ValueError("decode: prefill workers need at least one --decode (or --worker) to decode")
+        model = load_served_model(config.model_dir, load_format=config.load_format,
+                                  max_context=config.max_context, name=config.model_name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    try:
+        if uvloop is not None:
+            uvloop.run(serve(config, model))
+        else:
+            asyncio.run(serve(config, model))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

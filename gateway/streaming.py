@@ -1,0 +1,137 @@
+"""Turns the token deltas workers stream into what the client receives: each token exactly
+once, UTF-8-safe text deltas, stop strings cut exactly, and the stop conditions decided here.
+
+The gateway re-applies the engine's stop rules (engine.Engine._check_stop) itself, in the same
+order, so its output equals the offline engine's and does not depend on which worker (or how
+many, after a retry) produced the tokens: a stop token id, then EOS (unless ignore_eos), both
+only once min_tokens tokens exist; then stop strings (text before min_tokens is never matched);
+then max_tokens and the model context. Stop tokens' own text is not emitted.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+from tandem.tokenizer import Tokenizer
+from tandem.types import SamplingParams
+from tandem.wire import TokenLogprob, Usage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Emission:
+    """What to send the client for one worker delta; finish_reason set on the last one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str = ""
+    matched_stop: str | int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.token_ids and not self.text and self.finish_reason is None
+
+
+class OutputAssembler:
+    """Accumulates one request's output across worker streams and retries.
+
+    `add(token_ids, logprobs)` accepts the next tokens in order and returns the emission for
+    them; tokens after the one that ends the request are dropped (the caller then stops the
+    worker). `finish(reason, stop_reason)` ends the request for a reason decided elsewhere
+    (the worker's own stop, an abort, an error) and releases held-back text.
+    `output_ids` is every token delivered, which is what a retry re-prefills.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+                 eos_token_ids: Iterable[int], max_context: int, want_text: bool = True) -> None:
+        self.params = params
+        self.prompt_tokens = len(prompt_ids)
+        self.max_context = max_context
+        self.want_text = want_text
+        self._eos = frozenset(eos_token_ids)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._want_logprobs = params.logprobs is not None
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self._matcher = StopMatcher(params.stop)
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = ""
+        self.matched_stop: str | int | None = None
+
+    @property
+    def delivered(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def usage(self, cached_tokens: int) -> Usage:
+        return Usage(self.prompt_tokens, self.delivered, min(max(cached_tokens, 0), self.prompt_tokens))
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None] = ()) -> Emission:
+        """The emission for the next tokens; empty once finished."""
+        out = Emission()
+        if self.finished:
+            return out
+        pieces: list[str] = []
+        for i, token in enumerate(token_ids):
+            token = int(token)
+            self.output_ids.append(token)
+            out.token_ids.append(token)
+            lp = logprobs[i] if i < len(logprobs) else None
+            if self._want_logprobs:
+                out.logprobs.append(lp if lp is not None else TokenLogprob(token, 0.0))
+            n = len(self.output_ids)
+            armed = n >= self.params.min_tokens
+            if armed and token in self._stop_ids:
+                self._set_finish("stop", "stop_token_id", token)
+            elif armed and not self.params.ignore_eos and token in self._eos:
+                self._set_finish("stop", "eos", None)
+            else:
+                delta = self._detok.push([token])
+                if armed:
+                    text, stopped = self._matcher.feed(delta)
+                    pieces.append(text)
+                    if stopped:
+                        self._set_finish("stop", "stop_string", self._matcher.stop_string)
+                else:
+                    pieces.append(delta)
+                if not self.finished and (n >= self.params.max_tokens or self.prompt_tokens + n >= self.max_context):
+                    self._set_finish("length", "", None)
+            if self.finished:
+                break
+        if self.finished:
+            pieces.append(self._tail())
+            self._fill_finish(out)
+        out.text = "".join(pieces) if self.want_text else ""
+        return out
+
+    def finish(self, reason: str, stop_reason: str = "", matched_stop: str | int | None = None) -> Emission:
+        """End the request now (no more tokens); returns the final emission (tail text)."""
+        out = Emission()
+        if self.finished:
+            return out
+        self._set_finish(reason, stop_reason, matched_stop)
+        tail = self._tail()
+        out.text = tail if self.want_text else ""
+        self._fill_finish(out)
+        return out
+
+    def _set_finish(self, reason: str, stop_reason: str, matched: str | int | None) -> None:
+        self.finish_reason, self.stop_reason, self.matched_stop = reason, stop_reason, matched
+
+    def _fill_finish(self, out: Emission) -> None:
+        out.finish_reason, out.stop_reason, out.matched_stop = self.finish_reason, self.stop_reason, self.matched_stop
+
+    def _tail(self) -> str:
+        # As engine.output_text: release held-back text unless a stop string ended the stream.
+        if self._matcher.stopped:
+            return ""
+        text, _ = self._matcher.feed(self._detok.flush())
+        return text + self._matcher.flush()

@@ -1,0 +1,138 @@
+"""The gateway over disaggregated workers (real prefill and decode processes, KV pushed over
+zmq): greedy output equals the offline engine's, prefix reuse, cancellation freeing blocks on
+both sides, a corrupt KV transfer retried with unchanged output, and a decode worker killed
+mid-stream with the stream resumed elsewhere, each token delivered exactly once."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig, WorkerPoolConfig
+from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
+from kvtransfer.zmq_transport import CORRUPT_ENV
+from tandem import Client, SamplingParams
+
+WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path):
+    from engine import LLM
+
+    return LLM(str(model_dir), num_kv_blocks=256, max_running=64)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory) -> dict[str, WorkerProcess]:
+    """p, d: the main pair; p_bad: a prefill worker whose first KV push is corrupted;
+    d_victim: a decode worker with the most free blocks (picked first), killed by one test."""
+    blocks = ["--num-kv-blocks", "96", "--max-running", "32"]
+    p, d, p_bad, d_victim = start_workers(
+        [("prefill", blocks), ("decode", blocks), ("prefill", blocks, {CORRUPT_ENV: "1"}),
+         ("decode", ["--num-kv-blocks", "160", "--max-running", "32"])],
+        model_dir, tmp_path_factory.mktemp("gw-disagg-workers"))
+    workers = {"p": p, "d": d, "p_bad": p_bad, "d_victim": d_victim}
+    yield workers
+    stop_workers(list(workers.values()))
+
+
+def gateway_for(model_dir: Path, prefill: list[WorkerProcess], decode: list[WorkerProcess]) -> GatewayThread:
+    pool = WorkerPoolConfig(prefill=tuple(w.address for w in prefill), decode=tuple(w.address for w in decode))
+    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, workers=pool))
+    assert gw.wait_ready(WAIT)
+    return gw
+
+
+@pytest.fixture(scope="module")
+def gateway(model_dir: Path, cluster: dict[str, WorkerProcess]):
+    gw = gateway_for(model_dir, [cluster["p"]], [cluster["d"]])
+    yield gw
+    gw.stop()
+
+
+def reference(llm, prompt, **params):
+    return llm.generate(prompt, SamplingParams(**params))[0]
+
+
+def test_disaggregated_greedy_equals_offline_engine(gateway: GatewayThread, llm, cluster) -> None:
+    system = "You are a helpful assistant. Answer briefly and precisely. " * 2  # several full blocks
+    prompts = ["Hi", system + "What is a KV cache?", system + "What is a radix tree?", [256, 1, 2, 3, 4, 5]]
+    with Client(gateway.target, timeout=WAIT) as c:
+        for prompt in prompts:
+            want = reference(llm, prompt, max_tokens=12, **GREEDY)
+            got = c.generate(prompt, max_tokens=12, **GREEDY)
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        # The second prompt with the shared system prefix reused cached blocks.
+        assert c.generate(system + "Again?", max_tokens=2, **GREEDY).usage.cached_tokens >= 16
+        many = [f"Question {i}: why is the sky {'blue' if i % 2 else 'grey'}?" for i in range(8)]
+        want = llm.generate(many, SamplingParams(max_tokens=6, **GREEDY))
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda p: c.generate(p, max_tokens=6, **GREEDY), many))
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        # A first token that already ends the request (max_tokens 1) releases D's reservation.
+        one = c.generate("x", max_tokens=1, **GREEDY)
+        assert one.token_ids == reference(llm, "x", max_tokens=1, **GREEDY).token_ids
+    assert gateway.metric("tandem_gateway_routing_decisions_total", {"reason": "only_candidate"}) >= len(prompts)
+    for name in ("p", "d"):
+        wait_idle(cluster[name], WAIT)
+
+
+def test_cancel_frees_blocks_on_prefill_and_decode(gateway: GatewayThread, cluster) -> None:
+    with Client(gateway.target, timeout=WAIT) as c:
+        stream = c.stream("A long answer, please: " * 4, max_tokens=400, ignore_eos=True, **GREEDY)
+        next(stream)
+        assert next(stream).token_ids
+        stream.cancel()
+    for name in ("p", "d"):
+        stats = wait_idle(cluster[name], WAIT)
+        assert stats.free_kv_blocks == stats.total_kv_blocks
+
+
+def test_corrupt_kv_transfer_is_retried_with_unchanged_output(model_dir: Path, llm, cluster) -> None:
+    gw = gateway_for(model_dir, [cluster["p_bad"]], [cluster["d"]])
+    try:
+        prompt = "Checksums catch flipped bytes in transit. " * 2
+        want = reference(llm, prompt, max_tokens=10, **GREEDY)
+        with Client(gw.target, timeout=WAIT) as c:
+            got = c.generate(prompt, max_tokens=10, **GREEDY)
+        assert (got.token_ids, got.text) == (want.token_ids, want.text)
+        assert gw.metric("tandem_gateway_retries_total", {"stage": "decode"}) == 1  # the corrupt push
+    finally:
+        gw.stop()
+    for name in ("p_bad", "d"):
+        wait_idle(cluster[name], WAIT)
+
+
+def test_decode_worker_killed_mid_stream_resumes_exactly_once(model_dir: Path, llm, cluster) -> None:
+    gw = gateway_for(model_dir, [cluster["p"]], [cluster["d_victim"], cluster["d"]])
+    try:
+        prompt = "Tell me a long story about disaggregated serving."
+        want = reference(llm, prompt, max_tokens=160, ignore_eos=True, **GREEDY)
+        with Client(gw.target, timeout=WAIT) as c:
+            stream = c.stream(prompt, max_tokens=160, ignore_eos=True, **GREEDY)
+            chunks = [next(stream), next(stream), next(stream)]
+            placed = gw.call(lambda: [e.worker for e in gw.gateway.dispatcher.log if e.kind == "dispatch"])
+            assert placed == [cluster["d_victim"].worker_id]  # most headroom: picked first
+            cluster["d_victim"].kill()
+            chunks += list(stream)
+        tokens = sum((ch.token_ids for ch in chunks), [])
+        assert tokens == want.token_ids  # no gap, no duplicate
+        assert "".join(ch.text for ch in chunks) == want.text
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 160
+        placed = gw.call(lambda: [e.worker for e in gw.gateway.dispatcher.log if e.kind == "dispatch"])
+        assert placed == [cluster["d_victim"].worker_id, cluster["d"].worker_id]
+        wait_until(lambda: gw.call(lambda: not any(h.up for h in gw.gateway.registry.handles
+                                                   if h.address == cluster["d_victim"].address)),
+                   WAIT, what="the dead worker to be marked down")
+    finally:
+        gw.stop()
+    for name in ("p", "d"):
+        wait_idle(cluster[name], WAIT)
