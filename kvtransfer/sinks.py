@@ -1,0 +1,79 @@
+"""A `KVSink` over torch cache tensors, the usual way a decode worker receives KV blocks."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.frames import dtype_name
+from kvtransfer.staging import PairPool, block_rows
+
+logger = logging.getLogger(__name__)
+
+
+class TensorKVSink:
+    """Writes received blocks into per-layer K/V caches of shape [num_blocks, block_size, kv_heads, head_dim].
+
+    k_caches, v_caches: one tensor per layer (a list), or one stacked tensor
+    [num_layers, num_blocks, ...]; CPU or CUDA, all of the same dtype and block shape.
+    A CUDA write copies synchronously from host memory, so the network buffer may be released
+    as soon as `write` returns.
+    """
+
+    def __init__(
+        self, k_caches: Sequence[torch.Tensor] | torch.Tensor, v_caches: Sequence[torch.Tensor] | torch.Tensor
+    ) -> None:
+        if len(k_caches) != len(v_caches) or len(k_caches) == 0:
+            raise ValueError(f"v_caches: {len(v_caches)} layers for {len(k_caches)} K layers (need as many, > 0)")
+        first = k_caches[0]
+        if first.dim() != 4:
+            raise ValueError(
+                f"k_caches: a layer must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(first.shape)}"
+            )
+        for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
+            for layer, cache in enumerate(caches):
+                if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+                    raise ValueError(
+                        f"{name}: layer {layer} is {tuple(cache.shape)} {cache.dtype} on {cache.device}, "
+                        f"expected {tuple(first.shape)} {first.dtype} on {first.device}"
+                    )
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.num_layers = len(k_caches)
+        self.num_blocks = int(first.shape[0])
+        self.block_shape: tuple[int, int, int] = tuple(int(d) for d in first.shape[1:])  # type: ignore[assignment]
+        self.dtype = dtype_name(first.dtype)
+        self._pool = PairPool()
+
+    def write(self, layer: int, dst_block_ids: Sequence[int], k: Any, v: Any) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: {layer} out of range [0, {self.num_layers})")
+        if any(not 0 <= b < self.num_blocks for b in dst_block_ids):
+            raise ValueError(f"dst_block_ids: ids must be in [0, {self.num_blocks})")
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        nbytes = k.numel() * k.element_size()
+        if k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous():
+            # Byte rows through numpy: one memcpy per block, no torch intra-op thread pool, and
+            # K and V copied in parallel (numpy drops the GIL while copying).
+            rows = np.asarray(dst_block_ids, dtype=np.int64)
+
+            def put(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+                cache, src = pair
+                block_rows(cache)[rows] = block_rows(src)
+
+            self._pool.run(put, (k_cache, k), (v_cache, v), nbytes)
+            return
+        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long, device=k_cache.device)
+
+        def copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+            cache, src = pair
+            cache.index_copy_(0, idx, src.to(cache.device))
+
+        self._pool.run(copy, (k_cache, k), (v_cache, v), nbytes)
+
+    def close(self) -> None:
+        """Stop the helper thread (it also ends with the process)."""
+        self._pool.close()

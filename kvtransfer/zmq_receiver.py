@@ -1,0 +1,259 @@
+"""Decode side of the ZMQ transport: one PULL socket and one thread that verifies and writes.
+
+See `kvtransfer.zmq_transport` for the socket pattern; the per-transfer checks live in
+`kvtransfer.assembly`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from kvtransfer.assembly import IncomingTransfer
+from kvtransfer.base import KVReceiver, KVSink, KVTransferError, OnComplete, TransferResult
+from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
+from kvtransfer.staging import PairPool
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_BURST = 64  # messages handled per wake before deadlines are looked at again
+
+
+class ZmqReceiver(KVReceiver):
+    """Decode-side ZMQ transport (contract: `KVReceiver`).
+
+    sink: the decode cache (`KVSink`); its `block_shape` and `dtype` are what frames must carry.
+    bind: endpoint to bind; "tcp://HOST:*" picks a free port; `address` tells the real one.
+      Binding 0.0.0.0 gives an address other hosts must rewrite with this host's name.
+    on_complete: called with each TransferResult on the receiver thread (instead of queueing
+      results for `poll_completed`); it must return quickly.
+    poll_interval_s: how often deadlines are checked, so a timeout is reported at most this
+      late.
+    """
+
+    def __init__(
+        self,
+        sink: KVSink,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        on_complete: OnComplete | None = None,
+        rcvhwm: int = 256,
+        poll_interval_s: float = 0.02,
+        context: zmq.Context | None = None,
+    ) -> None:
+        block_shape = getattr(sink, "block_shape", None)
+        if (
+            not callable(getattr(sink, "write", None))
+            or not isinstance(block_shape, (tuple, list))
+            or len(block_shape) != 3
+            or not all(isinstance(d, int) and d > 0 for d in block_shape)
+        ):
+            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        self._sink = sink
+        self._block_shape = tuple(block_shape)
+        self._dtype = dtype_name(getattr(sink, "dtype", None))
+        self._on_complete = on_complete
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            if self._own_ctx:
+                self._ctx.term()
+            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._lock = threading.Lock()
+        self._pending: dict[str, IncomingTransfer] = {}
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._results_cond = threading.Condition()
+        self._stop = threading.Event()
+        self._pool = PairPool()
+        self.bytes_received = 0
+        self.frames_received = 0
+        self.frames_dropped = 0
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        self.checksum_failures = 0
+        self.transfer_seconds = 0.0
+        # The socket moves to the receiver thread here; Thread.start() is the memory barrier
+        # ZMQ asks for, and no other thread touches it afterwards.
+        self._thread = threading.Thread(target=self._run, name="kv-recv", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def expect(
+        self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        try:
+            dst = [int(x) for x in dst_block_ids]
+        except (TypeError, ValueError):
+            raise ValueError("dst_block_ids: expected a sequence of integers") from None
+        if any(b < 0 for b in dst) or len(set(dst)) != len(dst):
+            raise ValueError("dst_block_ids: ids must be distinct and non-negative")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        if not isinstance(deadline_s, (int, float)) or not (deadline_s > 0 and math.isfinite(deadline_s)):
+            raise ValueError(f"deadline_s: must be a positive number of seconds, got {deadline_s!r}")
+        transfer = IncomingTransfer(request_id, dst, num_layers, float(deadline_s), self._block_shape, self._dtype)
+        with self._lock:
+            if self._stop.is_set():
+                raise KVTransferError("receiver is closed")
+            if request_id in self._pending:
+                raise ValueError(f"request_id: transfer {request_id!r} is already expected")
+            self._pending[request_id] = transfer
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            transfer = self._pending.pop(request_id, None)
+        if transfer is None:
+            return False
+        with transfer.lock:  # waits for a write in progress; none follows
+            transfer.done = True
+        return True
+
+    def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        with self._results_cond:
+            if not self._results and timeout_s > 0:
+                self._results_cond.wait_for(lambda: bool(self._results), timeout=timeout_s)
+            out = list(self._results)
+            self._results.clear()
+        return out
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "bytes_received": self.bytes_received,
+            "frames_received": self.frames_received,
+            "frames_dropped": self.frames_dropped,
+            "transfers_ok": self.transfers_ok,
+            "transfers_failed": self.transfers_failed,
+            "checksum_failures": self.checksum_failures,
+            "transfer_seconds": self.transfer_seconds,
+            "pending": self.num_pending,
+        }
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        with self._lock:
+            self._stop.set()
+        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            logger.warning("kv receiver thread did not stop; leaving its ZMQ context open")
+            return
+        self._pool.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    # -- receiver thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                if poller.poll(self._poll_ms):
+                    for _ in range(_DRAIN_BURST):
+                        try:
+                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(parts)
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + self._poll_ms / 1000
+        except Exception:
+            logger.exception("kv receiver thread crashed")
+            raise
+        finally:
+            self._sock.close(linger=0)
+
+    def _handle(self, parts: list[Any]) -> None:
+        self.frames_received += 1
+        self.bytes_received += sum(len(p.buffer) for p in parts[1:])
+        try:
+            header = FrameHeader.decode(parts[0].buffer)
+        except FrameError as exc:
+            self.frames_dropped += 1
+            logger.warning("dropping malformed kv message: %s", exc)
+            return
+        with self._lock:
+            transfer = self._pending.get(header.request_id)
+        if transfer is None:
+            self.frames_dropped += 1
+            logger.debug("dropping kv %s message for unknown request %s", header.kind, header.request_id)
+            return
+        want_parts = 3 if header.kind == KIND_LAYER else 1
+        with transfer.lock:
+            if transfer.done:
+                self.frames_dropped += 1
+                return
+            if len(parts) != want_parts:
+                result = transfer.fail(f"malformed {header.kind} message: {len(parts)} parts, expected {want_parts}")
+            else:
+                k_buf = parts[1].buffer if want_parts == 3 else None
+                v_buf = parts[2].buffer if want_parts == 3 else None
+                result = transfer.on_message(header, k_buf, v_buf, self._sink, self._pool)
+            if result is not None:
+                result = self._retire(transfer, result)
+        if result is not None:
+            self._deliver(result)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [t for t in self._pending.values() if now >= t.deadline]
+        for transfer in late:
+            with transfer.lock:
+                result = None if transfer.done else transfer.expire(now)
+                if result is not None:
+                    result = self._retire(transfer, result)
+            if result is not None:
+                self._deliver(result)
+
+    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
+        """Drop a finished transfer from the pending set; None if it was cancelled meanwhile."""
+        with self._lock:
+            if self._pending.get(transfer.request_id) is not transfer:
+                return None
+            del self._pending[transfer.request_id]
+        if result.ok:
+            self.transfers_ok += 1
+            self.transfer_seconds += result.seconds
+        else:
+            self.transfers_failed += 1
+            self.checksum_failures += transfer.checksum_failed
+        return result
+
+    def _deliver(self, result: TransferResult) -> None:
+        if self._on_complete is not None:
+            try:
+                self._on_complete(result)
+            except Exception:
+                logger.exception("kv on_complete callback failed for %s", result.request_id)
+            return
+        with self._results_cond:
+            self._results.append(result)
+            self._results_cond.notify_all()

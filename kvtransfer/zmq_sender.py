@@ -1,0 +1,391 @@
+"""Prefill side of the ZMQ transport: stage layers, then PUSH them from one thread per peer.
+
+See `kvtransfer.zmq_transport` for the socket pattern and the test hook.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvtransfer.base import KVSender, KVTransferError, SendResult
+from kvtransfer.frames import (
+    DEFAULT_CHECKSUM,
+    KIND_ABORT,
+    KIND_COMMIT,
+    KIND_LAYER,
+    FrameHeader,
+    check_checksum_algorithm,
+    checksum,
+)
+from kvtransfer.staging import PairPool, StagedLayer, check_cache_pair, stage_layer
+
+logger = logging.getLogger(__name__)
+
+CORRUPT_ENV = "TANDEM_KV_CORRUPT_ONCE"
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_request_id(request_id: Any) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+
+
+def _block_ids(value: Any, field_name: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field_name}: expected a sequence of integers") from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"{field_name}: block ids must be non-negative")
+    return ids
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """Sender-side state of one transfer. `seq`, `bytes_sent` belong to the peer thread."""
+
+    request_id: str
+    peer: str
+    num_layers: int
+    started: float = field(default_factory=time.monotonic)
+    layers: set[int] = field(default_factory=set)
+    dst_sorted: list[int] | None = None
+    layout: tuple[str, tuple[int, ...]] | None = None  # (dtype, block shape) fixed by layer one
+    future: Future[SendResult] = field(default_factory=Future)
+    seq: int = 0
+    bytes_sent: int = 0
+    error: str | None = None
+    aborted: bool = False
+
+
+@dataclass
+class _Item:
+    state: _Outgoing
+    kind: str
+    layer: int = -1
+    staged: StagedLayer | None = None
+    src: tuple[int, ...] = ()
+    dst: tuple[int, ...] = ()
+    meta: dict[str, Any] | None = None
+    reason: str = ""
+
+
+class _PeerChannel:
+    """One PUSH socket to one receiver, driven by its own thread: a slow or dead peer delays
+    only the transfers bound for it."""
+
+    def __init__(self, sender: ZmqSender, peer: str) -> None:
+        self.peer = peer
+        self._sender = sender
+        self._items: collections.deque[_Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self.pool = PairPool()
+        self.thread = threading.Thread(target=self._run, name=f"kv-send {peer}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: _Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        sender = self._sender
+        sock = sender._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, sender.sndhwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, int(sender.send_timeout_s * 1000))
+        sock.connect(self.peer)
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._items or self._closing)
+                    if not self._items:
+                        return
+                    item = self._items.popleft()
+                try:
+                    sender._process(sock, item, self.pool)
+                except Exception as exc:  # keep the channel alive for other requests
+                    logger.exception("kv send of %s to %s failed", item.state.request_id, self.peer)
+                    item.state.error = item.state.error or f"send failed: {exc!r}"
+        finally:
+            sock.close(linger=int(sender.linger_s * 1000))
+            self.pool.close()
+
+
+class ZmqSender(KVSender):
+    """Prefill-side ZMQ transport (contract: `KVSender`).
+
+    Thread-safe across requests; the calls for one request come from one thread.
+
+    send_timeout_s: bound on every wait (a send to a full or unconnected peer, backpressure).
+    max_staged_bytes: staged-but-unsent bytes before `send_layer` waits; memory held by the
+      transfer is at most this plus `sndhwm` messages queued inside ZMQ per peer.
+    checksum_algorithm: "xxh64" (default) or "xxh3_64" (faster); named in every header.
+    corrupt_once: test hook (see `kvtransfer.zmq_transport`); None reads TANDEM_KV_CORRUPT_ONCE.
+    """
+
+    def __init__(
+        self,
+        *,
+        send_timeout_s: float = 10.0,
+        max_staged_bytes: int = 1 << 30,
+        sndhwm: int = 64,
+        linger_s: float = 1.0,
+        checksum_algorithm: str = DEFAULT_CHECKSUM,
+        corrupt_once: bool | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
+        if max_staged_bytes <= 0:
+            raise ValueError(f"max_staged_bytes: must be > 0, got {max_staged_bytes}")
+        self.send_timeout_s = float(send_timeout_s)
+        self.max_staged_bytes = int(max_staged_bytes)
+        self.sndhwm = int(sndhwm)
+        self.linger_s = float(linger_s)
+        self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
+        self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Outgoing] = {}
+        self._channels: dict[str, _PeerChannel] = {}
+        self._staged_cond = threading.Condition()
+        self._gather_pool = PairPool()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        self.staged_bytes = 0
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self.transfers_committed = 0
+        self.transfers_aborted = 0
+        self.transfers_failed = 0
+        self.send_seconds = 0.0
+
+    # -- caller side --------------------------------------------------------------------------
+
+    def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
+        _check_request_id(request_id)
+        if not isinstance(peer_address, str) or not peer_address.startswith(_SCHEMES):
+            raise ValueError(f"peer_address: expected tcp://, ipc:// or inproc:// endpoint, got {peer_address!r}")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            if request_id in self._requests:
+                raise ValueError(f"request_id: transfer {request_id!r} is already open")
+            if peer_address not in self._channels:
+                self._channels[peer_address] = _PeerChannel(self, peer_address)
+            self._requests[request_id] = _Outgoing(request_id, peer_address, num_layers)
+
+    def _state(self, request_id: str) -> _Outgoing:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"request_id: no open transfer {request_id!r}")
+        if state.error is not None:
+            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
+        return state
+
+    def send_layer(
+        self,
+        request_id: str,
+        layer: int,
+        src_k: Any,
+        src_v: Any,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        state = self._state(request_id)
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < state.num_layers:
+            raise ValueError(f"layer: must be an integer in [0, {state.num_layers}), got {layer!r}")
+        if layer in state.layers:
+            raise ValueError(f"layer: layer {layer} of {request_id!r} was already sent")
+        dtype, shape = check_cache_pair(src_k, src_v)
+        src = _block_ids(src_block_ids, "src_block_ids")
+        dst = _block_ids(dst_block_ids, "dst_block_ids")
+        if len(src) != len(dst):
+            raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
+        if len(set(dst)) != len(dst):
+            raise ValueError("dst_block_ids: ids must be distinct")
+        if any(i >= shape[0] for i in src):
+            raise ValueError(f"src_block_ids: ids must be below num_blocks={shape[0]}")
+        layout = (dtype, shape[1:])
+        if state.layout is None:
+            state.layout, state.dst_sorted = layout, sorted(dst)
+        elif layout != state.layout:
+            raise ValueError(f"src_k: dtype/block shape {layout} differs from earlier layers {state.layout}")
+        elif sorted(dst) != state.dst_sorted:
+            raise ValueError("dst_block_ids: every layer must carry the same destination blocks")
+        block_bytes = src_k[:1].nbytes if shape[0] else 0  # bytes of one block, numpy or torch
+        self._reserve(2 * len(src) * block_bytes)
+        try:
+            staged = stage_layer(src_k, src_v, src, self._gather_pool)
+        except BaseException:
+            self._release(2 * len(src) * block_bytes)
+            raise
+        state.layers.add(layer)
+        self._channels[state.peer].put(_Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
+
+    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
+        state = self._state(request_id)
+        if len(state.layers) != state.num_layers:
+            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
+        with self._lock:
+            self._requests.pop(request_id, None)
+        self._channels[state.peer].put(_Item(state, KIND_COMMIT, meta=meta))
+        return state.future
+
+    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
+        with self._lock:
+            state = None if self._closed else self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.aborted = True  # the peer thread skips this request's queued layers
+        self._channels[state.peer].put(_Item(state, KIND_ABORT, reason=str(reason)))
+        return True
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._staged_cond:
+            ok = self._staged_cond.wait_for(
+                lambda: self.staged_bytes == 0 or self.staged_bytes + nbytes <= self.max_staged_bytes,
+                timeout=self.send_timeout_s,
+            )
+            if not ok:
+                raise KVTransferError(
+                    f"send queue full: {self.staged_bytes} bytes staged for {self.send_timeout_s:g}s"
+                )
+            self.staged_bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._staged_cond:
+            self.staged_bytes -= nbytes
+            self._staged_cond.notify_all()
+
+    # -- peer threads ---------------------------------------------------------------------------
+
+    def _process(self, sock: zmq.Socket, item: _Item, pool: PairPool) -> None:
+        state = item.state
+        if item.kind == KIND_LAYER:
+            assert item.staged is not None
+            try:
+                if state.error is None and not state.aborted:
+                    self._send_layer(sock, item, item.staged, pool)
+            finally:
+                self._release(item.staged.nbytes)
+        elif item.kind == KIND_COMMIT:
+            if state.error is None:
+                header = FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {})
+                self._send(sock, state, [header.encode()])
+            ok = state.error is None
+            self._count(transfers_committed=int(ok), transfers_failed=int(not ok))
+            state.future.set_result(
+                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
+            )
+        elif state.error is None:  # abort; after a failed send the receiver times out on its own
+            header = FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason)
+            self._send(sock, state, [header.encode()])
+            self._count(transfers_aborted=1)
+
+    def _send_layer(self, sock: zmq.Socket, item: _Item, staged: StagedLayer, pool: PairPool) -> None:
+        staged.wait()
+        k, v = staged.k_bytes(), staged.v_bytes()
+        alg = self.checksum_algorithm
+        sum_k, sum_v = pool.run(lambda buf: checksum(buf, alg), k, v, k.nbytes)
+        header = FrameHeader(
+            KIND_LAYER,
+            item.state.request_id,
+            item.state.seq,
+            layer=item.layer,
+            src_block_ids=item.src,
+            dst_block_ids=item.dst,
+            dtype=staged.dtype,
+            shape=staged.shape,
+            checksum_k=sum_k,
+            checksum_v=sum_v,
+            checksum_alg=self.checksum_algorithm,
+        )
+        if k.nbytes and self._take_corruption():
+            k[k.nbytes // 2] ^= 0xFF  # after the checksum: the receiver must catch it
+            logger.warning("%s set: corrupted layer %d of %s", CORRUPT_ENV, item.layer, item.state.request_id)
+        self._send(sock, item.state, [header.encode(), k, v])
+
+    def _send(self, sock: zmq.Socket, state: _Outgoing, parts: list[Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            sock.send_multipart(parts, copy=False)
+        except zmq.Again:
+            state.error = f"send to {state.peer} timed out after {self.send_timeout_s:g}s"
+        except zmq.ZMQError as exc:
+            state.error = f"send to {state.peer} failed: {exc}"
+        if state.error is not None:
+            logger.warning("kv transfer %s: %s", state.request_id, state.error)
+            return
+        nbytes = sum(p.nbytes for p in parts[1:])  # payload only, like the receiver counts
+        state.seq += 1
+        state.bytes_sent += nbytes
+        self._count(bytes_sent=nbytes, frames_sent=1, send_seconds=time.perf_counter() - t0)
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:  # several peer threads update the same counters
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def _take_corruption(self) -> bool:
+        with self._stats_lock:
+            pending, self._corrupt_pending = self._corrupt_pending, False
+        return pending
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "frames_sent": self.frames_sent,
+            "transfers_committed": self.transfers_committed,
+            "transfers_aborted": self.transfers_aborted,
+            "transfers_failed": self.transfers_failed,
+            "send_seconds": self.send_seconds,
+            "staged_bytes": self.staged_bytes,
+            "open_transfers": len(self._requests),
+        }
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.close()
+        end = time.monotonic() + drain_timeout_s
+        for channel in channels:
+            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
+        self._gather_pool.close()
+        if any(c.thread.is_alive() for c in channels):
+            logger.warning("kv sender closed with sends still in flight; leaving its ZMQ context open")
+        elif self._own_ctx:
+            self._ctx.term()

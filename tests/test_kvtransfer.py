@@ -1,0 +1,187 @@
+"""KV-transfer building blocks without the network: wire headers, registry, sink, argument checks."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer import Transport, available_transports, get_transport, register_transport
+from kvtransfer.frames import (
+    KIND_COMMIT,
+    KIND_LAYER,
+    FrameError,
+    FrameHeader,
+    checksum,
+    dtype_name,
+)
+from kvtransfer.sinks import TensorKVSink
+from kvtransfer.staging import stage_layer, tensor_from_buffer
+from kvtransfer.zmq_transport import ZmqReceiver, ZmqSender
+
+
+def test_layer_header_roundtrip_keeps_every_field() -> None:
+    header = FrameHeader(
+        KIND_LAYER, "req-1", 3, layer=7, src_block_ids=(9, 1), dst_block_ids=(4, 0), dtype="bfloat16",
+        shape=(2, 16, 2, 8), checksum_k=2**64 - 1, checksum_v=12345, checksum_alg="xxh3_64",
+    )
+    assert FrameHeader.decode(header.encode()) == header
+    assert header.payload_nbytes == 2 * 16 * 2 * 8 * 2
+
+
+def test_commit_header_carries_meta() -> None:
+    meta = {"first_token_id": 42, "logprobs": {"42": -0.25}, "num_tokens": 17}
+    decoded = FrameHeader.decode(FrameHeader(KIND_COMMIT, "r", 5, meta=meta).encode())
+    assert decoded.kind == KIND_COMMIT and decoded.meta == meta and decoded.seq == 5
+
+
+@pytest.mark.parametrize(
+    "doc, field",
+    [
+        (b"not json", "header"),
+        (json.dumps({"v": 99, "kind": "layer", "rid": "r", "seq": 0}).encode(), "v"),
+        (json.dumps({"v": 1, "kind": "bogus", "rid": "r", "seq": 0}).encode(), "kind"),
+        (json.dumps({"v": 1, "kind": "commit", "rid": "", "seq": 0, "meta": {}}).encode(), "rid"),
+        (json.dumps({"v": 1, "kind": "commit", "rid": "r", "seq": -1, "meta": {}}).encode(), "seq"),
+        (json.dumps({"v": 1, "kind": "commit", "rid": "r", "seq": 0, "meta": []}).encode(), "meta"),
+        (
+            json.dumps({"v": 1, "kind": "layer", "rid": "r", "seq": 0, "layer": 0, "dtype": "complex64"}).encode(),
+            "dtype",
+        ),
+    ],
+)
+def test_malformed_headers_are_rejected_naming_the_field(doc: bytes, field: str) -> None:
+    with pytest.raises(FrameError, match=f"^{field}:"):
+        FrameHeader.decode(doc)
+
+
+def test_dtype_names_cover_torch_and_numpy() -> None:
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_name(np.dtype(np.float16)) == "float16"
+    assert dtype_name("float32") == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        dtype_name(torch.complex64)
+
+
+def test_checksum_algorithms_differ_and_detect_a_flipped_byte() -> None:
+    data = bytearray(np.random.default_rng(0).bytes(4096))
+    before = checksum(data)
+    assert checksum(data, "xxh3_64") != before
+    data[100] ^= 1
+    assert checksum(data) != before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_staging_gathers_blocks_and_views_back_bit_exact(dtype: torch.dtype) -> None:
+    k = torch.randn(11, 4, 2, 8).to(dtype)
+    v = torch.randn(11, 4, 2, 8).to(dtype)
+    ids = [9, 2, 5]
+    staged = stage_layer(k, v, ids)
+    assert staged.shape == (3, 4, 2, 8) and staged.dtype == dtype_name(dtype)
+    back = tensor_from_buffer(memoryview(staged.k_bytes()), staged.dtype, staged.shape)
+    assert torch.equal(back, k[ids])
+    k[9].zero_()  # the staging copy is independent of the cache
+    assert torch.equal(tensor_from_buffer(memoryview(staged.v_bytes()), staged.dtype, staged.shape), v[ids])
+    assert not torch.equal(back[0], k[9])
+
+
+def test_staging_accepts_numpy_caches() -> None:
+    k = np.random.default_rng(1).standard_normal((6, 4, 1, 8), dtype=np.float32)
+    staged = stage_layer(k, k.copy(), [5, 0])
+    back = tensor_from_buffer(memoryview(staged.k_bytes()), "float32", (2, 4, 1, 8))
+    assert np.array_equal(back.numpy(), k[[5, 0]])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_tensor_sink_writes_only_the_named_blocks(stacked: bool) -> None:
+    layers, blocks = 2, 6
+    k_cache = torch.randn(layers, blocks, 4, 2, 8).to(torch.bfloat16)
+    v_cache = torch.randn(layers, blocks, 4, 2, 8).to(torch.bfloat16)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    sink = TensorKVSink(k_cache if stacked else list(k_cache), v_cache if stacked else list(v_cache))
+    assert sink.block_shape == (4, 2, 8) and sink.dtype == "bfloat16"
+    new_k, new_v = torch.randn(2, 4, 2, 8).to(torch.bfloat16), torch.randn(2, 4, 2, 8).to(torch.bfloat16)
+    sink.write(1, [5, 2], new_k, new_v)
+    assert torch.equal(k_cache[1, [5, 2]], new_k) and torch.equal(v_cache[1, [5, 2]], new_v)
+    untouched = [0, 1, 3, 4]
+    assert torch.equal(k_cache[1, untouched], before_k[1, untouched])
+    assert torch.equal(k_cache[0], before_k[0]) and torch.equal(v_cache[0], before_v[0])
+    with pytest.raises(ValueError, match="dst_block_ids"):
+        sink.write(0, [blocks], new_k[:1], new_v[:1])
+
+
+def test_registry_resolves_zmq_and_rejects_unknown_names() -> None:
+    transport = get_transport("zmq")
+    assert transport.name == "zmq" and transport.sender_cls is ZmqSender and transport.receiver_cls is ZmqReceiver
+    assert "zmq" in available_transports()
+    with pytest.raises(ValueError, match="^transport: unknown KV transport 'carrier-pigeon'"):
+        get_transport("carrier-pigeon")
+
+
+def test_registry_accepts_a_new_transport() -> None:
+    register_transport(Transport("zmq-alias-for-test", ZmqSender, ZmqReceiver))
+    assert get_transport("zmq-alias-for-test").receiver_cls is ZmqReceiver
+    with pytest.raises(ValueError, match="name"):
+        register_transport(Transport("", ZmqSender, ZmqReceiver))
+
+
+def _sink(blocks: int = 8, dtype: torch.dtype = torch.float32) -> TensorKVSink:
+    return TensorKVSink([torch.zeros(blocks, 4, 2, 8, dtype=dtype)], [torch.zeros(blocks, 4, 2, 8, dtype=dtype)])
+
+
+def test_receiver_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="^sink:"):
+        ZmqReceiver(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^bind:"):
+        ZmqReceiver(_sink(), bind="tcp://not-an-address")
+    with ZmqReceiver(_sink()) as receiver:
+        assert receiver.address.startswith("tcp://127.0.0.1:")
+        receiver.expect("r", [1, 2], 1, 5.0)
+        with pytest.raises(ValueError, match="^request_id:"):
+            receiver.expect("r", [3], 1, 5.0)
+        with pytest.raises(ValueError, match="^dst_block_ids:"):
+            receiver.expect("s", [3, 3], 1, 5.0)
+        with pytest.raises(ValueError, match="^num_layers:"):
+            receiver.expect("s", [3], 0, 5.0)
+        with pytest.raises(ValueError, match="^deadline_s:"):
+            receiver.expect("s", [3], 1, 0)
+        assert receiver.cancel("r") is True and receiver.cancel("r") is False
+
+
+def test_sender_rejects_bad_arguments() -> None:
+    k = torch.randn(8, 4, 2, 8)
+    with ZmqReceiver(_sink()) as receiver, ZmqSender() as sender:
+        with pytest.raises(ValueError, match="^peer_address:"):
+            sender.open("r", "http://example", 2)
+        with pytest.raises(ValueError, match="^num_layers:"):
+            sender.open("r", receiver.address, 0)
+        sender.open("r", receiver.address, 2)
+        with pytest.raises(ValueError, match="^request_id:"):
+            sender.open("r", receiver.address, 2)
+        with pytest.raises(ValueError, match="^request_id:"):
+            sender.send_layer("nope", 0, k, k, [0], [0])
+        with pytest.raises(ValueError, match="^layer:"):
+            sender.send_layer("r", 2, k, k, [0], [0])
+        with pytest.raises(ValueError, match="^dst_block_ids:"):
+            sender.send_layer("r", 0, k, k, [0, 1], [0])
+        with pytest.raises(ValueError, match="^dst_block_ids:"):
+            sender.send_layer("r", 0, k, k, [0, 1], [3, 3])
+        with pytest.raises(ValueError, match="^src_block_ids:"):
+            sender.send_layer("r", 0, k, k, [8], [0])
+        with pytest.raises(ValueError, match="^src_v:"):
+            sender.send_layer("r", 0, k, k[:4], [0], [0])
+        with pytest.raises(ValueError, match="^src_k:"):
+            sender.send_layer("r", 0, k[0], k[0], [0], [0])
+        sender.send_layer("r", 0, k, k, [1, 2], [3, 4])
+        with pytest.raises(ValueError, match="^layer:"):
+            sender.send_layer("r", 0, k, k, [1, 2], [3, 4])
+        with pytest.raises(ValueError, match="^dst_block_ids:"):
+            sender.send_layer("r", 1, k, k, [1, 2], [3, 5])
+        with pytest.raises(ValueError, match="^request_id:"):
+            sender.commit("r", {})
+        sender.send_layer("r", 1, k, k, [1, 2], [4, 3])
+        with pytest.raises(ValueError, match="^meta:"):
+            sender.commit("r", {"x": object()})
+        assert sender.abort("r") is True
+        assert sender.abort("r") is False
