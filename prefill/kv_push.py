@@ -1,0 +1,171 @@
+"""Pushes a prefilled prompt's KV to its decode worker, layer by layer, from the engine step.
+
+Runs on the engine thread. `on_layer` is the engine's per-layer hook: in the step where a
+prefill-only request computes its last prompt token (ScheduledSeq.samples), each layer's K/V
+for all its prompt blocks are complete once that layer ran (blocks of earlier chunks were
+finished in earlier steps), so the pusher hands blocks [num_cached_blocks, prompt_blocks) of
+that layer, the last partial block included, to the sender, which stages a copy before
+returning. When the step's output (the first token) reaches the request's listener, the pusher
+commits the transfer with the token and frees the engine's blocks at once: the sender no
+longer reads them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from functools import partial
+
+from engine.engine import Engine, StepOutput
+from engine.scheduler import SchedulerOutput
+from engine.sequence import FinishReason, Sequence
+from kvtransfer import KVSender, KVTransferError
+from prefill.adapters import PrefillInput
+from worker import engine_ext
+from worker.adapters import logprob_to_meta
+from worker.engine_loop import EngineLoop, TimerHandle
+from worker.transfer import transfer_id
+
+logger = logging.getLogger(__name__)
+
+DEADLINE = "deadline"
+
+
+class PrefillFailed(Exception):
+    """A prefill did not produce a committed transfer. `kind`: "aborted", "deadline",
+    "transfer" (the push failed) or "engine" (the engine failed or stopped)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    output: StepOutput  # the first token (finished: PREFILLED, or STOP/LENGTH already)
+    cached_tokens: int  # prompt tokens this worker took from its prefix cache
+    send: Future  # Future[SendResult]: resolves once the commit is handed to the transport
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    inp: PrefillInput
+    num_layers: int
+    deadline: float | None = None
+    seq: Sequence | None = None
+    opened: bool = False
+    layers_sent: int = 0
+    error: str | None = None
+    timer: TimerHandle | None = None
+    done: Future = field(default_factory=Future)  # Future[PrefillDone], or PrefillFailed
+
+    @property
+    def transfer_id(self) -> str:
+        return transfer_id(self.inp.request_id, self.inp.target.reservation_id)
+
+    def finish(self, value: PrefillDone | PrefillFailed) -> None:
+        try:
+            if isinstance(value, PrefillFailed):
+                self.done.set_exception(value)
+            else:
+                self.done.set_result(value)
+        except InvalidStateError:
+            pass
+
+
+class KvPusher:
+    """Prefill jobs in flight and the engine hooks that push their KV. Engine thread only."""
+
+    def __init__(self, loop: EngineLoop, sender: KVSender) -> None:
+        self.loop = loop
+        self.sender = sender
+        self.jobs: dict[str, PrefillJob] = {}
+
+    def start(self, engine: Engine, job: PrefillJob) -> Sequence:
+        """Queue the job's prompt (prefill only); ValueError for bad input."""
+        inp = job.inp
+        seq = engine_ext.add_request(engine, inp.token_ids, inp.params, inp.request_id, inp.tier,
+                                     prefill_only=True, num_output_tokens=inp.num_output_tokens)
+        job.seq = seq
+        self.jobs[inp.request_id] = job
+        self.loop.listen(inp.request_id, partial(self._on_output, engine, job))
+        if job.deadline is not None:
+            job.timer = self.loop.call_at(job.deadline, partial(self._expire, job))
+        return seq
+
+    def _expire(self, job: PrefillJob, engine: Engine) -> None:
+        if self.jobs.get(job.inp.request_id) is job:
+            self.loop.abort_now(job.inp.request_id, DEADLINE)
+
+    # ---- engine hooks -------------------------------------------------------------------------
+    def on_layer(self, layer: int, out: SchedulerOutput) -> None:
+        if not self.jobs:
+            return
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            job = self.jobs.get(s.seq.request_id)
+            if job is not None and job.seq is s.seq and job.error is None:
+                self._push(job, layer)
+
+    def _push(self, job: PrefillJob, layer: int) -> None:
+        target = job.inp.target
+        try:
+            if not job.opened:
+                self.sender.open(job.transfer_id, target.kv_address, job.num_layers)
+                job.opened = True
+            k, v = self.loop.engine.kv_cache.layers[layer]
+            first = target.num_cached_blocks
+            src = job.seq.block_table[first : first + len(target.dst_block_ids)]
+            self.sender.send_layer(job.transfer_id, layer, k, v, src, target.dst_block_ids)
+            job.layers_sent += 1
+        except (KVTransferError, ValueError) as exc:
+            job.error = f"kv push of layer {layer} failed: {exc}"
+            logger.warning("%s: %s", job.inp.request_id, job.error)
+
+    def _on_output(self, engine: Engine, job: PrefillJob, out: StepOutput | BaseException) -> None:
+        rid = job.inp.request_id
+        if self.jobs.get(rid) is job:
+            del self.jobs[rid]
+        if job.timer is not None:
+            job.timer.cancel()
+        if isinstance(out, BaseException):
+            self._fail(engine, job, PrefillFailed("engine", f"engine failed: {out}"))
+        elif out.finish_reason is FinishReason.ABORT:
+            kind = "deadline" if out.stop_reason == DEADLINE else "aborted"
+            self._fail(engine, job, PrefillFailed(kind, f"request {rid} {out.stop_reason or 'aborted'}"))
+        elif job.error is not None or job.layers_sent != job.num_layers:
+            why = job.error or f"only {job.layers_sent} of {job.num_layers} layers were pushed"
+            self._fail(engine, job, PrefillFailed("transfer", why))
+        else:
+            self._commit(engine, job, out)
+
+    def _commit(self, engine: Engine, job: PrefillJob, out: StepOutput) -> None:
+        seq = job.seq
+        meta = {
+            "first_token_id": out.new_token_ids[0],
+            "logprobs": logprob_to_meta(out.new_logprobs[0] if out.new_logprobs else None),
+            "num_tokens": len(job.inp.token_ids),
+        }
+        try:
+            send = self.sender.commit(job.transfer_id, meta)
+        except (KVTransferError, ValueError) as exc:
+            self._fail(engine, job, PrefillFailed("transfer", f"kv commit failed: {exc}"))
+            return
+        finally:
+            engine.release(job.inp.request_id)  # staged copies were taken in send_layer
+        job.finish(PrefillDone(out, seq.num_cached_tokens, send))
+
+    def _fail(self, engine: Engine, job: PrefillJob, failure: PrefillFailed) -> None:
+        if job.opened:
+            self.sender.abort(job.transfer_id, str(failure))
+        engine.abort(job.inp.request_id)  # frees blocks in any state; no-op when already gone
+        job.finish(failure)
+
+
+def deadline_from(timeout_s: float | None) -> float | None:
+    return time.monotonic() + timeout_s if timeout_s else None
+
+
+__all__ = ["KvPusher", "PrefillDone", "PrefillFailed", "PrefillJob", "deadline_from"]

@@ -1,0 +1,84 @@
+"""The tandem.v1.PrefillWorker servicer (grpc.aio; the engine runs on the engine thread).
+
+Prefill queues the prompt as a prefill-only request; the engine loop's batching window lets
+requests that arrive together share a step; the `KvPusher` pushes the KV during the step
+that samples the first token and commits; the RPC answers once the commit is handed to the
+transport.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.engine import Engine
+from kvtransfer import KVSender
+from prefill import adapters as ad
+from prefill.kv_push import KvPusher, PrefillFailed, PrefillJob, deadline_from
+from tandem import wire
+from tandem._proto.tandem.v1 import tandem_pb2 as pb
+from tandem._proto.tandem.v1 import worker_pb2
+from worker.engine_loop import LoopStopped
+from worker.runtime import WorkerRuntime, rpc
+
+logger = logging.getLogger(__name__)
+
+_FAILURE_STATUS = {
+    "aborted": grpc.StatusCode.ABORTED,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "transfer": grpc.StatusCode.UNAVAILABLE,
+    "engine": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class PrefillService(wire.PrefillWorkerServicer):
+    def __init__(self, runtime: WorkerRuntime, sender: KVSender) -> None:
+        self.runtime = runtime
+        self.loop = runtime.loop
+        self.sender = sender
+        self.pusher = KvPusher(runtime.loop, sender)
+        runtime.loop.on_layer = self.pusher.on_layer
+
+    @rpc("Prefill")
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        if self.runtime.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        engine = self.runtime.engine
+        inp = ad.prefill_from_proto(request, engine.config.block_size)
+        job = PrefillJob(inp, engine.model_config.num_layers, deadline_from(inp.timeout_s))
+        with self.runtime.tracked():
+            await self.runtime.run(lambda e: self.pusher.start(e, job))
+            try:
+                done = await asyncio.shield(asyncio.wrap_future(job.done))
+            except PrefillFailed as exc:
+                await context.abort(_FAILURE_STATUS[exc.kind], str(exc))
+            except asyncio.CancelledError:
+                try:
+                    self.loop.abort(inp.request_id, "cancelled")
+                except LoopStopped:
+                    pass
+                raise
+            sent = await asyncio.shield(asyncio.wrap_future(done.send))
+            if not sent.ok:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push of {inp.request_id} failed: {sent.error}")
+            return ad.prefill_response(done.output, len(inp.token_ids), done.cached_tokens, inp.params.logprobs is not None)
+
+    @rpc("Abort")
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        rid = request.request_id
+
+        def abort(engine: Engine) -> bool:
+            return self.loop.abort_now(rid, "aborted")
+
+        return pb.AbortResponse(found=await self.runtime.run(abort))
+
+    @rpc("Stats")
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        return self.runtime.stats_proto()
+
+    @rpc("KvEvents")
+    async def KvEvents(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        async for batch in self.runtime.kv_events(context):
+            yield batch

@@ -1,0 +1,165 @@
+"""Worker settings: one frozen dataclass, and the command-line flags that fill it.
+
+`python -m prefill`, `python -m decode` and `python -m worker --role both` share these flags;
+the `tandem` CLI calls the same `main(argv)` functions.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+DEFAULT_PORTS = {"prefill": 50060, "decode": 50070, "both": 50080}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    model: str
+    load_format: str = "auto"
+    dtype: str | None = None
+    device: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (logged and written to ready_file)
+    worker_id: str | None = None  # None: "{role}-{host}-{port}"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_running: int = 256
+    max_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    seed: int | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_fraction: float = 0.90
+    cuda_graphs: bool = True  # decode graphs on CUDA; never captured for role prefill (it never decodes)
+    kv_transport: str = "zmq"
+    kv_address: str | None = None  # decode: bind endpoint; None: tcp://{host}:* (a free port)
+    kv_timeout_s: float = 30.0  # transfer deadline / reservation lifetime when timeout_ms is 0
+    batch_window_ms: float | None = None  # None: 2 ms for prefill, 0 otherwise
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    redis_url: str | None = None
+    namespace: str | None = None  # None: the model identity
+    drain_timeout_s: float = 30.0
+    ready_file: str | None = None
+    kv_sender_options: dict[str, Any] | None = None  # transport options (tests: corrupt_once)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.model:
+            raise ValueError("model: a model directory is required")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
+        for name in ("kv_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
+            raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
+
+    @property
+    def batch_window_s(self) -> float:
+        ms = self.batch_window_ms if self.batch_window_ms is not None else (2.0 if self.role == "prefill" else 0.0)
+        return ms / 1000.0
+
+    def engine_config(self) -> Any:
+        from engine.engine import EngineConfig
+
+        return EngineConfig(
+            model_path=self.model,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_running=self.max_running,
+            max_batched_tokens=self.max_batched_tokens,
+            max_model_len=self.max_model_len,
+            load_format=self.load_format,
+            device=self.device,
+            enable_prefix_cache=self.enable_prefix_cache,
+            seed=self.seed,
+            kv_cache_dtype=self.kv_cache_dtype,
+            gpu_memory_fraction=self.gpu_memory_fraction,
+            cuda_graphs=self.cuda_graphs and self.role != "prefill",
+        )
+
+    def with_port(self, port: int) -> WorkerConfig:
+        return replace(self, port=port)
+
+
+def build_parser(role: str | None, prog: str | None = None) -> argparse.ArgumentParser:
+    """Flags for `role` (None: a --role flag is required)."""
+    desc = {"prefill": "Tandem prefill worker", "decode": "Tandem decode worker", None: "Tandem worker"}
+    p = argparse.ArgumentParser(prog=prog, description=desc.get(role, "Tandem worker"))
+    if role is None:
+        p.add_argument("--role", choices=ROLES, required=True, help="prefill, decode, or both (no KV transfer)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from config.json")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's; float32 on CPU)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (0: any free port; default per role: %s)" % DEFAULT_PORTS)
+    p.add_argument("--worker-id", default=None, help="default: {role}-{host}-{port}")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: derived from memory")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=4096, help="per-step token budget")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
+    p.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler for unseeded requests")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.90)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--kv-transport", default="zmq", help="KV transfer transport (zmq)")
+    p.add_argument("--kv-address", default=None,
+                   help="decode: endpoint the KV receiver binds (default tcp://HOST:* = a free port)")
+    p.add_argument("--kv-timeout", type=float, default=30.0, dest="kv_timeout_s",
+                   help="seconds a reservation waits for its KV when the request carries no timeout")
+    p.add_argument("--batch-window-ms", type=float, default=None,
+                   help="collect arrivals this long before stepping an idle engine (default 2 for prefill, 0 otherwise)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
+    p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index")
+    p.add_argument("--namespace", default=None, help="prefix-index namespace (default: the model identity)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                   help="seconds to finish in-flight requests after SIGTERM")
+    p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, role: str | None = None) -> WorkerConfig:
+    role = role or args.role
+    port = args.port if args.port is not None else DEFAULT_PORTS[role]
+    return WorkerConfig(
+        role=role,
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        host=args.host,
+        port=port,
+        worker_id=args.worker_id,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_cache=not args.no_prefix_cache,
+        seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        cuda_graphs=not args.no_cuda_graphs,
+        kv_transport=args.kv_transport,
+        kv_address=args.kv_address,
+        kv_timeout_s=args.kv_timeout_s,
+        batch_window_ms=args.batch_window_ms,
+        metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        drain_timeout_s=args.drain_timeout_s,
+        ready_file=args.ready_file,
+    )

@@ -1,0 +1,113 @@
+"""Prometheus metrics of a worker (`tandem_` prefix), read from the stats snapshot at scrape time.
+
+Gauges and counters come from a custom collector over `StatsSnapshot` and the KV transport's
+counters, so the engine thread pays nothing per scrape; only the step-latency histogram and
+the RPC outcome counter are updated as things happen. Each worker has its own registry, so
+several workers can live in one process (tests).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.stats import StatsSnapshot
+
+logger = logging.getLogger(__name__)
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, labels: dict[str, str], snapshot: Callable[[], StatsSnapshot],
+                 kv_stats: Callable[[], dict[str, dict[str, float]]], draining: Callable[[], bool]) -> None:
+        self._labels = labels
+        self._snapshot = snapshot
+        self._kv_stats = kv_stats
+        self._draining = draining
+
+    def _family(self, cls: type, name: str, doc: str, value: float, **extra: str) -> Any:
+        names = [*self._labels, *extra]
+        fam = cls(name, doc, labels=names)
+        fam.add_metric([*self._labels.values(), *extra.values()], value)
+        return fam
+
+    def collect(self) -> Iterator[Any]:
+        s = self._snapshot()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "tandem_worker_running_requests", "Requests in the running batch", s.running)
+        yield self._family(g, "tandem_worker_waiting_requests", "Requests waiting or swapped out", s.waiting + s.swapped)
+        yield self._family(g, "tandem_worker_held_requests", "Reserved (decode) or prefilled-awaiting-send requests", s.held)
+        yield self._family(g, "tandem_worker_queued_prefill_tokens", "Prompt tokens admitted, not yet computed",
+                           s.queued_prefill_tokens)
+        yield self._family(g, "tandem_kv_blocks_total", "KV blocks in the pool", s.total_blocks)
+        yield self._family(g, "tandem_kv_blocks_free", "KV blocks on the free list", s.free_blocks)
+        yield self._family(g, "tandem_kv_blocks_used", "KV blocks referenced", s.used_blocks)
+        yield self._family(g, "tandem_kv_blocks_evictable", "KV blocks only the prefix cache holds", s.evictable_blocks)
+        yield self._family(g, "tandem_prefix_cache_hit_ratio", "Prompt tokens found cached / looked up", s.prefix_hit_ratio)
+        yield self._family(c, "tandem_prefix_cache_query_tokens", "Prompt tokens looked up", s.prefix_query_tokens)
+        yield self._family(c, "tandem_prefix_cache_hit_tokens", "Prompt tokens found cached", s.prefix_hit_tokens)
+        yield self._family(c, "tandem_preemptions", "Requests preempted", s.preemptions)
+        yield self._family(c, "tandem_engine_steps", "Engine steps run", s.steps)
+        yield self._family(c, "tandem_generated_tokens", "Tokens sampled", s.generated_tokens)
+        yield self._family(g, "tandem_worker_draining", "1 while draining after SIGTERM", float(self._draining()))
+        kv = self._kv_stats()
+        bytes_fam = c("tandem_kv_transfer_bytes", "KV payload bytes moved", labels=[*self._labels, "direction"])
+        secs_fam = c("tandem_kv_transfer_seconds", "Seconds spent moving KV", labels=[*self._labels, "direction"])
+        done_fam = c("tandem_kv_transfers", "KV transfers finished", labels=[*self._labels, "direction", "result"])
+        base = list(self._labels.values())
+        if "sent" in kv:
+            st = kv["sent"]
+            bytes_fam.add_metric([*base, "sent"], st.get("bytes_sent", 0))
+            secs_fam.add_metric([*base, "sent"], st.get("send_seconds", 0.0))
+            done_fam.add_metric([*base, "sent", "ok"], st.get("transfers_committed", 0))
+            done_fam.add_metric([*base, "sent", "failed"], st.get("transfers_failed", 0))
+            done_fam.add_metric([*base, "sent", "aborted"], st.get("transfers_aborted", 0))
+        if "received" in kv:
+            st = kv["received"]
+            bytes_fam.add_metric([*base, "received"], st.get("bytes_received", 0))
+            secs_fam.add_metric([*base, "received"], st.get("transfer_seconds", 0.0))
+            done_fam.add_metric([*base, "received", "ok"], st.get("transfers_ok", 0))
+            done_fam.add_metric([*base, "received", "failed"], st.get("transfers_failed", 0))
+        yield bytes_fam
+        yield secs_fam
+        yield done_fam
+
+
+class WorkerMetrics:
+    """The worker's registry: snapshot-backed families plus step latency and RPC outcomes."""
+
+    def __init__(self, worker_id: str, role: str, snapshot: Callable[[], StatsSnapshot],
+                 kv_stats: Callable[[], dict[str, dict[str, float]]], draining: Callable[[], bool]) -> None:
+        labels = {"worker_id": worker_id, "role": role}
+        self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(labels, snapshot, kv_stats, draining))
+        self._step = Histogram("tandem_engine_step_seconds", "Duration of one engine step", list(labels),
+                               buckets=_STEP_BUCKETS, registry=self.registry).labels(**labels)
+        self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
+                             [*labels, "method", "code"], registry=self.registry)
+        self._labels = labels
+        self._server: Any = None
+        self.port: int | None = None
+
+    def observe_step(self, seconds: float) -> None:
+        self._step.observe(seconds)
+
+    def count_rpc(self, method: str, code: str) -> None:
+        self._rpcs.labels(**self._labels, method=method, code=code).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (port 0: any free one); returns the bound port."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_address[1])
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,247 @@
+"""Worker process bootstrap: engine, engine thread, KV transport, gRPC (aio) server with health
+and reflection, Prometheus endpoint, optional prefix-index publishing, graceful drain.
+
+Why grpc.aio: a worker's RPCs are long waits (a Decode stream lives as long as its request)
+while the work happens on the engine thread. One event loop holds every stream without a
+thread per request, and the engine thread hands a whole step's outputs over with a single
+wake-up (`worker.streams.AsyncBridge`), instead of waking one handler thread per request
+and having them all contend for the GIL with the engine thread.
+
+Drain (SIGTERM or SIGINT): health turns NOT_SERVING, Stats says draining, Reserve answers
+ok=false and new Prefill / PrefillAndDecode calls UNAVAILABLE; in-flight requests and
+reservations finish (up to --drain-timeout); then everything stops and `main` returns 0.
+A second signal skips the wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tandem import wire
+from worker.config import WorkerConfig, build_parser, config_from_args
+from worker.engine_loop import EngineLoop
+from worker.runtime import WorkerRuntime
+from worker.streams import AsyncBridge
+
+logger = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+class WorkerServer:
+    """One worker: `await start()`, then `await shutdown()` (or `serve_forever()` in a process)."""
+
+    def __init__(self, config: WorkerConfig, engine: Any = None) -> None:
+        from engine.engine import Engine
+
+        self.config = config
+        self.engine = engine if engine is not None else Engine(config.engine_config())
+        self.server: grpc.aio.Server | None = None
+        self.runtime: WorkerRuntime | None = None
+        self.sender: Any = None
+        self.receiver: Any = None
+        self.publisher: Any = None
+        self.health: Any = None
+        self.port = 0
+        self.kv_address = ""
+        self.metrics_port: int | None = None
+        self._stopping = False
+        self._skip_wait = asyncio.Event()
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def worker_id(self) -> str:
+        return self.runtime.worker_id if self.runtime else ""
+
+    async def start(self) -> None:
+        cfg = self.config
+        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        try:
+            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError as exc:  # grpc's way of saying the address is taken
+            raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
+        worker_id = cfg.worker_id or f"{cfg.role}-{cfg.host}-{self.port}"
+        loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
+                          on_step=self._observe_step)
+        runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
+        runtime.bridge = AsyncBridge(asyncio.get_running_loop())
+        self.server, self.runtime = server, runtime
+        names = self._add_services(server, runtime)
+        self.health = wire.add_health_and_reflection(server, names)
+        self._start_metrics(runtime)
+        loop.start()
+        self._start_publisher(runtime)
+        await server.start()
+        self._write_ready_file()
+        logger.info("%s worker %s serving on %s (kv %s, metrics %s, model %s)", cfg.role, worker_id, self.address,
+                    self.kv_address or "-", self.metrics_port if self.metrics_port is not None else "off",
+                    self.engine.identity)
+
+    def _add_services(self, server: grpc.aio.Server, runtime: WorkerRuntime) -> list[str]:
+        from worker.transfer import make_receiver, make_sender
+
+        cfg = self.config
+        if cfg.role == "prefill":
+            from prefill.service import PrefillService
+
+            self.sender = make_sender(cfg.kv_transport, cfg.kv_sender_options)
+            wire.add_prefill_worker_servicer(PrefillService(runtime, self.sender), server)
+            runtime.kv_stats = lambda: {"sent": self.sender.stats()}
+            return [wire.PREFILL_SERVICE]
+        from decode.service import DecodeService
+
+        service = DecodeService(runtime, cfg.kv_timeout_s)
+        if cfg.role == "decode":
+            bind = cfg.kv_address or f"tcp://{cfg.host}:*"
+            self.receiver = make_receiver(cfg.kv_transport, self.engine, bind, service.on_transfer)
+            service.receiver = self.receiver
+            self.kv_address = self.receiver.address
+            runtime.kv_stats = lambda: {"received": self.receiver.stats()}
+        wire.add_decode_worker_servicer(service, server)
+        return [wire.DECODE_SERVICE]
+
+    def _start_metrics(self, runtime: WorkerRuntime) -> None:
+        if self.config.metrics_port is None:
+            return
+        from worker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(runtime.worker_id, runtime.role, lambda: runtime.loop.stats, runtime.kv_stats,
+                                lambda: runtime.draining)
+        self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
+        runtime.metrics = metrics
+
+    def _observe_step(self, seconds: float) -> None:
+        if self.runtime is not None and self.runtime.metrics is not None:
+            self.runtime.metrics.observe_step(seconds)
+
+    def _start_publisher(self, runtime: WorkerRuntime) -> None:
+        if not self.config.redis_url:
+            return
+        from kvindex import WorkerInfo, make_index
+        from worker.index_publisher import IndexPublisher
+
+        role = runtime.role
+
+        def info() -> WorkerInfo:
+            s = runtime.loop.stats
+            load = s.queued_prefill_tokens if role == "prefill" else s.running
+            return WorkerInfo(self.address, role, s.total_blocks, float(load))
+
+        index = make_index(self.config.redis_url, self.config.namespace or self.engine.identity)
+        self.publisher = IndexPublisher(index, runtime.worker_id, runtime.loop, info)
+        self.publisher.start()
+
+    def _write_ready_file(self) -> None:
+        if not self.config.ready_file:
+            return
+        path = Path(self.config.ready_file)
+        data = {"role": self.config.role, "worker_id": self.worker_id, "address": self.address,
+                "kv_address": self.kv_address, "metrics_port": self.metrics_port, "pid": os.getpid(),
+                "model_identity": self.engine.identity}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+    # ---- stopping -----------------------------------------------------------------------------
+    async def shutdown(self, graceful: bool = True) -> None:
+        """Drain (when `graceful`), then stop everything. A second call skips the drain wait."""
+        if self._stopping:
+            self._skip_wait.set()
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        runtime = self.runtime
+        runtime.draining = True
+        logger.info("%s worker %s draining (%d in flight)", runtime.role, runtime.worker_id, runtime.in_flight)
+        await self.health.enter_graceful_shutdown()
+        if graceful:
+            await self._wait_idle(time.monotonic() + self.config.drain_timeout_s)
+        await self.server.stop(grace=1.0)
+        await asyncio.to_thread(self._close_parts)
+        self._stopped.set()
+        logger.info("%s worker %s stopped", runtime.role, runtime.worker_id)
+
+    async def _wait_idle(self, deadline: float) -> None:
+        runtime = self.runtime
+        while time.monotonic() < deadline and not self._skip_wait.is_set():
+            s = runtime.loop.stats
+            if runtime.in_flight == 0 and s.held == 0 and s.running + s.waiting + s.swapped == 0:
+                return
+            try:
+                await asyncio.wait_for(self._skip_wait.wait(), 0.05)
+            except TimeoutError:
+                pass
+        if not self._skip_wait.is_set():
+            logger.warning("drain timeout: stopping with %d requests in flight", runtime.in_flight)
+
+    def _close_parts(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.runtime.loop.stop()
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.runtime.metrics is not None:
+            self.runtime.metrics.close()
+        if self.config.ready_file:
+            Path(self.config.ready_file).unlink(missing_ok=True)
+
+    async def serve_forever(self, install_signals: bool = True) -> None:
+        """Start, then run until SIGTERM / SIGINT has drained the worker."""
+        await self.start()
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        await self._stopped.wait()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        logger.info("received %s", sig.name)
+        asyncio.get_running_loop().create_task(self.shutdown(graceful=True))
+
+
+def setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
+
+
+def run(config: WorkerConfig) -> int:
+    """Build the engine and serve until drained; returns the exit code."""
+    logger.info("starting %s worker: model %s, %s:%d", config.role, config.model, config.host, config.port)
+    server = WorkerServer(config)
+    asyncio.run(server.serve_forever())
+    return 0
+
+
+def main(argv: list[str] | None = None, role: str | None = None, prog: str | None = None) -> int:
+    """`worker.server:main(["--role", "both", "--model", DIR, ...])`; `role` fixes the role
+    (the prefill and decode entry points pass it) and drops the --role flag."""
+    parser = build_parser(role, prog)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args, role)
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup_logging(args.log_level, config.role)
+    try:
+        return run(config)
+    except (ValueError, OSError) as exc:
+        logger.error("%s worker failed to start: %s", config.role, exc)
+        return 2

@@ -1,0 +1,68 @@
+"""Hand-over from the engine thread to the asyncio event loop that serves gRPC.
+
+The engine thread must never wait on the event loop. `AsyncBridge.post` appends to a list and,
+for the first item of a burst only, schedules one `call_soon_threadsafe`, so a step that
+produces outputs for 200 requests wakes the event loop once, not 200 times.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncBridge:
+    """Thread-safe `post(queue, item)` into asyncio queues owned by `loop`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+
+    def post(self, q: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._pending.append((q, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is closed: nobody is left to read
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+            self._scheduled = False
+        for q, item in items:
+            q.put_nowait(item)
+
+
+class ItemStream:
+    """An unbounded asyncio queue fed from the engine thread through an `AsyncBridge`."""
+
+    def __init__(self, bridge: AsyncBridge) -> None:
+        self._bridge = bridge
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        """Any thread."""
+        self._bridge.post(self._queue, item)
+
+    async def get_batch(self, timeout: float | None = None) -> list[Any]:
+        """Every item available now, waiting (up to `timeout`) for at least one.
+        Raises TimeoutError when none came in time."""
+        if self._queue.empty():
+            first = await asyncio.wait_for(self._queue.get(), timeout) if timeout is not None else await self._queue.get()
+            items = [first]
+        else:
+            items = []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
