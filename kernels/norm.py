@@ -12,7 +12,7 @@ import triton.language as tl
 from kernels.triton_common import next_pow2
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
-ELEMS_PER_WARP = 1024  # tile elements per warp
+ELEMS_PER_WARP = 512  # tile elements per warp
 
 
 @triton.jit

@@ -87,17 +87,3 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
-
-@triton.jit
-def widen(x, dtype, METHOD: tl.constexpr):
-    """Cast a loaded cache tile to the compute dtype. METHOD 0: plain cast; 1: through fp32;
-    2 (FP8 e4m3 only): rebuild the fp32 bits by integer ops, exact (subnormals included)."""
-    if METHOD == 0:
-        return x.to(dtype)
-    elif METHOD == 1:
-        return x.to(tl.float32).to(dtype)
-    else:
-        b = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-        f = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-        # e4m3's bias is 7 and fp32's 127: the rebuilt value is 2^-120 times too small.
-        return (f.to(tl.float32, bitcast=True) * 1.329227995784916e36).to(dtype)

@@ -1,0 +1,337 @@
+"""Kernel benchmark: Triton kernels checked against kernels.reference at real shapes, then timed
+against ceilings measured in the same run (device copy bandwidth, bf16 matmul FLOP/s).
+
+On a GPU: `python bench/kernel_bench.py` (Llama-3.1-8B shapes), prints one JSON dict.
+`--sweep` also times alternative tile configurations of the attention kernels.
+On CPU: `TRITON_INTERPRET=1 python bench/kernel_bench.py --cpu-smoke` runs the correctness part
+at tiny shapes through the Triton interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels import reference as ref  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shapes:
+    tokens: int = 8192  # prefill chunk: norm / silu / rotary / extend attention
+    hidden: int = 4096
+    inter: int = 14336
+    hq: int = 32
+    hk: int = 8
+    d: int = 128
+    block_size: int = 16
+    decode_batch: int = 64
+    decode_ctx: int = 4096
+    copy_bytes: int = 2 << 30
+    eps: float = 1e-5
+
+
+SMOKE = Shapes(tokens=37, hidden=96, inter=80, hq=4, hk=2, d=32, decode_batch=3, decode_ctx=300,
+               copy_bytes=1 << 20)
+
+
+def paged_kv(lens: list[int], s: Shapes, dtype: torch.dtype, dev: str, spare: int = 7):
+    """Random K/V caches and random, non-contiguous block tables holding `lens` tokens per sequence."""
+    need = [(n + s.block_size - 1) // s.block_size for n in lens]
+    num_blocks = sum(need) + spare
+    shape = (num_blocks, s.block_size, s.hk, s.d)
+    kc = torch.randn(shape, device=dev, dtype=torch.float32).to(dtype)
+    vc = torch.randn(shape, device=dev, dtype=torch.float32).to(dtype)
+    perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    width = max(1, max(need))
+    table = torch.zeros((len(lens), width), dtype=torch.int32, device=dev)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    return kc, vc, table, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / (1 + |b|): absolute near zero, relative for large values."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs() / (1 + b.abs())).max().item() if a.numel() else 0.0
+
+
+def correctness(s: Shapes, dev: str) -> dict:
+    """Max scaled error (see max_err) of each Triton kernel against the reference, within tolerance or not.
+
+    A kernel that raises is recorded with its error, and the other checks still run.
+    """
+    from kernels import activation, decode_attention, extend_attention, norm, rotary
+
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    res: dict[str, dict] = {}
+
+    def record(name: str, check, tol: float) -> None:
+        try:
+            err = check()
+            res[name] = {"max_err": err, "tol": tol, "ok": err <= tol}
+        except Exception as exc:  # keep going: one broken kernel should not hide the others
+            res[name] = {"error": repr(exc)[:500], "ok": False}
+
+    x = torch.randn(s.tokens, s.hidden, device=dev, dtype=bf)
+    r = torch.randn_like(x)
+    w = torch.rand(s.hidden, device=dev) + 0.5
+    record("rms_norm", lambda: max_err(norm.rms_norm(x, w, s.eps), ref.rms_norm(x, w, s.eps)), 0.02)
+
+    def fused() -> float:
+        got, want = norm.fused_add_rms_norm(x, r, w, s.eps), ref.fused_add_rms_norm(x, r, w, s.eps)
+        return max(max_err(got[0], want[0]), max_err(got[1], want[1]))
+
+    record("fused_add_rms_norm", fused, 0.02)
+    g = torch.randn(s.tokens, 2 * s.inter, device=dev, dtype=bf)
+    record("silu_and_mul", lambda: max_err(activation.silu_and_mul(g), ref.silu_and_mul(g)), 0.02)
+
+    inv = 1.0 / (500000.0 ** (torch.arange(0, s.d, 2, device=dev).float() / s.d))
+    cs = ref.rope_cos_sin_cache(s.tokens + 64, s.d, inv)
+    qkv = torch.randn(s.tokens, (s.hq + 2 * s.hk) * s.d, device=dev, dtype=bf)
+    q, k, v = qkv.split([s.hq * s.d, s.hk * s.d, s.hk * s.d], dim=-1)
+    q, k, v = (t.view(s.tokens, -1, s.d) for t in (q, k, v))  # strided views, as the engine passes
+    pos = torch.randperm(s.tokens + 64, device=dev)[:s.tokens]
+
+    def rot(cache_dtype: torch.dtype) -> float:
+        blocks = (s.tokens + s.block_size - 1) // s.block_size + 3
+        kc = torch.zeros(blocks, s.block_size, s.hk, s.d, device=dev, dtype=cache_dtype)
+        caches = [kc.clone() for _ in range(4)]
+        slots = torch.randperm(blocks * s.block_size, device=dev)[:s.tokens]
+        slots[::5] = -1
+        got = rotary.rotary_and_store_kv(q, k, v, pos, cs, caches[0], caches[1], slots, s.d, True, 0.7, 0.9)
+        want = ref.rotary_and_store_kv(q, k, v, pos, cs, caches[2], caches[3], slots, s.d, True, 0.7, 0.9)
+        return max(max_err(got[0], want[0]), max_err(got[1], want[1]),
+                   max_err(caches[0], caches[2]), max_err(caches[1], caches[3]))
+
+    record("rotary_and_store_kv[bfloat16]", lambda: rot(bf), 0.02)
+    record("rotary_and_store_kv[float8_e4m3fn]", lambda: rot(torch.float8_e4m3fn), 0.13)
+
+    scale = s.d ** -0.5
+    b = s.decode_batch
+    lens = torch.randint(1, s.decode_ctx + 1, (b,)).tolist()
+    lens[0] = s.decode_ctx
+
+    def decode(cache_dtype: torch.dtype) -> float:
+        kc, vc, table, cl = paged_kv(lens, s, cache_dtype, dev)
+        qd = torch.randn(b, s.hq, s.d, device=dev, dtype=bf)
+        got = decode_attention.paged_decode_attention(qd, kc, vc, table, cl, scale, 0.5, 1.5)
+        return max_err(got, ref.paged_decode_attention(qd, kc, vc, table, cl, scale, 0.5, 1.5))
+
+    record("paged_decode_attention[bfloat16]", lambda: decode(bf), 0.03)
+    record("paged_decode_attention[float8_e4m3fn]", lambda: decode(torch.float8_e4m3fn), 0.03)
+
+    def extend(cache_dtype: torch.dtype) -> float:
+        # A chunk after a prefix, a fresh prompt, and a single token, packed.
+        q_lens = [max(1, s.tokens // 8), max(1, s.tokens // 16) + 3, 1]
+        ctx = [q_lens[0] + 3 * q_lens[0] + 5, q_lens[1], 1 + s.decode_ctx // 4]
+        kc, vc, table, sl = paged_kv(ctx, s, cache_dtype, dev)
+        qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
+        qe = torch.randn(sum(q_lens), s.hq, s.d, device=dev, dtype=bf)
+        got = extend_attention.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5)
+        return max_err(got, ref.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5))
+
+    record("extend_attention[bfloat16]", lambda: extend(bf), 0.03)
+    record("extend_attention[float8_e4m3fn]", lambda: extend(torch.float8_e4m3fn), 0.03)
+    return res
+
+
+def bench_ms(fn, reps: int = 50, graph: bool = True) -> float:
+    """Median GPU milliseconds per call. With graph, replayed from a CUDA graph so that host launch
+    overhead (as in the engine's graph-captured decode) does not count; plain do_bench otherwise
+    or if capture fails."""
+    import triton.testing
+
+    fn()  # compile outside the capture
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median")
+    except Exception:
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def ceilings(s: Shapes) -> dict:
+    n = s.copy_bytes // 2
+    src = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    # Plain timing: a copy replayed from a graph ran well below its eager speed on an H200.
+    copy_ms = bench_ms(lambda: dst.copy_(src), graph=False)
+    del src, dst
+    a = torch.randn(s.tokens, s.hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(s.hidden, s.inter, device="cuda", dtype=torch.bfloat16)
+    mm_ms = bench_ms(lambda: a @ w, graph=False)
+    return {
+        "copy_gbps": 2 * s.copy_bytes / copy_ms / 1e6,  # bytes read + bytes written
+        "matmul_tflops": 2 * s.tokens * s.hidden * s.inter / mm_ms / 1e9,
+        "matmul_shape": [s.tokens, s.hidden, s.inter],
+    }
+
+
+def decode_case(s: Shapes, cache_dtype: torch.dtype) -> tuple[callable, int]:
+    from kernels import decode_attention
+
+    b, ctx = s.decode_batch, s.decode_ctx
+    kc, vc, table, cl = paged_kv([ctx] * b, s, cache_dtype, "cuda")
+    q = torch.randn(b, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * b * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
+    return (lambda: decode_attention.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5)), moved
+
+
+def extend_case(s: Shapes, q_len: int, prefix: int,
+                cache_dtype: torch.dtype = torch.bfloat16) -> tuple[callable, float]:
+    from kernels import extend_attention
+
+    kc, vc, table, sl = paged_kv([prefix + q_len], s, cache_dtype, "cuda")
+    q = torch.randn(q_len, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    visible = q_len * prefix + q_len * (q_len + 1) // 2  # (query, key) pairs under the causal mask
+    flops = 4.0 * s.hq * s.d * visible
+    return (lambda: extend_attention.extend_attention(q, kc, vc, table, qsl, sl, s.d ** -0.5)), flops
+
+
+def timed(out: dict, name: str, case) -> None:
+    """out[name] = case(), or the error it raised."""
+    try:
+        out[name] = case()
+    except Exception as exc:
+        out[name] = {"error": repr(exc)[:500]}
+
+
+def speed(s: Shapes, ceil: dict) -> dict:
+    from kernels import activation, norm, rotary
+
+    out: dict[str, dict] = {}
+    bf = torch.bfloat16
+
+    def decode(cache_dtype: torch.dtype) -> dict:
+        fn, moved = decode_case(s, cache_dtype)
+        ms = bench_ms(fn)
+        gbps = moved / ms / 1e6
+        return {"us": ms * 1e3, "gbps": gbps, "frac_of_copy": gbps / ceil["copy_gbps"],
+                "batch": s.decode_batch, "ctx": s.decode_ctx}
+
+    def extend(q_len: int, prefix: int, cache_dtype: torch.dtype = bf) -> dict:
+        fn, flops = extend_case(s, q_len, prefix, cache_dtype)
+        ms = bench_ms(fn)
+        tflops = flops / ms / 1e9
+        return {"ms": ms, "tflops": tflops, "frac_of_matmul": tflops / ceil["matmul_tflops"],
+                "q_len": q_len, "prefix": prefix}
+
+    timed(out, "decode_attention_bf16", lambda: decode(bf))
+    timed(out, "decode_attention_fp8", lambda: decode(torch.float8_e4m3fn))
+    timed(out, "extend_attention", lambda: extend(s.tokens, 0))
+    timed(out, "extend_attention_chunk_after_prefix", lambda: extend(s.tokens // 4, 3 * s.tokens // 4))
+    timed(out, "extend_attention_fp8", lambda: extend(s.tokens, 0, torch.float8_e4m3fn))
+
+    t = s.tokens
+    x = torch.randn(t, s.hidden, device="cuda", dtype=bf)
+    r = torch.randn_like(x)
+    w = torch.ones(s.hidden, device="cuda", dtype=bf)
+    g = torch.randn(t, 2 * s.inter, device="cuda", dtype=bf)
+    row = t * s.hidden * 2
+    mem_cases = [
+        ("rms_norm", lambda: norm.rms_norm(x, w, s.eps), 2 * row),
+        ("fused_add_rms_norm", lambda: norm.fused_add_rms_norm(x, r, w, s.eps), 4 * row),
+        ("silu_and_mul", lambda: activation.silu_and_mul(g), 3 * t * s.inter * 2),
+    ]
+    inv = 1.0 / (500000.0 ** (torch.arange(0, s.d, 2, device="cuda").float() / s.d))
+    cs = ref.rope_cos_sin_cache(t, s.d, inv)
+    qkv = torch.randn(t, (s.hq + 2 * s.hk) * s.d, device="cuda", dtype=bf)
+    q, k, v = (y.view(t, -1, s.d) for y in qkv.split([s.hq * s.d, s.hk * s.d, s.hk * s.d], dim=-1))
+    kc = torch.empty((t // s.block_size + 1, s.block_size, s.hk, s.d), device="cuda", dtype=bf)
+    vc = torch.empty_like(kc)
+    pos = torch.arange(t, device="cuda")
+    slots = torch.randperm(t, device="cuda")
+    # q, k, v read; q_rot, k_rot written; k, v written to the cache.
+    rot_bytes = (s.hq + 2 * s.hk) * t * s.d * 2 + (s.hq + s.hk) * t * s.d * 2 + 2 * s.hk * t * s.d * 2
+    mem_cases.append(("rotary_and_store_kv",
+                      lambda: rotary.rotary_and_store_kv(q, k, v, pos, cs, kc, vc, slots, s.d, True), rot_bytes))
+    for name, fn, moved in mem_cases:
+        def case(fn=fn, moved=moved) -> dict:
+            ms = bench_ms(fn)
+            gbps = moved / ms / 1e6
+            return {"us": ms * 1e3, "gbps": gbps, "frac_of_copy": gbps / ceil["copy_gbps"]}
+
+        timed(out, name, case)
+    return out
+
+
+def sweep(s: Shapes) -> dict:
+    """Time the attention kernels over alternative configurations (their module constants)."""
+    from kernels import decode_attention as da
+    from kernels import extend_attention as ea
+
+    def run(fn, amount: float) -> float | str:
+        try:
+            return round(amount / bench_ms(fn, reps=30) / 1e6)
+        except Exception as exc:  # a configuration that does not compile or fit
+            return repr(exc)[:80]
+
+    found: dict[str, list] = {"decode_bf16 [batch, block_n, stages, resident, splits, GB/s]": [],
+                              "decode_fp8 [f16, block_n, stages, GB/s]": [],
+                              "extend [block_m, block_n, warps, stages, TFLOP/s]": []}
+    saved = (da.BLOCK_N, da.NUM_STAGES, da.RESIDENT, da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES)
+    for batch in (8, 64):
+        fn, moved = decode_case(Shapes(decode_batch=batch), torch.bfloat16)
+        for (bn, stages), resident in itertools.product(((64, 3), (64, 2), (128, 2)), (2, 4, 8)):
+            da.BLOCK_N, da.NUM_STAGES, da.RESIDENT = bn, stages, resident
+            splits = da.choose_splits(batch, s.hk, s.decode_ctx, 132)[0]
+            found["decode_bf16 [batch, block_n, stages, resident, splits, GB/s]"].append(
+                [batch, bn, stages, resident, splits, run(fn, moved)])
+    da.BLOCK_N, da.NUM_STAGES, da.RESIDENT = saved[:3]
+    fn, moved = decode_case(s, torch.float8_e4m3fn)
+    for f16, (bn, stages) in itertools.product((True, False), ((64, 1), (64, 2), (64, 3), (128, 1), (128, 2))):
+        da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES = f16, bn, stages
+        found["decode_fp8 [f16, block_n, stages, GB/s]"].append([f16, bn, stages, run(fn, moved)])
+    da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES = saved[3:]
+    saved = (ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES)
+    fn, flops = extend_case(s, s.tokens, 0)
+    for cfg in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)):
+        ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = cfg
+        found["extend [block_m, block_n, warps, stages, TFLOP/s]"].append([*cfg, run(fn, flops / 1e3)])
+    ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = saved
+    return found
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, on CPU")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--cpu-smoke needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+            return 2
+        result = {"mode": "cpu-smoke", "shapes": asdict(SMOKE), "correctness": correctness(SMOKE, "cpu")}
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        s = Shapes()
+        result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),
+                  "correctness": correctness(s, "cuda")}
+        ceil = ceilings(s)
+        result["ceilings"] = ceil
+        result["speed"] = speed(s, ceil)
+        frac = result["speed"]["decode_attention_bf16"].get("frac_of_copy", 0.0)
+        result["decode_target_met"] = frac >= 0.8
+        if args.sweep:
+            result["sweep"] = sweep(s)
+    result["all_correct"] = all(c["ok"] for c in result["correctness"].values())
+    print(json.dumps(result, indent=1))
+    return 0 if result["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

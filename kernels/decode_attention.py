@@ -1,0 +1,222 @@
+"""Triton paged decode attention: split-KV flash-decoding with GQA grouping.
+
+Stage 1: one program per (sequence, KV head, KV split) loads each K/V tile of its split once
+and scores it against all the query heads of that KV head's group with tl.dot, keeping an
+online softmax in fp32; it writes a normalized partial output and its log-sum-exp (log2 domain).
+Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp.
+With a single split, stage 1 writes the final output directly.
+Every launch decision depends only on tensor shapes (block_tables.shape[1] bounds the context),
+so a captured CUDA graph stays valid for any context lengths.
+Semantics match kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import dot, next_pow2, num_sms, upcast_dots
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # KV tokens per iteration: 4 blocks of 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_PARTITION = 256  # fewest KV tokens a split is given
+MAX_SPLITS = 64
+RESIDENT = 4  # stage-1 programs an SM holds at once (registers bound it at this tile size)
+# FP8 caches: the tile config, and whether the dots run in fp16 rather than q's dtype
+# (e4m3 -> fp16 is one instruction per pair; q is clamped to the fp16 range first).
+FP8_BLOCK_N = 128
+FP8_NUM_STAGES = 2
+FP8_F16 = True
+
+
+@triton.jit
+def _decode_stage1(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
+    o_s0, o_s1, o_s2, lse_s0, lse_s1,
+    qk_scale, v_scale, partition,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    start = split * partition
+    if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
+        end = tl.minimum(start + partition, ctx)
+        h = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + h
+        d = tl.arange(0, D_PAD)
+        h_mask = h < GROUP
+        d_mask = d < D
+        q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        if F16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+        bt_row = bt_ptr + b * bt_s0
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs < end
+            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot_off = offs % BLOCK_SIZE
+            if D == D_PAD:
+                kv_mask = n_mask[:, None]
+            else:
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            s = dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+            m_i = m_new
+        has = l_i > 0.0
+        out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
+        o_mask = h_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + split * o_s2 + d[None, :], out, mask=o_mask)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2(
+    o_ptr, lse_ptr, ctx_ptr, out_ptr,
+    o_s0, o_s1, o_s2, lse_s0, lse_s1, out_s0, out_s1, partition,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + b)
+    n_valid = (ctx + partition - 1) // partition
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    s_mask = s < n_valid
+    lse = tl.load(lse_ptr + b * lse_s0 + head * lse_s1 + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (context 0): all weights are 0
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    parts = tl.load(o_ptr + b * o_s0 + head * o_s1 + s[:, None] * o_s2 + d[None, :],
+                    mask=(w > 0.0)[:, None] & (d < D)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * out_s0 + head * out_s1 + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int) -> tuple[int, int]:
+    """(num_splits, partition tokens) for a launch; depends on shapes only.
+
+    Splits only until (sequence, KV head, split) programs fill one round of resident programs
+    (RESIDENT per SM): more, shorter programs cost more than they balance. Each split gets at
+    least MIN_PARTITION tokens, and the partition is a power of two (a multiple of BLOCK_N).
+    """
+    pairs = max(1, batch * num_kv_heads)
+    wanted = max(1, min(MAX_SPLITS, RESIDENT * sms // pairs))
+    partition = triton.cdiv(max(1, max_context), wanted)
+    partition = max(MIN_PARTITION, next_pow2(partition))
+    splits = triton.cdiv(max(1, max_context), partition)
+    while splits > MAX_SPLITS:
+        partition *= 2
+        splits = triton.cdiv(max_context, partition)
+    return splits, partition
+
+
+def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor) -> tuple[int, int]:
+    """Validate shapes shared by the attention kernels; return (group size, block size)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[3] != q.shape[2] or c.stride(-1) != 1:
+            raise ValueError(f"{name} must be [blocks, block_size, kv_heads, {q.shape[2]}] with a contiguous last dim")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same shape and dtype")
+    hq, hk = q.shape[1], k_cache.shape[2]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"query heads {hq} must be a multiple of kv heads {hk}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [seqs, max_blocks], got shape {tuple(block_tables.shape)}")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return hq // hk, block_size
+
+
+def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The dequantization scales in force: only FP8 caches are scaled (as in the reference)."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        return float(k_scale), float(v_scale)
+    return 1.0, 1.0
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """q [B, Hq, D] attends to its first context_lens[b] cached tokens; returns [B, Hq, D] in q.dtype."""
+    group, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
+    bsz, hq, dim = q.shape
+    hk = k_cache.shape[2]
+    if block_tables.shape[0] < bsz or context_lens.shape[0] < bsz:
+        raise ValueError("block_tables and context_lens need a row per sequence in q")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((bsz, hq, dim), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    splits, partition = choose_splits(bsz, hk, max_context, num_sms(q.device))
+    d_pad = max(16, next_pow2(dim))
+    block_h = max(16, next_pow2(group))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
+    qk_scale = float(scale) * k_scale * LOG2E
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
+    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if fp8 else (BLOCK_N, NUM_STAGES)
+    if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
+        block_n, stages = 64, min(stages, 2)
+    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+                  PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
+                  num_warps=NUM_WARPS, num_stages=stages)
+    kc, vc = k_cache, v_cache
+    if splits == 1:
+        _decode_stage1[(bsz, hk, 1)](
+            q, kc, vc, block_tables, context_lens, out, out,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, 0, 0,
+            qk_scale, float(v_scale), partition, DIRECT=True, **common,
+        )
+        return out
+    partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_stage1[(bsz, hk, splits)](
+        q, kc, vc, block_tables, context_lens, partial, lse,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        qk_scale, float(v_scale), partition, DIRECT=False, **common,
+    )
+    _decode_stage2[(bsz, hq)](
+        partial, lse, context_lens, out,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), partition,
+        D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), num_warps=4,
+    )
+    return out

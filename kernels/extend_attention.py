@@ -1,0 +1,170 @@
+"""Triton extend (prefill) attention over a paged KV cache.
+
+Queries of several sequences are packed ([T, Hq, D], rows split by query_start_loc). A sequence's
+new tokens are the last q_len of its seq_len cached tokens (rotary_and_store_kv already wrote
+them), so the whole context, prefix and new tokens alike, is read from the cache through the
+block table. One program per (query head, BLOCK_M query rows of one sequence): flash-attention
+online softmax in fp32, tl.dot on tensor cores, KV tiles before the tile's first query position
+run without a mask, tiles past its last query position are never visited. The tile -> sequence
+map is found in the kernel by binary search over query_start_loc, so a launch needs no host sync.
+Semantics match kernels.reference.extend_attention.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
+from kernels.triton_common import dot, next_pow2, upcast_dots
+
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8  # two warpgroups, 64 query rows each, on wgmma
+NUM_STAGES = 3
+FP8_F16 = True  # FP8 caches: dots in fp16 (see decode_attention.FP8_F16)
+
+
+@triton.jit
+def _load_kv(ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+    kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < kv_end
+    if MASKED:
+        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
+    slot_off = offs % BLOCK_SIZE
+    k = _load_kv(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
+                 n_mask, d_mask, MASKED, EVEN_D)
+    s = dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
+    if MASKED:
+        s = tl.where((offs[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps a finite max, so exp2 never sees -inf - -inf (NaN).
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                 n_mask, d_mask, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    q_s0, q_s1, o_s0, o_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
+    num_seqs, num_tiles, qk_scale, v_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr,
+):
+    head = tl.program_id(0)  # heads vary fastest: a GQA group's programs share K/V through L2
+    tile = num_tiles - 1 - tl.program_id(1)  # later query tiles see more keys: start them first
+    kvh = head // GROUP
+    # Sequence i owns tiles [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1): at least
+    # cdiv(q_len_i, BLOCK_M) of them, num_tiles = T // BLOCK_M + B in all. Find the owner.
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid
+        else:
+            hi = mid
+    seq = lo
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    m_block = tile - (q_start // BLOCK_M + seq)
+    if m_block * BLOCK_M < q_len:
+        ctx = tl.load(seq_lens_ptr + seq)
+        first_pos = ctx - q_len + m_block * BLOCK_M
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = first_pos + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < D
+        tok = (q_start + rows).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * q_s0 + head * q_s1 + d[None, :],
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if F16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
+        kv_end = tl.minimum(ctx, first_pos + BLOCK_M)
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+                                         kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
+                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION, UPCAST)
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+                                         kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
+                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION, UPCAST)
+        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+        tl.store(out_ptr + tok[:, None] * o_s0 + head * o_s1 + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens q [T, Hq, D] over their paged context (see module doc).
+
+    query_start_loc: int32 [B+1]; seq_lens: [B] context lengths including the new tokens;
+    block_tables: int32 [B, max_blocks]. Returns a new [T, Hq, D] tensor in q.dtype.
+    """
+    group, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs < 0 or seq_lens.shape[0] < num_seqs or block_tables.shape[0] < num_seqs:
+        raise ValueError("query_start_loc must be [B+1] with seq_lens and block_tables rows for each B")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tokens, hq, dim = q.shape
+    out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or num_seqs == 0:
+        return out
+    num_tiles = tokens // BLOCK_M + num_seqs
+    k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
+    d_pad = max(16, next_pow2(dim))
+    # Shared memory holds NUM_STAGES K and V tiles: shrink them past 128 x 16-bit per row.
+    block_n, stages = (BLOCK_N, NUM_STAGES) if d_pad * q.element_size() <= 256 else (64, 2)
+    kc, vc = k_cache, v_cache
+    _extend_kernel[(hq, num_tiles)](
+        q, kc, vc, block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        block_tables.stride(0), num_seqs, num_tiles,
+        float(scale) * k_scale * LOG2E, v_scale,
+        GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
+        num_warps=NUM_WARPS, num_stages=stages,
+    )
+    return out

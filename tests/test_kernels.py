@@ -1,0 +1,243 @@
+"""Every Triton kernel against its torch reference (kernels.reference), on CPU, through the interpreter.
+
+Triton picks the interpreter when a kernel is decorated, i.e. when a kernel module is imported,
+from TRITON_INTERPRET. Setting it at the top of this module would depend on no other test having
+imported a kernel module (or triton) first, so each case runs instead in a fresh interpreter:
+`python tests/test_kernels.py CASE SEED` with TRITON_INTERPRET=1 and TANDEM_KERNELS=triton in its
+environment, before anything imports triton. Kernels are called through kernels.ops, so the
+dispatch is exercised too. Inputs are fresh random tensors each run; the seed is printed on failure.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP8 = torch.float8_e4m3fn
+# (atol, rtol) per input dtype. bf16 is loose: the interpreter rounds fp32 -> bf16 by truncation.
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def fp8_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Within one e4m3 step: 1/8 relative for normal values, 2^-9 absolute for subnormal ones."""
+    torch.testing.assert_close(got.float(), want.float(), atol=2.0 ** -8, rtol=0.13, msg=lambda m: f"{what}: {m}")
+
+
+def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+def paged(lens: list[int], block_size: int, hk: int, d: int, dtype: torch.dtype, width: int | None = None):
+    """Random K/V caches and random non-contiguous int32 block tables for sequences of `lens` tokens."""
+    need = [(n + block_size - 1) // block_size for n in lens]
+    width = max(width or 1, *need, 1)
+    num_blocks = sum(need) + 5
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    table = torch.randint(0, num_blocks, (len(lens), width), dtype=torch.int32)  # junk past the context
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    shape = (num_blocks, block_size, hk, d)
+    kc = (torch.randn(shape) * 2).to(dtype)
+    vc = (torch.randn(shape) * 2).to(dtype)
+    return kc, vc, table
+
+
+# ---- cases: each runs in the subprocess and raises on a mismatch ----
+
+def case_norm() -> None:
+    from kernels import ops, reference as ref
+
+    for dtype, (rows, hidden) in itertools.product(TOL, ((1, 64), (7, 100), (33, 257))):
+        x, r = rand(rows, hidden, dtype=dtype), rand(rows, hidden, dtype=dtype)
+        w = torch.rand(hidden) + 0.5
+        close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype, f"rms_norm {dtype} {x.shape}")
+        got, want = ops.fused_add_rms_norm(x, r, w, 1e-5), ref.fused_add_rms_norm(x, r, w, 1e-5)
+        assert got[0].dtype == dtype and got[1].shape == x.shape
+        close(got[0], want[0], dtype, f"fused_add_rms_norm out {dtype} {x.shape}")
+        close(got[1], want[1], dtype, f"fused_add_rms_norm residual {dtype} {x.shape}")
+    # q/k norm on a strided [T, H, D] slice of a fused qkv output, and a non-contiguous 2-D x.
+    for dtype in TOL:
+        qkv = rand(5, (3 + 2) * 32, dtype=dtype)
+        q = qkv[:, : 3 * 32].view(5, 3, 32)
+        w = torch.rand(32, dtype=dtype) + 0.5
+        close(ops.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6), dtype, f"rms_norm strided 3-D {dtype}")
+        x, r, w = rand(48, 6, dtype=dtype).t(), rand(6, 48, dtype=dtype), torch.rand(48) + 0.5
+        got, want = ops.fused_add_rms_norm(x, r, w, 1e-6), ref.fused_add_rms_norm(x, r, w, 1e-6)
+        close(got[0], want[0], dtype, f"fused_add_rms_norm transposed {dtype}")
+
+
+def case_activation() -> None:
+    from kernels import ops, reference as ref
+
+    for dtype, shape in itertools.product(TOL, ((5, 96), (2, 3, 200), (1, 74), (3, 4100))):
+        x = rand(*shape, dtype=dtype, scale=3.0)
+        got = ops.silu_and_mul(x)
+        assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
+        close(got, ref.silu_and_mul(x), dtype, f"silu_and_mul {dtype} {shape}")
+
+
+def case_rotary() -> None:
+    from kernels import ops, reference as ref
+
+    configs = [  # (dtype, cache dtype, hq, hk, d, rotary_dim, is_neox, block_size)
+        (torch.float32, torch.float32, 4, 4, 64, 64, True, 16),
+        (torch.float32, torch.float32, 4, 2, 64, 32, False, 16),  # GLM: interleaved, partial
+        (torch.bfloat16, torch.bfloat16, 8, 2, 128, 128, True, 32),
+        (torch.bfloat16, torch.bfloat16, 4, 1, 128, 64, False, 16),
+        (torch.float16, torch.float16, 2, 2, 32, 16, True, 16),
+        (torch.float32, FP8, 4, 2, 64, 64, True, 16),
+        (torch.bfloat16, FP8, 4, 2, 64, 32, False, 16),
+        (torch.float32, torch.float32, 3, 1, 48, 24, True, 16),  # head_dim not a power of two
+    ]
+    for dtype, cdt, hq, hk, d, rot, neox, bs in configs:
+        what = f"rotary {dtype} cache={cdt} hq={hq} hk={hk} d={d} rot={rot} neox={neox}"
+        t = int(torch.randint(1, 40, ()).item())
+        qkv = rand(t, (hq + 2 * hk) * d, dtype=dtype, scale=3.0)
+        q, k, v = (y.view(t, -1, d) for y in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+        cos_sin = ref.rope_cos_sin_cache(512, rot, inv)
+        pos = torch.randint(0, 512, (t,))
+        blocks = t // bs + 3
+        slots = torch.randperm(blocks * bs)[:t]
+        slots[torch.rand(t) < 0.25] = -1
+        k_scale, v_scale = (0.3, 0.7) if cdt == FP8 else (1.0, 1.0)
+        start = (torch.randn(blocks, bs, hk, d) * 2).to(cdt)
+        caches = [start.clone() for _ in range(4)]
+        got = ops.rotary_and_store_kv(q, k, v, pos, cos_sin, caches[0], caches[1], slots, rot, neox, k_scale, v_scale)
+        want = ref.rotary_and_store_kv(q, k, v, pos, cos_sin, caches[2], caches[3], slots, rot, neox, k_scale, v_scale)
+        close(got[0], want[0], dtype, what + " q", scale=3.0)
+        close(got[1], want[1], dtype, what + " k", scale=3.0)
+        if cdt == FP8:
+            fp8_close(caches[0], caches[2], what + " k cache")
+            fp8_close(caches[1], caches[3], what + " v cache")
+        else:
+            close(caches[0], caches[2], dtype, what + " k cache", scale=3.0)
+            close(caches[1], caches[3], dtype, what + " v cache", scale=3.0)
+        written = torch.zeros(blocks * bs, dtype=torch.bool)
+        written[slots[slots >= 0]] = True
+        for c in caches[:2]:  # slots not written (incl. the skipped ones) keep their bytes
+            flat, orig = c.view(blocks * bs, -1), start.view(blocks * bs, -1)
+            assert torch.equal(flat[~written].view(torch.uint8), orig[~written].view(torch.uint8)), what
+        close(ops.apply_rotary(q, pos, cos_sin, rot, neox), ref.apply_rotary(q, pos, cos_sin, rot, neox),
+              dtype, what + " apply_rotary", scale=3.0)
+        mine, theirs = start.clone(), start.clone()
+        ops.store_kv(k, v, mine, caches[1], slots, k_scale, v_scale)
+        ref.store_kv(k, v, theirs, caches[3], slots, k_scale, v_scale)
+        (fp8_close if cdt == FP8 else lambda a, b, w: close(a, b, dtype, w, 3.0))(mine, theirs, what + " store_kv")
+
+
+def case_decode() -> None:
+    from kernels import ops, reference as ref
+
+    configs = [  # (dtype, cache dtype, batch, hq, hk, d, block_size, table width in blocks)
+        (torch.float32, torch.float32, 3, 4, 4, 32, 16, 6),  # GQA 1, one split
+        (torch.float32, torch.float32, 4, 4, 2, 64, 16, 40),  # GQA 2, several splits
+        (torch.bfloat16, torch.bfloat16, 5, 8, 2, 32, 16, 30),  # GQA 4
+        (torch.bfloat16, torch.bfloat16, 1, 4, 1, 128, 32, 12),
+        (torch.float16, torch.float16, 2, 2, 1, 64, 16, 24),
+        (torch.bfloat16, FP8, 3, 4, 2, 64, 16, 33),
+        (torch.float32, FP8, 2, 2, 2, 32, 32, 4),
+        (torch.float32, torch.float32, 2, 3, 1, 48, 16, 20),  # head_dim not a power of two
+    ]
+    for dtype, cdt, b, hq, hk, d, bs, width in configs:
+        what = f"decode {dtype} cache={cdt} b={b} hq={hq} hk={hk} d={d} bs={bs} width={width}"
+        lens = torch.randint(1, width * bs + 1, (b,)).tolist()
+        lens[0] = width * bs  # a full table, often a block multiple
+        if b > 2:
+            lens[1] = 0  # a padded batch row: zeros
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        q = rand(b, hq, d, dtype=dtype)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        k_scale, v_scale = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
+        got = ops.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, k_scale, v_scale)
+        assert got.shape == q.shape and got.dtype == dtype and torch.isfinite(got.float()).all(), what
+        live = ctx > 0  # an empty context gives zeros (the batched reference gives NaN there)
+        assert torch.equal(got[~live].float(), torch.zeros_like(got[~live].float())), what
+        want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, k_scale, v_scale)
+        close(got[live], want, dtype, what, scale=2.0)
+
+
+def case_extend() -> None:
+    from kernels import ops, reference as ref
+
+    configs = [  # (dtype, cache dtype, hq, hk, d, block_size, [(q_len, prefix), ...])
+        (torch.float32, torch.float32, 2, 2, 32, 16, [(131, 0)]),  # two query tiles, no prefix
+        (torch.float32, torch.float32, 4, 2, 32, 16, [(1, 20), (0, 7), (37, 50), (5, 0)]),
+        (torch.bfloat16, torch.bfloat16, 4, 1, 64, 16, [(70, 133), (1, 0)]),
+        (torch.float16, torch.float16, 2, 1, 32, 32, [(19, 77), (3, 3)]),
+        (torch.bfloat16, FP8, 4, 2, 32, 16, [(45, 60), (2, 0)]),
+        (torch.float32, torch.float32, 2, 1, 128, 16, [(9, 30)]),
+        (torch.float32, torch.float32, 3, 3, 48, 16, [(20, 11)]),  # head_dim not a power of two
+    ]
+    for dtype, cdt, hq, hk, d, bs, seqs in configs:
+        what = f"extend {dtype} cache={cdt} hq={hq} hk={hk} d={d} bs={bs} seqs={seqs}"
+        lens = [n + p for n, p in seqs]
+        kc, vc, table = paged(lens, bs, hk, d, cdt)
+        qsl = torch.tensor([0] + list(itertools.accumulate(n for n, _ in seqs)), dtype=torch.int32)
+        q = rand(int(qsl[-1]), hq, d, dtype=dtype)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        k_scale, v_scale = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
+        got = ops.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, k_scale, v_scale)
+        want = ref.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, k_scale, v_scale)
+        assert got.shape == q.shape and got.dtype == dtype, what
+        close(got, want, dtype, what, scale=2.0)
+
+
+def case_dispatch() -> None:
+    """Runs without TRITON_INTERPRET and with triton made unimportable."""
+    sys.modules["triton"] = None  # `import triton` now raises ImportError
+    from kernels import ops, reference as ref
+
+    x, w = torch.randn(3, 16), torch.rand(16)
+    for mode in ("auto", "reference"):
+        os.environ["TANDEM_KERNELS"] = mode
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)), mode
+    assert not ops.triton_available()
+    os.environ["TANDEM_KERNELS"] = "triton"
+    try:
+        ops.silu_and_mul(x)
+    except ops.KernelBackendError:
+        pass
+    else:
+        raise AssertionError("TANDEM_KERNELS=triton without triton must raise KernelBackendError")
+    os.environ["TANDEM_KERNELS"] = "fastest"
+    try:
+        ops.silu_and_mul(x)
+    except ValueError as exc:
+        assert "TANDEM_KERNELS" in str(exc)
+    else:
+        raise AssertionError("an unknown TANDEM_KERNELS value must raise ValueError")
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference(case: str) -> None:
+    seed = secrets.randbelow(2**31)
+    env = dict(os.environ, TANDEM_KERNELS="triton", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["TRITON_INTERPRET"] = "0" if case == "dispatch" else "1"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), case, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"case {case} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"ok {case}" in proc.stdout
+
+
+if __name__ == "__main__":
+    name, seed_arg = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(seed_arg)
+    CASES[name]()
+    print(f"ok {name}")
