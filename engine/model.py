@@ -125,7 +125,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
+        # float32 whatever the model dtype, on the model's device (kernels read it directly).
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config, self.embed_tokens.weight.device),
+                             persistent=False)
 
     def forward(
         self,

@@ -153,6 +153,8 @@ class Scheduler:
         or None when the blocks cannot be had without preemption. The sequence waits in
         `reserved` (not scheduled) until `activate` or `release`.
         """
+        if seq.request_id in self._by_id or seq.request_id in self.held:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in the engine")
         bs = self.config.block_size
         match = self.cache.match_prefix(seq.prompt_token_ids)
         need = -(-(seq.num_prompt_tokens + 1) // bs) - len(match.block_ids)

@@ -35,7 +35,7 @@ def load_model(
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device(device), _default_dtype(dtype):
         model = CausalLM(config)
-    model.cos_sin_cache = model.cos_sin_cache.float()
+    model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

@@ -178,7 +178,7 @@ def paged_decode_attention(
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale  # [B, Hk, G, L]
     pad = torch.arange(nb * block_size, device=q.device)[None, :] >= context_lens[:, None].long()
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty context attends to nothing: zeros
     return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d).to(q.dtype)
 
 
