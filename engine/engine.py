@@ -257,7 +257,12 @@ class Engine:
                 return seq.text
             tail, _ = matcher.feed(detok.flush())
             return seq.text + tail + matcher.flush()
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        # Decode in the prompt's context (as the gateway streams it): a SentencePiece output that
+        # starts a new word keeps its leading space.
+        from tandem.detokenize import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+        return detok.push(seq.output_token_ids) + detok.flush()
 
     # ---- introspection --------------------------------------------------------------------
     @property
