@@ -5,7 +5,6 @@ Mistral, Qwen2, Qwen3 and GLM differ.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -169,19 +168,3 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"config.json: not valid JSON ({e})") from e
         return cls.from_dict(cfg)
-
-
-def model_identity(model_dir: str | Path, load_format: str = "auto") -> str:
-    """A stable name for (config, tokenizer, weights source): seeds block hashes and the index namespace.
-
-    Independent of the directory's path, so two machines with the same model share index entries.
-    """
-    d = Path(model_dir)
-    h = hashlib.blake2b(digest_size=8)
-    for name in ("config.json", "tokenizer.json"):
-        p = d / name
-        if p.is_file():
-            h.update(p.read_bytes())
-    h.update(load_format.encode())
-    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-    return f"{cfg.get('model_type', 'model')}-{h.hexdigest()}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.block_allocator import BlockAllocator
-from engine.config import ModelConfig, model_identity, parse_dtype
+from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
@@ -22,7 +22,7 @@ from engine.sampler import Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.weights import load_model
-from tandem.hashing import seed_hash
+from tandem.hashing import model_identity, seed_hash
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
 

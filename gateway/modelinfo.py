@@ -3,13 +3,13 @@ torch: vocabulary size, context length, EOS ids, dtype, and the model identity t
 block hashes (the same string the engine computes, so gateway and workers hash alike)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.hashing import model_identity
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,20 +26,6 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]
     dtype: str
     tokenizer: Tokenizer
-
-
-def model_identity(model_dir: str | Path, load_format: str = "auto") -> str:
-    """`engine.config.model_identity` without torch: model type plus a blake2b digest of
-    config.json, tokenizer.json and the load format."""
-    d = Path(model_dir)
-    h = hashlib.blake2b(digest_size=8)
-    for name in ("config.json", "tokenizer.json"):
-        p = d / name
-        if p.is_file():
-            h.update(p.read_bytes())
-    h.update(load_format.encode())
-    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-    return f"{cfg.get('model_type', 'model')}-{h.hexdigest()}"
 
 
 def load_served_model(model_dir: str | Path, *, load_format: str = "auto", max_context: int | None = None,

@@ -5,13 +5,31 @@ Workers publish these hashes and the gateway looks them up, so both must call th
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import xxhash
 
 _LE64 = struct.Struct("<Q")
+
+
+def model_identity(model_dir: str | Path, load_format: str = "auto") -> str:
+    """A stable name for (config, tokenizer, weights source): seeds block hashes and names the
+    index namespace. Independent of the directory's path, so two machines serving the same
+    model share index entries."""
+    d = Path(model_dir)
+    h = hashlib.blake2b(digest_size=8)
+    for name in ("config.json", "tokenizer.json"):
+        p = d / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    h.update(load_format.encode())
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    return f"{cfg.get('model_type', 'model')}-{h.hexdigest()}"
 
 
 def seed_hash(model_identity: str) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.demo import write_byte_tokenizer
-from gateway.modelinfo import ServedModel, load_served_model, model_identity
+from gateway.modelinfo import ServedModel, load_served_model
 from gateway.validate import InvalidRequest, check_request_id, validate_request
 from tandem import wire
 from tandem.types import SamplingParams, Tier
@@ -40,15 +40,20 @@ def check(model: ServedModel, prompt, params: SamplingParams | None = None, **kw
     return validate_request(inp, model, max_tokens_set=has_max)
 
 
-def test_model_facts_and_identity_match_the_engine(model: ServedModel, tmp_path: Path) -> None:
-    from engine.config import model_identity as engine_identity
+def test_model_facts_and_identity(model: ServedModel, tmp_path: Path) -> None:
+    from tandem.hashing import model_identity
 
     assert model.vocab_size == VOCAB and model.max_context == CONTEXT and 257 in model.eos_token_ids
     d = tmp_path / "m"
     write_byte_tokenizer(d)
     (d / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": VOCAB}))
-    for fmt in ("auto", "dummy"):
-        assert model_identity(d, fmt) == engine_identity(d, fmt)
+    ids = {fmt: load_served_model(d, load_format=fmt).identity for fmt in ("auto", "dummy")}
+    assert ids == {fmt: model_identity(d, fmt) for fmt in ids}  # the id the workers' engines use
+    assert ids["auto"] != ids["dummy"] and ids["auto"].startswith("qwen2-")
+    other = tmp_path / "m2"
+    write_byte_tokenizer(other)
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 8}))
+    assert model_identity(other) != ids["auto"]  # another config, another namespace
     assert load_served_model(d, max_context=100).max_context == 100  # capped below the default 2048
 
 
