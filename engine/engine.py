@@ -88,8 +88,6 @@ class Engine:
             block_size=config.block_size,
             max_running=config.max_running,
             max_batched_tokens=config.max_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_prefix_cache=config.enable_prefix_cache,
             num_host_blocks=num_host,
         )
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, kv_dtype, device, num_host)

@@ -27,8 +27,6 @@ class SchedulerConfig:
     block_size: int = 16
     max_running: int = 256
     max_batched_tokens: int = 4096
-    max_model_len: int = 2048
-    enable_prefix_cache: bool = True
     num_host_blocks: int = 0
 
     def __post_init__(self) -> None:

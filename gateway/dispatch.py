@@ -23,7 +23,9 @@ DISPATCH_LOG_SIZE = 4096
 
 @dataclass(frozen=True)
 class DispatchEvent:
-    """One line of the dispatch log: kind is "enqueue" or "dispatch"; `order` increases."""
+    """One line of the dispatch log: kind is "enqueue", "dispatch" (`worker` is the decode or
+    role-both worker), or "prefill" (`worker` computed the prompt: a prefill worker, or the
+    decode worker itself for a local prefill); `order` increases."""
 
     order: int
     kind: str
@@ -41,6 +43,7 @@ class Waiter:
     prompt_tokens: int
     needed_blocks: int
     matches: Mapping[str, int] = field(default_factory=dict)  # prefix-index match of the prompt
+    hashes: tuple[int, ...] = ()  # the prompt's block hashes; empty while the index is unusable
     avoid: set[str] = field(default_factory=set)  # workers that failed this request
     future: asyncio.Future[WorkerHandle] | None = None
 
@@ -112,6 +115,10 @@ class Dispatcher:
         worker.inflight = max(0, worker.inflight - 1)
         self.wake()
 
+    def note_prefill(self, request_id: str, tier: Tier, worker: WorkerHandle) -> None:
+        """Log which worker computes a request's prompt (tests and benchmarks read it)."""
+        self.log.append(DispatchEvent(next(self._order), "prefill", request_id, tier, worker=worker.name))
+
     # ---------------------------------------------------------------- the loop
 
     def _has_slot(self) -> bool:
@@ -148,17 +155,21 @@ class Dispatcher:
         cands = preferred or free
         if len(cands) == 1:
             return cands[0]
+        # Requests admitted together were matched before any of them was placed.
+        matches = self.router.with_recent(waiter.matches, waiter.hashes)
         if all(h.role == "both" for h in cands):
             # Colocated workers prefill too: prefer the one holding the prompt's prefix.
-            decision = self.router.route([h.name for h in cands], waiter.prompt_tokens, waiter.matches,
+            decision = self.router.route([h.name for h in cands], waiter.prompt_tokens, matches,
                                          request_id=waiter.request_id)
+            self.router.remember(decision.worker_id, waiter.hashes)
             if self.metrics is not None:
                 self.metrics.routing.labels(decision.reason).inc()
             return next(h for h in cands if h.name == decision.worker_id)
         by_name = {h.name: h for h in cands}
-        sticky = max(cands, key=lambda h: waiter.matches.get(h.name, 0))
+        # The decode worker holding the longest prefix (e.g. the previous turn) gets a bonus.
+        sticky = max(cands, key=lambda h: matches.get(h.name, 0))
         name = pick_decode({h.name: (h.free_blocks, h.inflight) for h in cands}, waiter.needed_blocks,
-                           sticky.name if waiter.matches.get(sticky.name) else None,
+                           sticky.name if matches.get(sticky.name) else None,
                            sticky_bonus=self.sticky_bonus)
         if name is None:  # nobody has room by the (slightly stale) stats: least loaded, Reserve decides
             return min(cands, key=lambda h: (h.inflight, -h.free_blocks, h.name))

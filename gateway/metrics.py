@@ -41,6 +41,11 @@ class GatewayMetrics:
                               ["status"], registry=r)
         self.routing = Counter("tandem_gateway_routing_decisions", "Prefill routing decisions by reason",
                                ["reason"], registry=r)
+        self.prefill_requests = Counter("tandem_gateway_prefill_requests", "Prompts sent to be computed, by the "
+                                        "worker computing them (a decode worker prefilling locally counts too)",
+                                        ["worker"], registry=r)
+        self.index_degraded = Gauge("tandem_gateway_prefix_index_degraded",
+                                    "1 while the prefix index is unreachable (routing is load-only)", registry=r)
         self.dispatched = Counter("tandem_gateway_dispatched", "Requests dispatched, by tier and the tier "
                                   "they competed in after aging", ["tier", "effective_tier"], registry=r)
         self.retries = Counter("tandem_gateway_retries", "Attempts restarted after a worker failure, by the stage "

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,15 +118,20 @@ class RequestRunner:
         if self._background:
             await asyncio.wait(list(self._background), timeout=ABORT_TIMEOUT_S)
 
-    async def prefix_matches(self, token_ids: tuple[int, ...]) -> dict[str, int]:
-        """Prefix-index match of `token_ids` ({} without an index or when it is degraded)."""
+    async def prefix_lookup(self, token_ids: Sequence[int]) -> tuple[tuple[int, ...], dict[str, int]]:
+        """(block hashes, prefix-index match) of `token_ids`; ((), {}) without an index or
+        while it is degraded (Redis unreachable), so routing is load-only then."""
         if self.index is None or self.router.config.policy != "cache_aware":
-            return {}
+            return (), {}
+        hashes = tuple(block_hashes(token_ids, self.block_size, self.hash_seed))
         try:
-            return await self.index.amatch(block_hashes(token_ids, self.block_size, self.hash_seed))
+            matches = await self.index.amatch(hashes)
         except Exception as exc:  # the index is a hint; routing goes on load-only
             logger.warning("prefix index lookup failed: %r", exc)
-            return {}
+            return (), {}
+        if self.index.degraded:
+            return (), {}
+        return hashes, matches
 
     # ---------------------------------------------------------------- top level
 
@@ -194,8 +199,11 @@ class RequestRunner:
         tokens = list(st.admitted.prompt_ids) + st.assembler.output_ids
         n_out = st.assembler.delivered
         prefill = [h for h in self.registry.prefill_workers() if h.routable]
-        local = d.role == "both" or not prefill or len(tokens) <= self.local_prefill_tokens
-        if local:
+        if d.role == "both" or not prefill or self._prefill_locally(st, d, len(tokens)):
+            if d.role != "both":
+                self.metrics.routing.labels("local").inc()
+                self.router.remember(d.name, st.ticket.item.hashes if st.ticket is not None else ())
+            self._note_prefill(st, wrid, d)
             req = adapters.generate_on_worker_request(wrid, tokens, st.admitted.params, st.admitted.tier,
                                                       st.remaining(), n_out)
             call = d.stub.PrefillAndDecode(req, timeout=st.remaining())
@@ -203,6 +211,20 @@ class RequestRunner:
             await self._consume(st, d, wrid, call)
         else:
             await self._disaggregated(st, d, wrid, tokens, n_out, prefill)
+
+    def _prefill_locally(self, st: RequestState, d: WorkerHandle, num_tokens: int) -> bool:
+        """Conditional disaggregation: the decode worker prefills the prompt itself when what it
+        lacks of it (the prompt minus the prefix the index says it holds) is at most
+        `local_prefill_tokens`, as a remote prefill plus KV transfer would cost more."""
+        if self.local_prefill_tokens <= 0:
+            return False
+        held = st.ticket.item.matches.get(d.name, 0) if st.ticket is not None else 0
+        uncached = num_tokens - min(held * self.block_size, num_tokens - 1)
+        return uncached <= self.local_prefill_tokens
+
+    def _note_prefill(self, st: RequestState, wrid: str, w: WorkerHandle) -> None:
+        self.metrics.prefill_requests.labels(w.name).inc()
+        self.dispatcher.note_prefill(wrid, st.admitted.tier, w)
 
     async def _disaggregated(self, st: RequestState, d: WorkerHandle, wrid: str, tokens: list[int], n_out: int,
                              prefill: list[WorkerHandle]) -> None:
@@ -221,7 +243,9 @@ class RequestRunner:
             self._unhold(st, d, wrid)
             raise _NoRoom(resv.reason or "reservation refused")
         # 2. P prefills and pushes the KV into D's reserved blocks.
-        p = await self._route_prefill(st, wrid, tokens, prefill)
+        p, hashes = await self._route_prefill(st, wrid, tokens, prefill)
+        self.router.remember(d.name, hashes)  # D keeps the prompt's blocks once it decodes
+        self._note_prefill(st, wrid, p)
         self._hold(st, p, wrid)
         try:
             reply = await p.stub.Prefill(
@@ -248,18 +272,23 @@ class RequestRunner:
         await self._consume(st, d, wrid, call)
 
     async def _route_prefill(self, st: RequestState, wrid: str, tokens: list[int],
-                             prefill: list[WorkerHandle]) -> WorkerHandle:
+                             prefill: list[WorkerHandle]) -> tuple[WorkerHandle, tuple[int, ...]]:
+        """The prefill worker for `tokens`, and the prompt's block hashes (() when routing is
+        load-only)."""
         waiter = st.ticket.item if st.ticket is not None else None
         avoid = waiter.avoid if waiter is not None else set()
         cands = [h for h in prefill if h.name not in avoid] or prefill
-        matches: Mapping[str, int] = {}
-        if len(cands) > 1:
-            # The admission-time match covers the prompt; a resumed request has more tokens.
-            matches = waiter.matches if (waiter is not None and not st.assembler.delivered) else \
-                await self.prefix_matches(tuple(tokens))
+        # The admission-time match covers the prompt; a resumed request has more tokens.
+        if waiter is not None and not st.assembler.delivered:
+            hashes, matches = waiter.hashes, waiter.matches
+        else:
+            hashes, matches = await self.prefix_lookup(tokens)
+        # Requests sharing a prefix may have been routed since the match was made.
+        matches = self.router.with_recent(matches, hashes)
         decision = self.router.route([h.name for h in cands], len(tokens), matches, request_id=wrid)
+        self.router.remember(decision.worker_id, hashes)
         self.metrics.routing.labels(decision.reason).inc()
-        return next(h for h in cands if h.name == decision.worker_id)
+        return next(h for h in cands if h.name == decision.worker_id), hashes
 
     async def _consume(self, st: RequestState, w: WorkerHandle, wrid: str, call: Any) -> None:
         """Relay a DecodeChunk stream until the request ends; raises _Retry on failure."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "round_robin", "load")
-REASONS = ("cache", "load_balance", "round_robin", "load", "only_candidate")
+REASONS = ("cache", "load_balance", "round_robin", "load", "only_candidate", "local")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class RoutingConfig:
     is ignored and the idlest worker wins (reason "load_balance").
     `ewma_alpha` in (0, 1] smooths load decreases (1 = no smoothing). `decode_sticky_bonus`
     is the fraction of extra headroom credited to the decode worker a session prefers.
+    `recent_route_ttl_s`: how long the gateway counts a prompt it routed as held by the worker
+    it chose, before that worker's KV events reach the prefix index (`RecentRoutes`; 0 = off).
     """
 
     policy: str = "cache_aware"
@@ -44,11 +48,13 @@ class RoutingConfig:
     ewma_alpha: float = 0.3
     decode_sticky_bonus: float = 0.25
     cached_token_cost: float = 0.25
+    recent_route_ttl_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        for name in ("w_cache", "w_load", "balance_abs_threshold", "decode_sticky_bonus", "cached_token_cost"):
+        for name in ("w_cache", "w_load", "balance_abs_threshold", "decode_sticky_bonus", "cached_token_cost",
+                     "recent_route_ttl_s"):
             _check_number(name, getattr(self, name), lo=0.0)
         _check_number("balance_rel_threshold", self.balance_rel_threshold, lo=1.0)
         _check_number("ewma_alpha", self.ewma_alpha)
@@ -147,6 +153,94 @@ class LoadTracker:
         return True
 
 
+class RecentRoutes:
+    """Prompts this gateway routed in the last `ttl_s` seconds, by block hash and worker.
+
+    The prefix index learns of a worker's new blocks only after its prefill ran and its KV
+    events arrived; requests sharing a prefix that come in meanwhile would see no holder and
+    spread over every worker. Like SGLang's router, which inserts a prompt into its
+    approximate tree when it routes it, the gateway `record`s where it sent each prompt and
+    merges `match` into the index's answer (`merge_matches`) until the entries expire.
+    At most `max_prompts` prompts are remembered (oldest forgotten first). Thread-safe.
+    """
+
+    def __init__(self, ttl_s: float = 5.0, max_prompts: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        _check_number("recent_route_ttl_s", ttl_s, lo=0.0)
+        if isinstance(max_prompts, bool) or not isinstance(max_prompts, int) or max_prompts < 1:
+            raise ValueError(f"max_prompts: must be an integer >= 1, got {max_prompts!r}")
+        self.ttl_s = float(ttl_s)
+        self.max_prompts = max_prompts
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holders: dict[int, dict[str, float]] = {}  # hash -> {worker: expiry}
+        self._order: deque[tuple[float, str, tuple[int, ...]]] = deque()
+
+    def record(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """`worker_id` is about to compute (and cache) the blocks `block_hashes`."""
+        if not block_hashes or self.ttl_s <= 0:
+            return
+        hashes = tuple(block_hashes)
+        with self._lock:
+            now = self._clock()
+            self._expire_locked(now)
+            expiry = now + self.ttl_s
+            for h in hashes:
+                self._holders.setdefault(h, {})[worker_id] = expiry
+            self._order.append((expiry, worker_id, hashes))
+            while len(self._order) > self.max_prompts:
+                self._forget_locked(*self._order.popleft())
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """{worker: leading blocks of `block_hashes` recorded for it and not expired}."""
+        result: dict[str, int] = {}
+        with self._lock:
+            now = self._clock()
+            active: set[str] | None = None
+            for i, h in enumerate(block_hashes):
+                held = {w for w, exp in self._holders.get(h, {}).items() if exp > now}
+                active = held if active is None else active & held
+                if not active:
+                    break
+                for w in active:
+                    result[w] = i + 1
+        return result
+
+    def forget(self, worker_id: str) -> None:
+        """Drop every entry of a worker that went down or restarted."""
+        with self._lock:
+            for h in [h for h, held in self._holders.items() if worker_id in held]:
+                del self._holders[h][worker_id]
+                if not self._holders[h]:
+                    del self._holders[h]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._order)
+
+    def _expire_locked(self, now: float) -> None:
+        while self._order and self._order[0][0] <= now:
+            self._forget_locked(*self._order.popleft())
+
+    def _forget_locked(self, expiry: float, worker_id: str, hashes: tuple[int, ...]) -> None:
+        for h in hashes:
+            held = self._holders.get(h)
+            if held is not None and held.get(worker_id) == expiry:  # not refreshed by a later record
+                del held[worker_id]
+                if not held:
+                    del self._holders[h]
+
+
+def merge_matches(*matches: Mapping[str, int]) -> dict[str, int]:
+    """Per worker, the longest leading run any of the `matches` reports."""
+    out: dict[str, int] = {}
+    for m in matches:
+        for w, n in m.items():
+            if n > out.get(w, 0):
+                out[w] = n
+    return out
+
+
 class CacheAwareRouter:
     """Chooses the prefill worker for each request (see `RoutingConfig` for the policy).
 
@@ -163,8 +257,21 @@ class CacheAwareRouter:
             raise ValueError(f"block_size: must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
         self.tracker = tracker or LoadTracker(self.config.ewma_alpha)
+        self.recent = RecentRoutes(self.config.recent_route_ttl_s)
         self._lock = threading.Lock()
         self._turn = 0
+
+    def with_recent(self, matches: Mapping[str, int], block_hashes: Sequence[int]) -> dict[str, int]:
+        """`matches` (the prefix index's answer) merged with this gateway's recent routes of
+        the same prompt (`RecentRoutes`); `matches` as it is unless the policy is cache_aware."""
+        if self.config.policy != "cache_aware" or not block_hashes:
+            return dict(matches)
+        return merge_matches(matches, self.recent.match(block_hashes))
+
+    def remember(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """`worker_id` was given a prompt with these block hashes to compute (cache_aware only)."""
+        if self.config.policy == "cache_aware":
+            self.recent.record(worker_id, block_hashes)
 
     def route(
         self,

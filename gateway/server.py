@@ -63,6 +63,7 @@ class Gateway:
                                      registry=self.registry, metrics=self.metrics)
         self.metrics.bind_queue_depth(queues.depth)
         self.metrics.running.set_function(lambda: sum(h.inflight for h in self.registry.decode_workers()))
+        self.metrics.index_degraded.set_function(lambda: float(self.index is not None and self.index.degraded))
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None

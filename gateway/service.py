@@ -84,7 +84,7 @@ class TandemService(wire.TandemServicer):
             return
         waiter = Waiter(request_id, len(admitted.prompt_ids), needed)
         if len(self.registry.decode_workers()) > 1 or len(self.registry.prefill_workers()) > 1:
-            waiter.matches = await self.runner.prefix_matches(admitted.prompt_ids)
+            waiter.hashes, waiter.matches = await self.runner.prefix_lookup(admitted.prompt_ids)
         try:
             st.ticket = self.dispatcher.enqueue(waiter, admitted.tier, deadline)
         except QueueFull as exc:

@@ -74,7 +74,10 @@ class PrefixIndex(ABC):
       - `publish(worker, stored, removed)` with the block hashes it cached / evicted since its
         previous call; `stored` is applied first, then `removed`, so a hash in both ends up
         absent (use `coalesce()` to turn an ordered event stream into the two lists),
-      - `heartbeat(worker, info)` every `heartbeat_interval_s`.
+      - `heartbeat(worker, info)` every `heartbeat_interval_s`; when it returns True the
+        index did not know the worker as live (first beat, a lapse, or a store that lost its
+        data, e.g. a Redis restart without persistence), so the worker republishes everything
+        it holds (`clear` then `publish`).
     Readers (gateways) call `match(block_hashes)` / `amatch(...)` and `workers()`.
 
     Liveness: a worker is live from a heartbeat until `heartbeat_ttl_s` (3 intervals) after
@@ -125,8 +128,12 @@ class PrefixIndex(ABC):
         """{live worker: consecutive leading blocks held}, see the class docstring."""
 
     @abstractmethod
-    def heartbeat(self, worker_id: str, info: WorkerInfo) -> None:
-        """Register or refresh `worker_id` (live for `heartbeat_ttl_s`); reap lapsed workers."""
+    def heartbeat(self, worker_id: str, info: WorkerInfo) -> bool:
+        """Register or refresh `worker_id` (live for `heartbeat_ttl_s`); reap lapsed workers.
+
+        True when the worker was not registered as live before this call (its published
+        entries may be gone); False when it was, or when the store could not be reached.
+        """
 
     @abstractmethod
     def deregister(self, worker_id: str) -> None:
@@ -171,8 +178,8 @@ class PrefixIndex(ABC):
     async def aclear(self, worker_id: str) -> None:
         await self._run(self.clear, worker_id)
 
-    async def aheartbeat(self, worker_id: str, info: WorkerInfo) -> None:
-        await self._run(self.heartbeat, worker_id, info)
+    async def aheartbeat(self, worker_id: str, info: WorkerInfo) -> bool:
+        return await self._run(self.heartbeat, worker_id, info)
 
     async def aworkers(self) -> dict[str, WorkerInfo]:
         return await self._run(self.workers)

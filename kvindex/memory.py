@@ -82,7 +82,7 @@ class MemoryIndex(PrefixIndex):
                 holders.append(held)
             return leading_runs(holders, live)
 
-    def heartbeat(self, worker_id: str, info: WorkerInfo) -> None:
+    def heartbeat(self, worker_id: str, info: WorkerInfo) -> bool:
         check_name("worker_id", worker_id)
         if not isinstance(info, WorkerInfo):
             raise ValueError(f"info: must be a WorkerInfo, got {type(info).__name__}")
@@ -92,7 +92,9 @@ class MemoryIndex(PrefixIndex):
                 logger.info("prefix index: worker %s missed its heartbeats; dropping its entries", dead)
                 self._clear_locked(dead)
                 del self._workers[dead]
+            fresh = worker_id not in self._workers
             self._workers[worker_id] = (info, now + self.heartbeat_ttl_s)
+            return fresh
 
     def deregister(self, worker_id: str) -> None:
         check_name("worker_id", worker_id)

@@ -19,6 +19,9 @@ How the entries of a kill -9'd worker disappear:
   3. failing that (no heartbeats at all), blk keys and wblk sets expire via their TTL, and
      until they do match() keeps ignoring the fields.
 
+Redis restarted empty (no persistence) or lost the keys: the next heartbeat() of each worker
+finds its registration gone and returns True, and the worker republishes everything it holds.
+
 Redis unreachable: no call raises. Writes wait in a bounded buffer (past `max_pending_ops`
 hashes the oldest publish is dropped and counted; clears are kept), match() and workers()
 answer {}, `degraded` is set, and the next attempt waits an exponential backoff (jittered,
@@ -194,13 +197,13 @@ class RedisIndex(PrefixIndex):
                     for op in batch:
                         self._remove_pending(op)
 
-    def heartbeat(self, worker_id: str, info: WorkerInfo) -> None:
+    def heartbeat(self, worker_id: str, info: WorkerInfo) -> bool:
         check_name("worker_id", worker_id)
         if not isinstance(info, WorkerInfo):
             raise ValueError(f"info: must be a WorkerInfo, got {type(info).__name__}")
         self.flush()
         if not self._available():
-            return
+            return False
         ttl_ms = int(self.heartbeat_ttl_s * 1000)
         try:
             pipe = self._r.pipeline(transaction=False)
@@ -228,11 +231,14 @@ class RedisIndex(PrefixIndex):
             pipe.pexpire(self.worker_key(worker_id), ttl_ms)
             pipe.zadd(self._workers_key, {worker_id: now + self.heartbeat_ttl_s})
             pipe.pexpire(self.wblk_key(worker_id), int(self.block_ttl_s * 1000))
-            pipe.execute()
+            _, _, added, _ = pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed("heartbeat", exc)
-            return
+            return False
         self._succeeded()
+        # ZADD counts new members only: 1 means the registration was gone (first beat, reaped
+        # after a lapse, or the server restarted empty).
+        return bool(added)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         hashes = check_hashes("block_hashes", block_hashes)

@@ -43,6 +43,8 @@ class WorkerConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     redis_url: str | None = None
     namespace: str | None = None  # None: the model identity
+    index_heartbeat_s: float = 2.0  # Redis prefix index: heartbeat period (dead after 3 missed)
+    index_block_ttl_s: float = 3600.0  # Redis prefix index: entries not republished expire after this
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
     kv_sender_options: dict[str, Any] | None = None  # transport options (tests: corrupt_once)
@@ -56,7 +58,7 @@ class WorkerConfig:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
-        for name in ("kv_timeout_s", "drain_timeout_s"):
+        for name in ("kv_timeout_s", "drain_timeout_s", "index_heartbeat_s", "index_block_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
@@ -124,6 +126,11 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
     p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index")
     p.add_argument("--namespace", default=None, help="prefix-index namespace (default: the model identity)")
+    p.add_argument("--index-heartbeat", type=float, default=2.0, dest="index_heartbeat_s",
+                   help="seconds between heartbeats to the Redis prefix index; entries of a worker that "
+                        "misses 3 are ignored and reaped")
+    p.add_argument("--index-block-ttl", type=float, default=3600.0, dest="index_block_ttl_s",
+                   help="seconds a Redis prefix-index entry lives unless republished or looked up")
     p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="seconds to finish in-flight requests after SIGTERM")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
@@ -160,6 +167,8 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         metrics_port=args.metrics_port,
         redis_url=args.redis_url,
         namespace=args.namespace,
+        index_heartbeat_s=args.index_heartbeat_s,
+        index_block_ttl_s=args.index_block_ttl_s,
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,
     )

@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 class IndexPublisher:
     """start(): clear this worker's stale entries, subscribe to the engine's KV events, publish
     them in coalesced batches and heartbeat every `index.heartbeat_interval_s`.
+    A heartbeat that finds this worker unregistered (its entries were reaped after a lapse, or
+    Redis restarted empty) triggers a resync: subscribing again yields a reset batch with every
+    hash the cache holds, which is published after a clear.
     close(): unsubscribe, deregister (which clears the entries) and close the index."""
 
     def __init__(self, index: PrefixIndex, worker_id: str, loop: EngineLoop, info: Callable[[], WorkerInfo]) -> None:
@@ -56,10 +59,24 @@ class IndexPublisher:
             try:
                 self._publish(batches)
                 if time.monotonic() - last_beat >= interval / 2:
-                    self.index.heartbeat(self.worker_id, self._info())
+                    if self.index.heartbeat(self.worker_id, self._info()):
+                        self._resync()
                     last_beat = time.monotonic()
+            except LoopStopped:
+                return
             except Exception:  # the index degrades on its own; keep the thread alive
                 logger.exception("prefix index publish failed")
+
+    def _resync(self) -> None:
+        """Swap the subscription for a new one, whose reset batch republishes the whole cache."""
+        logger.info("prefix index: worker %s was not registered; republishing its cache", self.worker_id)
+        old = self._sub_id
+
+        def swap(_engine: object) -> int:
+            self.loop.events.unsubscribe(old)
+            return self.loop.events.subscribe(self._batches.put)
+
+        self._sub_id = self.loop.submit(swap).result(timeout=30)
 
     def _publish(self, batches: list[KvEventsBatch]) -> None:
         if not batches:
@@ -75,14 +92,15 @@ class IndexPublisher:
             self.index.publish(self.worker_id, stored, removed)
 
     def close(self) -> None:
-        try:
-            self.loop.submit(lambda _e: self.loop.events.unsubscribe(self._sub_id)).result(timeout=5)
-        except (LoopStopped, TimeoutError):
-            pass
         self._stop.set()
         self._batches.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        sub_id = self._sub_id  # read after the join: a resync may have replaced it
+        try:
+            self.loop.submit(lambda _e: self.loop.events.unsubscribe(sub_id)).result(timeout=5)
+        except (LoopStopped, TimeoutError):
+            pass
         try:
             self.index.deregister(self.worker_id)
             self.index.flush()

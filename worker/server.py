@@ -143,7 +143,9 @@ class WorkerServer:
             load = s.queued_prefill_tokens if role == "prefill" else s.running
             return WorkerInfo(self.address, role, s.total_blocks, float(load))
 
-        index = make_index(self.config.redis_url, self.config.namespace or self.engine.identity)
+        cfg = self.config
+        index = make_index(cfg.redis_url, cfg.namespace or self.engine.identity,
+                           heartbeat_interval_s=cfg.index_heartbeat_s, block_ttl_s=cfg.index_block_ttl_s)
         self.publisher = IndexPublisher(index, runtime.worker_id, runtime.loop, info)
         self.publisher.start()
 
