@@ -229,7 +229,7 @@ class Transport:
 
 # Built-in transports are imported on first use so that importing the package stays cheap and
 # a transport's heavy dependencies (torch.distributed for nccl) load only when chosen.
-_BUILTIN_MODULES: dict[str, str] = {"zmq": "kvtransfer.zmq_transport"}
+_BUILTIN_MODULES: dict[str, str] = {"zmq": "kvtransfer.zmq_transport", "nccl": "kvtransfer.nccl_transport"}
 _REGISTRY: dict[str, Transport] = {}
 
 

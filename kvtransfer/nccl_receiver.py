@@ -1,0 +1,366 @@
+"""Decode side of the NCCL transport: a ROUTER socket for headers, a store for rendezvous, one
+channel per sender (`kvtransfer.nccl_recv_channel`) that receives each announced layer, and
+the checks and writes of each transfer (bookkeeping in `kvtransfer.assembly`).
+
+See `kvtransfer.nccl_transport` for the protocol.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import zmq
+
+from kvtransfer import nccl_group as ng
+from kvtransfer.assembly import IncomingTransfer
+from kvtransfer.base import KVReceiver, KVSink, KVTransferError, OnComplete, TransferResult
+from kvtransfer.frames import KIND_LAYER, FrameHeader, dtype_name
+from kvtransfer.nccl_recv_channel import RecvChannel
+
+logger = logging.getLogger(__name__)
+
+
+class NcclReceiver(KVReceiver):
+    """Decode-side NCCL transport (contract: `KVReceiver`).
+
+    sink: the decode cache (`KVSink`). NCCL payloads are received on `device` and handed to
+      `sink.write` as CUDA tensors (which `TensorKVSink` copies in place); the write's device
+      work goes on this channel's stream or the default stream, and the default stream (the
+      decode engine's) is ordered after it. Gloo payloads arrive in host memory.
+    bind: ZMQ endpoint for headers; "tcp://HOST:*" picks a free port; `address` tells it.
+    backend: "nccl" or "gloo"; None: nccl when `device` is CUDA, else gloo.
+    device: where payloads land; None: the sink's cache device (`k_caches`), else CPU.
+    store_address: HOST:PORT of the TCPStore this receiver hosts for the senders' rendezvous
+      (PORT 0: a free one); None: the bind host, a free port.
+    recv_timeout_s: bound on a channel's rendezvous and on each payload after its header.
+    max_frame_bytes: a header announcing more than this breaks the channel (its payload
+      cannot be received, so the rest of the stream could not be matched).
+    max_inflight_layers: layers of one channel whose receives may be posted ahead.
+    """
+
+    def __init__(
+        self,
+        sink: KVSink,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        on_complete: OnComplete | None = None,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+        store_address: str | None = None,
+        recv_timeout_s: float = 10.0,
+        max_frame_bytes: int = 1 << 32,
+        max_inflight_layers: int = 4,
+        poll_interval_s: float = 0.02,
+        context: zmq.Context | None = None,
+    ) -> None:
+        block_shape = getattr(sink, "block_shape", None)
+        if (
+            not callable(getattr(sink, "write", None))
+            or not isinstance(block_shape, (tuple, list))
+            or len(block_shape) != 3
+            or not all(isinstance(d, int) and d > 0 for d in block_shape)
+        ):
+            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
+        for name, value in (("recv_timeout_s", recv_timeout_s), ("poll_interval_s", poll_interval_s)):
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        self._sink = sink
+        self._block_shape = tuple(block_shape)
+        self._dtype = dtype_name(getattr(sink, "dtype", None))
+        caches = getattr(sink, "k_caches", None)
+        want = torch.device(device) if device is not None else (caches[0].device if caches else torch.device("cpu"))
+        self.backend = ng.check_backend(backend or ("nccl" if want.type == "cuda" else "gloo"))
+        self.device = want if self.backend == "nccl" else torch.device("cpu")  # gloo moves host memory
+        if self.backend == "nccl":
+            ng.ensure_nccl_env()
+        self.recv_timeout_s = float(recv_timeout_s)
+        self.max_frame_bytes = int(max_frame_bytes)
+        if isinstance(max_inflight_layers, bool) or not isinstance(max_inflight_layers, int) or max_inflight_layers < 1:
+            raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
+        self.max_inflight_layers = max_inflight_layers
+        self._on_complete = on_complete
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            if self._own_ctx:
+                self._ctx.term()
+            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        default_host = self._address.removeprefix("tcp://").rpartition(":")[0] if bind.startswith("tcp://") else ""
+        try:
+            store_host, store_port = ng.split_host_port(store_address, "store_address") if store_address else (
+                default_host or "127.0.0.1", 0)
+            self._store = ng.host_store(store_host, store_port, self.recv_timeout_s)
+        except (ValueError, RuntimeError) as exc:  # torch reports a port in use as a RuntimeError
+            self._sock.close()
+            if self._own_ctx:
+                self._ctx.term()
+            raise ValueError(f"store_address: cannot host the rendezvous store: {exc}") from None
+        self._store_host, self.store_port = store_host, int(self._store.port)
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._pending: dict[str, IncomingTransfer] = {}
+        self._channels: dict[bytes, RecvChannel] = {}
+        self._results: list[TransferResult] = []
+        self._results_cond = threading.Condition()
+        self._stop = threading.Event()
+        self.bytes_received = self.frames_received = self.frames_dropped = 0
+        self.transfers_ok = self.transfers_failed = self.channels_opened = self.channels_broken = 0
+        self.transfer_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="kv-nccl-recv", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        try:
+            dst = [int(x) for x in dst_block_ids]
+        except (TypeError, ValueError):
+            raise ValueError("dst_block_ids: expected a sequence of integers") from None
+        if any(b < 0 for b in dst) or len(set(dst)) != len(dst):
+            raise ValueError("dst_block_ids: ids must be distinct and non-negative")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        if not isinstance(deadline_s, (int, float)) or not (deadline_s > 0 and math.isfinite(deadline_s)):
+            raise ValueError(f"deadline_s: must be a positive number of seconds, got {deadline_s!r}")
+        transfer = IncomingTransfer(request_id, dst, num_layers, float(deadline_s), self._block_shape, self._dtype)
+        with self._lock:
+            if self._stop.is_set():
+                raise KVTransferError("receiver is closed")
+            if request_id in self._pending:
+                raise ValueError(f"request_id: transfer {request_id!r} is already expected")
+            self._pending[request_id] = transfer
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            transfer = self._pending.pop(request_id, None)
+        if transfer is None:
+            return False
+        with transfer.lock:  # waits for a write in progress; none follows
+            transfer.done = True
+        return True
+
+    def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        with self._results_cond:
+            if not self._results and timeout_s > 0:
+                self._results_cond.wait_for(lambda: bool(self._results), timeout=timeout_s)
+            out, self._results = self._results, []
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "bytes_received": self.bytes_received,
+            "frames_received": self.frames_received,
+            "frames_dropped": self.frames_dropped,
+            "transfers_ok": self.transfers_ok,
+            "transfers_failed": self.transfers_failed,
+            "transfer_seconds": self.transfer_seconds,
+            "channels_opened": self.channels_opened,
+            "channels_broken": self.channels_broken,
+            "channels": len(self._channels),
+            "pending": len(self._pending),
+        }
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        with self._lock:
+            self._stop.set()
+        self._thread.join(timeout=10.0)
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.headers.put(None)
+            ng.close_group(channel.group, broken=True)  # wakes a thread blocked on a payload
+        for channel in channels:
+            channel.thread.join(timeout=self.recv_timeout_s)
+        self._store = None  # stops the rendezvous server once no channel holds it
+        if self._own_ctx and not self._thread.is_alive():
+            self._ctx.term()
+
+    # -- socket thread: control messages, headers to their channel, deadlines -------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                if poller.poll(self._poll_ms):
+                    for _ in range(64):
+                        try:
+                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_control(parts)
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + self._poll_ms / 1000
+        except Exception:
+            logger.exception("kv nccl receiver thread crashed")
+            raise
+        finally:
+            self._sock.close(linger=0)
+
+    def _on_control(self, parts: list[bytes]) -> None:
+        if len(parts) != 3:
+            logger.warning("dropping malformed kv control message of %d parts", len(parts))
+            return
+        identity, tag, body = parts
+        with self._lock:
+            channel = self._channels.get(identity)
+        if tag == ng.FRAME:
+            if channel is None:
+                self._count(frames_dropped=1)  # a channel this receiver never saw, or already closed
+            else:
+                channel.headers.put(body)
+        elif tag == ng.HELLO:
+            self._hello(identity, body)
+        elif tag == ng.BYE and channel is not None:
+            channel.headers.put(None)
+
+    def _hello(self, identity: bytes, body: bytes) -> None:
+        try:
+            doc = ng.decode(body)
+            if doc.get("v") != ng.CONTROL_VERSION:
+                raise ValueError(f"v: unsupported control version {doc.get('v')!r}")
+            wanted = doc.get("backend")
+            if wanted is not None and wanted != self.backend:
+                raise ValueError(f"backend: this receiver uses {self.backend!r}, the sender wants {wanted!r}")
+            if identity in self._channels:
+                raise ValueError(f"channel: {identity!r} is already open")
+        except ValueError as exc:
+            self._sock.send_multipart([identity, ng.REFUSE, ng.encode({"error": str(exc)})])
+            return
+        prefix = f"tandem-kv/{identity.decode(errors='replace')}"
+        with self._lock:
+            self._channels[identity] = RecvChannel(self, identity.decode(errors="replace"), prefix)
+        self._count(channels_opened=1)
+        logger.info("kv nccl channel %s opened (%s, store %s:%d)", identity.decode(errors="replace"), self.backend,
+                    self._store_host, self.store_port)
+        welcome = {"backend": self.backend, "store_host": self._store_host, "store_port": self.store_port, "prefix": prefix}
+        self._sock.send_multipart([identity, ng.WELCOME, ng.encode(welcome)])
+
+    def _forget(self, channel: RecvChannel) -> None:
+        with self._lock:
+            for key, value in list(self._channels.items()):
+                if value is channel:
+                    del self._channels[key]
+        if channel.broken:
+            self._count(channels_broken=1)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [t for t in self._pending.values() if now >= t.deadline]
+        for transfer in late:
+            with transfer.lock:
+                result = None if transfer.done else transfer.expire(now)
+                if result is not None:
+                    result = self._retire(transfer, result)
+            if result is not None:
+                self._deliver(result)
+
+    # -- channel threads: payloads, checks, writes ----------------------------------------------
+
+    def _apply(self, header: FrameHeader, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Hand a complete message to its transfer; count it dropped when nobody expects it."""
+        with self._lock:
+            transfer = self._pending.get(header.request_id)
+        if transfer is None:
+            self._count(frames_dropped=1)
+            return
+        with transfer.lock:
+            if transfer.done:
+                self._count(frames_dropped=1)
+                return
+            if header.kind == KIND_LAYER:
+                result = self._apply_layer(transfer, header, k, v)
+            else:
+                result = transfer.on_message(header, None, None, self._sink)
+            if result is not None:
+                result = self._retire(transfer, result)
+        if result is not None:
+            self._deliver(result)
+
+    def _apply_layer(
+        self, transfer: IncomingTransfer, header: FrameHeader, k: torch.Tensor, v: torch.Tensor
+    ) -> TransferResult | None:
+        """The layer checks of `IncomingTransfer` minus checksums (caller holds the lock)."""
+        if header.seq != transfer.next_seq:
+            return transfer.fail(f"sequence gap: expected seq {transfer.next_seq}, got {header.seq} (a message was lost)")
+        transfer.next_seq += 1
+        n = len(transfer.dst_block_ids)
+        want_shape = (n, *transfer.block_shape)
+        if not 0 <= header.layer < transfer.num_layers:
+            return transfer.fail(f"layer {header.layer} out of range [0, {transfer.num_layers})")
+        if header.layer in transfer.layers:
+            return transfer.fail(f"duplicate layer {header.layer}")
+        if header.dtype != transfer.dtype:
+            return transfer.fail(f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {transfer.dtype}")
+        if header.shape != want_shape:
+            return transfer.fail(
+                f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
+            )
+        if len(header.src_block_ids) != n or sorted(header.dst_block_ids) != sorted(transfer.dst_block_ids):
+            return transfer.fail(f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}")
+        dtype = getattr(torch, header.dtype)
+        try:
+            self._sink.write(header.layer, list(header.dst_block_ids), k.view(dtype).view(want_shape),
+                             v.view(dtype).view(want_shape))
+            if k.is_cuda:
+                # The copies ran on this channel's stream (and, for a sink that copies V from a
+                # helper thread, on the default stream). Order the default stream, which the
+                # decode engine runs on, after them, and keep the buffers from being reused
+                # before it got there; no host wait, so a busy decode step never stalls receiving.
+                default = torch.cuda.default_stream(k.device)
+                default.wait_event(torch.cuda.current_stream(k.device).record_event())
+                k.record_stream(default)
+                v.record_stream(default)
+        except Exception as exc:
+            logger.exception("kv sink write failed for request %s layer %d", transfer.request_id, header.layer)
+            return transfer.fail(f"sink write failed for layer {header.layer}: {exc!r}")
+        transfer.layers.add(header.layer)
+        transfer.bytes_received += k.numel() + v.numel()
+        return None
+
+    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
+        with self._lock:
+            if self._pending.get(transfer.request_id) is not transfer:
+                return None
+            del self._pending[transfer.request_id]
+        if result.ok:
+            self._count(transfers_ok=1, transfer_seconds=result.seconds)
+        else:
+            self._count(transfers_failed=1)
+        return result
+
+    def _deliver(self, result: TransferResult) -> None:
+        if self._on_complete is not None:
+            try:
+                self._on_complete(result)
+            except Exception:
+                logger.exception("kv on_complete callback failed for %s", result.request_id)
+            return
+        with self._results_cond:
+            self._results.append(result)
+            self._results_cond.notify_all()
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)

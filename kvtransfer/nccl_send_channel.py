@@ -1,0 +1,273 @@
+"""The prefill side's channel to one decode receiver: handshake, then layer headers over a ZMQ
+DEALER and payloads through the pair process group, driven by one thread per channel.
+
+Used by `kvtransfer.nccl_sender`; the protocol is described in `kvtransfer.nccl_transport`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from kvtransfer import nccl_group as ng
+from kvtransfer.base import KVTransferError, SendResult
+from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER, FrameHeader
+from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
+from kvtransfer.zmq_sender import _Item, _Outgoing
+
+if TYPE_CHECKING:
+    from kvtransfer.nccl_sender import NcclSender
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Transfer(_Outgoing):
+    channel: Any = None  # the Channel this transfer travels on (a broken one is replaced for new opens)
+
+
+@dataclass
+class _Staged:
+    """One layer's gathered blocks. CUDA sources stay on the device; `ready` marks the gather."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int  # K plus V
+    ready: Any = None  # torch.cuda.Event recorded after the gather on the caller's stream
+
+
+@dataclass
+class _InFlight:
+    """A layer whose payload sends are posted but not yet known to be complete."""
+
+    state: Transfer
+    staged: _Staged
+    layer: int
+    works: list[Any]
+    t0: float
+
+
+def stage(src_k: Any, src_v: Any, src: tuple[int, ...], pool: PairPool) -> _Staged:
+    dtype, shape = check_cache_pair(src_k, src_v)
+    out_shape = (len(src), *shape[1:])
+    if isinstance(src_k, torch.Tensor) and src_k.device.type == "cuda":
+        idx = torch.as_tensor(src, dtype=torch.long).to(src_k.device, non_blocking=True)
+        k, v = src_k.index_select(0, idx), src_v.index_select(0, idx)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Staged(k, v, dtype, out_shape, 2 * k.numel() * k.element_size(), ready)
+    host = stage_layer(src_k, src_v, src, pool)  # byte rows, one memcpy per block
+    k, v = torch.from_numpy(host.k_bytes()), torch.from_numpy(host.v_bytes())
+    return _Staged(k, v, dtype, out_shape, 2 * k.numel())
+
+
+class Channel:
+    """A DEALER socket and a pair group to one receiver, driven by one thread.
+
+    The channel is the unit of failure: a payload that does not complete in time leaves the
+    pair's stream of sends in an unknown state, so the channel is marked broken, every transfer
+    on it fails, and the next `open` to that peer builds a fresh channel (a new group).
+    """
+
+    def __init__(self, sender: NcclSender, peer: str, channel_id: str) -> None:
+        self.peer, self.channel_id = peer, channel_id
+        self.broken: str | None = None
+        self._sender = sender
+        self._items: collections.deque[_Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self.backend = ""
+        self._group: Any = None
+        self._inflight: collections.deque[_InFlight] = collections.deque()
+        self._payloads = 0  # layers whose payloads were posted; numbers the point-to-point tags
+        self.thread = threading.Thread(target=self._run, name=f"kv-nccl-send {peer}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: _Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        sender = self._sender
+        sock = sender._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.channel_id.encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, int(sender.send_timeout_s * 1000))
+        sock.setsockopt(zmq.LINGER, int(sender.linger_s * 1000))
+        sock.connect(self.peer)
+        try:
+            try:
+                self._handshake(sock)
+            except Exception as exc:
+                self._break(f"handshake with {self.peer} failed: {exc}")
+            while True:
+                with self._cond:
+                    if not self._inflight:
+                        self._cond.wait_for(lambda: self._items or self._closing)
+                    item = self._items.popleft() if self._items else None
+                if item is None:
+                    if not self._inflight:
+                        break
+                    self._settle(0)  # idle: finish what is in flight, free its staging
+                    continue
+                try:
+                    self._process(sock, item)
+                except Exception as exc:  # a broken channel fails its transfers, never the thread
+                    logger.exception("kv nccl send of %s to %s failed", item.state.request_id, self.peer)
+                    self._break(f"send failed: {exc!r}")
+                    item.state.error = item.state.error or self.broken
+            self._settle(0)
+            if self.broken is None:  # a receiver that is gone needs no goodbye: don't wait for it
+                send_parts(sock, [ng.BYE, b"{}"], zmq.NOBLOCK)
+        finally:
+            ng.close_group(self._group, broken=self.broken is not None)
+            sock.close()
+
+    def _handshake(self, sock: zmq.Socket) -> None:
+        sender = self._sender
+        hello = {"v": ng.CONTROL_VERSION, "channel": self.channel_id, "backend": sender.backend}
+        sock.send_multipart([ng.HELLO, ng.encode(hello)])
+        if not sock.poll(int(sender.send_timeout_s * 1000)):
+            raise KVTransferError(f"no answer within {sender.send_timeout_s:g}s")
+        tag, body = sock.recv_multipart()
+        doc = ng.decode(body)
+        if tag != ng.WELCOME:
+            raise KVTransferError(f"refused: {doc.get('error', tag)!r}")
+        backend = ng.check_backend(doc.get("backend"), "backend (announced by the receiver)")
+        if sender.backend is not None and backend != sender.backend:
+            raise KVTransferError(f"receiver uses backend {backend!r}, this sender {sender.backend!r}")
+        if backend == "nccl":
+            # Sends wait on this thread's current stream; a stream of its own waits only for each
+            # layer's gather, not for the compute queued behind it, so transfer overlaps compute.
+            torch.cuda.set_device(sender.device)
+            torch.cuda.set_stream(torch.cuda.Stream(sender.device))
+        self.backend = backend
+        store_host = doc.get("store_host") or ""
+        if store_host in ("", "0.0.0.0", "::", "*"):
+            store_host = _peer_host(self.peer)
+        store = ng.connect_store(f"{store_host}:{int(doc['store_port'])}", sender.send_timeout_s)
+        self._group = ng.pair_group(store, str(doc["prefix"]), ng.SENDER_RANK, backend, sender.send_timeout_s)
+
+    def _break(self, error: str) -> None:
+        if self.broken is None:
+            self.broken = error
+            logger.warning("kv nccl channel to %s broken: %s", self.peer, error)
+
+    def _process(self, sock: zmq.Socket, item: _Item) -> None:
+        state, sender = item.state, self._sender
+        if self.broken is not None and state.error is None:
+            state.error = f"channel to {self.peer} broken: {self.broken}"
+        if item.kind == KIND_LAYER:
+            staged: _Staged = item.staged
+            if state.error is None and not state.aborted:
+                self._send_layer(sock, item, staged)  # the staging is released once its sends complete
+            else:
+                sender._release(staged.nbytes)
+        elif item.kind == KIND_COMMIT:
+            self._settle(0)  # the result reports payloads that completed, not just posted
+            if state.error is None:
+                header = FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {})
+                self._send_header(sock, state, header)
+            ok = state.error is None
+            sender._count(transfers_committed=int(ok), transfers_failed=int(not ok))
+            state.future.set_result(
+                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
+            )
+        elif state.error is None:  # abort; after a failure the receiver times out on its own
+            self._send_header(sock, state, FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason))
+            sender._count(transfers_aborted=1)
+
+    def _send_layer(self, sock: zmq.Socket, item: _Item, staged: _Staged) -> None:
+        sender, state = self._sender, item.state
+        try:
+            k, v = self._on_backend_device(staged.k, staged.ready), self._on_backend_device(staged.v, None)
+            header = FrameHeader(
+                KIND_LAYER, state.request_id, state.seq, layer=item.layer, src_block_ids=item.src,
+                dst_block_ids=item.dst, dtype=staged.dtype, shape=staged.shape,
+            )  # checksums stay 0: NCCL and TCP deliver intact bytes, and hashing device memory would cost a copy
+            t0 = time.perf_counter()
+            sent = self._send_header(sock, state, header)
+        except BaseException:
+            sender._release(staged.nbytes)
+            raise
+        if not sent:
+            sender._release(staged.nbytes)
+            return
+        works = []
+        if staged.nbytes:
+            tag = 2 * (self._payloads % (1 << 29))
+            self._payloads += 1
+            works = [self._group.send([ng.as_bytes(t)], ng.RECEIVER_RANK, tag + i) for i, t in enumerate((k, v))]
+        self._inflight.append(_InFlight(state, _Staged(k, v, staged.dtype, staged.shape, staged.nbytes), item.layer,
+                                        works, t0))
+        self._settle(sender.max_inflight_layers)
+
+    def _settle(self, limit: int) -> None:
+        """Wait for the oldest layers in flight until at most `limit` remain; a payload that does
+        not complete in time breaks the channel and fails every transfer still in flight."""
+        sender = self._sender
+        while len(self._inflight) > limit:
+            entry = self._inflight.popleft()
+            try:
+                if self.broken is None:
+                    for name, work in zip("KV", entry.works):
+                        ng.wait_work(work, self.backend, sender.send_timeout_s, f"{name} of layer {entry.layer}")
+                    entry.state.bytes_sent += entry.staged.nbytes
+                    sender._count(bytes_sent=entry.staged.nbytes, send_seconds=time.perf_counter() - entry.t0)
+            except KVTransferError as exc:
+                self._break(str(exc))
+            finally:
+                sender._release(entry.staged.nbytes)
+            if self.broken is not None and entry.state.error is None:
+                entry.state.error = f"channel to {self.peer} broken: {self.broken}"
+
+    def _on_backend_device(self, t: torch.Tensor, ready: Any) -> torch.Tensor:
+        if ready is not None:  # the gather ran on the caller's stream: order after it
+            if self.backend == "nccl" and t.device == self._sender.device:
+                torch.cuda.current_stream(t.device).wait_event(ready)
+            else:
+                ready.synchronize()
+        target = self._sender.device if self.backend == "nccl" else torch.device("cpu")
+        return t if t.device == target else t.to(target)
+
+    def _send_header(self, sock: zmq.Socket, state: Transfer, header: FrameHeader) -> bool:
+        error = send_parts(sock, [ng.FRAME, header.encode()])
+        if error is not None:
+            state.error = f"send to {self.peer} {error}"
+            self._break(state.error)
+            return False
+        state.seq += 1
+        self._sender._count(frames_sent=1)
+        return True
+
+
+def send_parts(sock: zmq.Socket, parts: list[bytes], flags: int = 0) -> str | None:
+    """Send `parts`; None on success, else why not (SNDTIMEO bounds the wait)."""
+    try:
+        sock.send_multipart(parts, flags=flags)
+        return None
+    except zmq.Again:
+        return "timed out"
+    except zmq.ZMQError as exc:
+        return f"failed: {exc}"
+
+
+def _peer_host(peer: str) -> str:
+    if peer.startswith("tcp://"):
+        host = peer.removeprefix("tcp://").rpartition(":")[0]
+        return host.strip("[]")
+    return "127.0.0.1"  # ipc:// peers share this host

@@ -1,0 +1,243 @@
+"""Driving a tensor-parallel model replica: rank 0 schedules, every rank runs the same step.
+
+Rank 0 runs the engine as usual (scheduler, radix cache, sampler) with a `TPModelRunner`, which
+broadcasts each step's inputs (token ids, positions, the AttentionMetadata tensors, the rows to
+sample, swap orders) before running its own shard. The other ranks sit in `follower_loop`:
+receive a step, run the same forward on their shard and their KV cache, take part in the
+logits gather, repeat. Block ids are rank 0's; every rank's cache has the same number of
+blocks, each holding only that rank's KV heads.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.engine import Engine
+from engine.kv_cache import KVCache
+from engine.model import CausalLM, LayerHook
+from engine.model_runner import BatchInputs, ModelRunner
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import SchedulerOutput
+from parallel.comm import TPGroup
+from parallel.tensor_parallel import apply_tensor_parallel, load_tensor_parallel_model, shard_config
+
+logger = logging.getLogger(__name__)
+
+_STOP, _STEP = 0, 1
+_HEADER = 9  # kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+Swaps = list[tuple[list[int], list[int]]]
+
+
+@dataclass
+class Step:
+    """One engine step as every rank runs it; no tokens means only the swaps."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    swap_out: Swaps = field(default_factory=list)
+    swap_in: Swaps = field(default_factory=list)
+
+
+def run_step(model: CausalLM, kv_cache: KVCache, step: Step, after_layer: LayerHook | None = None) -> torch.Tensor | None:
+    """Apply the step's swaps, run the forward over the paged cache, and return the float32
+    logits of the sampled rows (None when nothing is sampled). Every rank of a group calls it
+    with the same step."""
+    for dev_blocks, host_blocks in step.swap_out:
+        kv_cache.swap_out(dev_blocks, host_blocks)
+    for host_blocks, dev_blocks in step.swap_in:
+        kv_cache.swap_in(host_blocks, dev_blocks)
+    if step.input_ids.numel() == 0:
+        return None
+    hidden = model(step.input_ids, step.positions, kv_cache.layers, step.meta, after_layer)
+    if step.sample_rows.numel() == 0:
+        return None
+    return model.logits(hidden[step.sample_rows])
+
+
+def prefill_step(prompts: list[list[int]], block_tables: list[list[int]], block_size: int, device: torch.device,
+                 all_rows: bool = False) -> Step:
+    """A packed prefill of whole prompts into the given blocks (a small driver for tests and
+    benchmarks; the engine builds the same metadata in ModelRunner.prepare). Samples each
+    prompt's last row, or every row with `all_rows`."""
+    if len(prompts) != len(block_tables):
+        raise ValueError(f"block_tables: {len(block_tables)} tables for {len(prompts)} prompts")
+    ids, pos, slots, qsl, rows = [], [], [], [0], []
+    for prompt, table in zip(prompts, block_tables):
+        if len(table) * block_size < len(prompt):
+            raise ValueError(f"block_tables: {len(table)} blocks cannot hold a prompt of {len(prompt)} tokens")
+        ids += prompt
+        pos += range(len(prompt))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(len(prompt))]
+        rows += range(qsl[-1], qsl[-1] + len(prompt)) if all_rows else [qsl[-1] + len(prompt) - 1]
+        qsl.append(qsl[-1] + len(prompt))
+    width = max(len(t) for t in block_tables)
+
+    def t(x: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots), block_tables=t([tb + [0] * (width - len(tb)) for tb in block_tables], torch.int32),
+        query_start_loc=t(qsl, torch.int32), seq_lens=t([len(p) for p in prompts], torch.int32), is_decode=False,
+    )
+    return Step(t(ids), t(pos), meta, t(rows))
+
+
+def _swap_words(swaps: Swaps) -> list[int]:
+    words: list[int] = []
+    for src, dst in swaps:
+        words += [len(src), *src, *dst]
+    return words
+
+
+def _parse_swaps(words: list[int], count: int) -> tuple[Swaps, list[int]]:
+    swaps, i = [], 0
+    for _ in range(count):
+        n = words[i]
+        swaps.append((words[i + 1:i + 1 + n], words[i + 1 + n:i + 1 + 2 * n]))
+        i += 1 + 2 * n
+    return swaps, words[i:]
+
+
+def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
+    """Rank 0: broadcast `step` (None: tell the followers to stop) as two int64 tensors."""
+    if tp.world_size == 1:
+        return
+    if step is None:
+        tp.broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=device))
+        return
+    m = step.meta
+    t, (b, w), s = step.input_ids.numel(), tuple(m.block_tables.shape), step.sample_rows.numel()
+    swaps = _swap_words(step.swap_out) + _swap_words(step.swap_in)
+    header = [_STEP, t, b, w, s, int(m.is_decode), len(step.swap_out), len(step.swap_in), len(swaps)]
+    tp.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+    parts = [step.input_ids, step.positions, m.slot_mapping, m.block_tables.reshape(-1), m.query_start_loc,
+             m.seq_lens, step.sample_rows, torch.tensor(swaps, dtype=torch.int64)]
+    tp.broadcast(torch.cat([p.to(device=device, dtype=torch.int64) for p in parts]))
+
+
+def recv_step(tp: TPGroup, device: torch.device, kv_cache: KVCache) -> Step | None:
+    """A follower: the next step from rank 0, or None when rank 0 stopped."""
+    header = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
+    kind, t, b, w, s, is_decode, n_out, n_in, n_words = header
+    if kind == _STOP:
+        return None
+    body = tp.broadcast(torch.empty(3 * t + b * w + (b + 1) + b + s + n_words, dtype=torch.int64, device=device))
+    ids, pos, slots, tables, qsl, lens, rows, rest = torch.split(body, [t, t, t, b * w, b + 1, b, s, n_words])
+    swap_out, words = _parse_swaps(rest.tolist(), n_out)
+    swap_in, _ = _parse_swaps(words, n_in)
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32), query_start_loc=qsl.to(torch.int32),
+        seq_lens=lens.to(torch.int32), is_decode=bool(is_decode), k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
+    )
+    return Step(ids, pos, meta, rows, swap_out, swap_in)
+
+
+def _empty_step(device: torch.device, kv_cache: KVCache) -> Step:
+    none = torch.empty(0, dtype=torch.int64, device=device)
+    meta = AttentionMetadata(none, torch.empty((0, 0), dtype=torch.int32, device=device), none.to(torch.int32),
+                             none.to(torch.int32), False, kv_cache.k_scale, kv_cache.v_scale)
+    return Step(none, none, meta, none)
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0's ModelRunner: broadcasts each step to the other ranks, then runs its own shard.
+
+    Decode CUDA graphs are not captured (every rank would have to replay its graph in step).
+    """
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, eos_token_ids: frozenset[int],
+                 device: torch.device, tp: TPGroup) -> None:
+        super().__init__(model, kv_cache, sampler, eos_token_ids, device)
+        self.tp = tp
+        self.stopped = False
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
+        if self.stopped:
+            raise RuntimeError("tensor-parallel runner was stopped")
+        batch: BatchInputs | None = self.prepare(out) if out.scheduled else None
+        if batch is None:
+            step = _empty_step(self.device, self.kv_cache)
+        else:
+            step = Step(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
+        step.swap_out, step.swap_in = list(out.swap_out), list(out.swap_in)
+        send_step(self.tp, step, self.device)
+        logits = run_step(self.model, self.kv_cache, step, after_layer)
+        if batch is None or logits is None:
+            return [], None
+        rows = [
+            SamplingRow(
+                params=out.scheduled[i].seq.params,
+                prompt_token_ids=out.scheduled[i].seq.prompt_token_ids,
+                output_token_ids=out.scheduled[i].seq.output_token_ids,
+                eos_token_ids=self.eos_token_ids,
+            )
+            for i in batch.sample_index
+        ]
+        return batch.sample_index, self.sampler(logits, rows)
+
+    def stop(self) -> None:
+        """Release the followers from `follower_loop` (idempotent)."""
+        if not self.stopped:
+            self.stopped = True
+            send_step(self.tp, None, self.device)
+
+
+def attach_tensor_parallel(engine: Engine, tp: TPGroup) -> TPModelRunner:
+    """Rank 0: shard `engine`'s loaded model in place, give it a cache of its KV heads with the
+    same block count, and a runner that drives the followers (which must be in `run_follower`).
+
+    The engine loaded the full model first, so its device briefly held all of it.
+    """
+    if tp.rank != 0:
+        raise ValueError(f"rank: only rank 0 drives an engine, got {tp.rank}")
+    old = engine.kv_cache
+    apply_tensor_parallel(engine.model, tp.rank, tp.world_size, tp.group)
+    kv_dtype = old.layers[0][0].dtype
+    num_blocks, block_size, num_host, k_scale, v_scale = (
+        old.num_blocks, old.block_size, old.num_host_blocks, old.k_scale, old.v_scale)
+    setup = [num_blocks, block_size, num_host, _DTYPES.index(kv_dtype), _DTYPES.index(engine.dtype)]
+    tp.broadcast(torch.tensor(setup, dtype=torch.int64, device=engine.device))
+    tp.broadcast(torch.tensor([k_scale, v_scale], dtype=torch.float64, device=engine.device))
+    engine.kv_cache = engine.runner.kv_cache = engine.runner.graphs = old = None  # free the full-width cache first
+    engine.kv_cache = KVCache(shard_config(engine.model_config, tp.world_size), num_blocks, block_size, kv_dtype,
+                              engine.device, num_host, k_scale, v_scale)
+    engine.runner = TPModelRunner(engine.model, engine.kv_cache, engine.runner.sampler, engine.eos_token_ids,
+                                  engine.device, tp)
+    return engine.runner
+
+
+def run_follower(model_path: str | Path, tp: TPGroup, device: torch.device | None = None,
+                 load_format: str = "auto") -> int:
+    """Ranks 1..world-1: load this rank's shard, build its KV cache as rank 0 says, and run every
+    step rank 0 broadcasts until it stops. Returns the number of steps run."""
+    if tp.rank == 0:
+        raise ValueError("rank: rank 0 drives the engine (attach_tensor_parallel), it does not follow")
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    setup = tp.broadcast(torch.empty(5, dtype=torch.int64, device=device)).tolist()
+    k_scale, v_scale = tp.broadcast(torch.empty(2, dtype=torch.float64, device=device)).tolist()
+    num_blocks, block_size, num_host, kv_dtype, dtype = setup
+    config = ModelConfig.from_dir(model_path)
+    model = load_tensor_parallel_model(model_path, config, _DTYPES[dtype], device, tp, load_format)
+    kv_cache = KVCache(shard_config(config, tp.world_size), num_blocks, block_size, _DTYPES[kv_dtype], device,
+                       num_host, k_scale, v_scale)
+    return follower_loop(model, kv_cache, tp, device)
+
+
+def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch.device) -> int:
+    """Run rank 0's steps on this rank's shard until rank 0 stops; returns the steps run."""
+    steps = 0
+    with torch.inference_mode():
+        while (step := recv_step(tp, device, kv_cache)) is not None:
+            run_step(model, kv_cache, step)
+            steps += 1
+    logger.info("tensor parallel rank %d: stopped after %d steps", tp.rank, steps)
+    return steps
