@@ -60,10 +60,11 @@ class KVSink(Protocol):
     dtype: the cache's element type as a torch dtype name ("float32", "bfloat16", ...).
 
     `write(layer, dst_block_ids, k, v)` is called from the receiver's background thread, once per
-    verified layer frame, with `k` and `v` torch CPU tensors of shape
-    [len(dst_block_ids), *block_shape] and dtype `dtype`; row i goes to block dst_block_ids[i]
-    of that layer's K and V cache. The tensors are views of the network buffer and are valid
-    only during the call: copy them, don't keep them. The blocks are reserved for the transfer
+    verified layer frame, with `k` and `v` torch tensors of shape [len(dst_block_ids),
+    *block_shape] and dtype `dtype` (on the CPU for host transports such as zmq; on the cache's
+    device for device transports such as nccl); row i goes to block dst_block_ids[i] of that
+    layer's K and V cache. The tensors are views of a transport buffer and are valid only
+    during the call: copy them, don't keep them. The blocks are reserved for the transfer
     and not read until it completes, so no extra locking against the decode loop is needed;
     a GPU cache must finish the host-to-device copy before `write` returns (or copy the
     source first). An exception from `write` fails the transfer.
