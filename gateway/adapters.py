@@ -31,6 +31,8 @@ class WorkerStatsView:
     prefix_hit_tokens: int
     preemptions: int
     draining: bool
+    kv_bytes_sent: int = 0  # KV-transfer payload bytes this worker pushed (prefill) ...
+    kv_bytes_received: int = 0  # ... or took in (decode), since it started
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ def stats_from_proto(msg: wpb.WorkerStats) -> WorkerStatsView:
         total_kv_blocks=msg.total_kv_blocks, running=msg.running, waiting=msg.waiting,
         queued_prefill_tokens=msg.queued_prefill_tokens, prefix_query_tokens=msg.prefix_query_tokens,
         prefix_hit_tokens=msg.prefix_hit_tokens, preemptions=msg.preemptions, draining=msg.draining,
+        kv_bytes_sent=msg.kv_bytes_sent, kv_bytes_received=msg.kv_bytes_received,
     )
 
 

@@ -100,6 +100,8 @@ class GatewayConfig:
     block_size: the workers' KV block size (block hashes for the prefix index).
     index_url: None = embedded memory index fed by the workers' KvEvents; redis://... = read
         the shared index the workers publish to. namespace None = the model identity.
+    index_block_ttl_s: Redis index: the expiry a lookup renews on the blocks it reads; keep it
+        equal to the workers' --index-block-ttl so a dead worker's entries expire on time.
     """
 
     model_dir: str
@@ -114,6 +116,7 @@ class GatewayConfig:
     load_format: str = "auto"
     index_url: str | None = None
     namespace: str | None = None
+    index_block_ttl_s: float = 3600.0
     metrics_port: int | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 10.0
@@ -138,6 +141,7 @@ class GatewayConfig:
         _check_int("block_size", self.block_size, lo=1)
         _check_int("max_message_bytes", self.max_message_bytes, lo=1024)
         _check_positive("grace_s", self.grace_s)
+        _check_positive("index_block_ttl_s", self.index_block_ttl_s)
 
     def with_changes(self, **changes: Any) -> GatewayConfig:
         return replace(self, **changes)

@@ -25,7 +25,7 @@ DISPATCH_LOG_SIZE = 4096
 class DispatchEvent:
     """One line of the dispatch log: kind is "enqueue", "dispatch" (`worker` is the decode or
     role-both worker), or "prefill" (`worker` computed the prompt: a prefill worker, or the
-    decode worker itself for a local prefill); `order` increases."""
+    decode worker itself for a local prefill; `reason` is the routing reason); `order` increases."""
 
     order: int
     kind: str
@@ -33,6 +33,7 @@ class DispatchEvent:
     tier: Tier
     effective_tier: Tier | None = None
     worker: str = ""
+    reason: str = ""
 
 
 @dataclass(eq=False)
@@ -115,9 +116,10 @@ class Dispatcher:
         worker.inflight = max(0, worker.inflight - 1)
         self.wake()
 
-    def note_prefill(self, request_id: str, tier: Tier, worker: WorkerHandle) -> None:
-        """Log which worker computes a request's prompt (tests and benchmarks read it)."""
-        self.log.append(DispatchEvent(next(self._order), "prefill", request_id, tier, worker=worker.name))
+    def note_prefill(self, request_id: str, tier: Tier, worker: WorkerHandle, reason: str) -> None:
+        """Log which worker computes a request's prompt, and why (tests and benchmarks read it)."""
+        self.log.append(DispatchEvent(next(self._order), "prefill", request_id, tier, worker=worker.name,
+                                      reason=reason))
 
     # ---------------------------------------------------------------- the loop
 
@@ -159,8 +161,8 @@ class Dispatcher:
         matches = self.router.with_recent(waiter.matches, waiter.hashes)
         if all(h.role == "both" for h in cands):
             # Colocated workers prefill too: prefer the one holding the prompt's prefix.
-            decision = self.router.route([h.name for h in cands], waiter.prompt_tokens, matches,
-                                         request_id=waiter.request_id)
+            decision = self.router.route([h.name for h in cands], waiter.prompt_tokens,
+                                         matches if waiter.hashes else None, request_id=waiter.request_id)
             self.router.remember(decision.worker_id, waiter.hashes)
             if self.metrics is not None:
                 self.metrics.routing.labels(decision.reason).inc()

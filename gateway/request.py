@@ -200,10 +200,12 @@ class RequestRunner:
         n_out = st.assembler.delivered
         prefill = [h for h in self.registry.prefill_workers() if h.routable]
         if d.role == "both" or not prefill or self._prefill_locally(st, d, len(tokens)):
+            reason = "colocated"
             if d.role != "both":
-                self.metrics.routing.labels("local").inc()
+                reason = "local"
+                self.metrics.routing.labels(reason).inc()
                 self.router.remember(d.name, st.ticket.item.hashes if st.ticket is not None else ())
-            self._note_prefill(st, wrid, d)
+            self._note_prefill(st, wrid, d, reason)
             req = adapters.generate_on_worker_request(wrid, tokens, st.admitted.params, st.admitted.tier,
                                                       st.remaining(), n_out)
             call = d.stub.PrefillAndDecode(req, timeout=st.remaining())
@@ -222,9 +224,9 @@ class RequestRunner:
         uncached = num_tokens - min(held * self.block_size, num_tokens - 1)
         return uncached <= self.local_prefill_tokens
 
-    def _note_prefill(self, st: RequestState, wrid: str, w: WorkerHandle) -> None:
+    def _note_prefill(self, st: RequestState, wrid: str, w: WorkerHandle, reason: str) -> None:
         self.metrics.prefill_requests.labels(w.name).inc()
-        self.dispatcher.note_prefill(wrid, st.admitted.tier, w)
+        self.dispatcher.note_prefill(wrid, st.admitted.tier, w, reason)
 
     async def _disaggregated(self, st: RequestState, d: WorkerHandle, wrid: str, tokens: list[int], n_out: int,
                              prefill: list[WorkerHandle]) -> None:
@@ -243,9 +245,9 @@ class RequestRunner:
             self._unhold(st, d, wrid)
             raise _NoRoom(resv.reason or "reservation refused")
         # 2. P prefills and pushes the KV into D's reserved blocks.
-        p, hashes = await self._route_prefill(st, wrid, tokens, prefill)
+        p, hashes, reason = await self._route_prefill(st, wrid, tokens, prefill)
         self.router.remember(d.name, hashes)  # D keeps the prompt's blocks once it decodes
-        self._note_prefill(st, wrid, p)
+        self._note_prefill(st, wrid, p, reason)
         self._hold(st, p, wrid)
         try:
             reply = await p.stub.Prefill(
@@ -272,9 +274,9 @@ class RequestRunner:
         await self._consume(st, d, wrid, call)
 
     async def _route_prefill(self, st: RequestState, wrid: str, tokens: list[int],
-                             prefill: list[WorkerHandle]) -> tuple[WorkerHandle, tuple[int, ...]]:
-        """The prefill worker for `tokens`, and the prompt's block hashes (() when routing is
-        load-only)."""
+                             prefill: list[WorkerHandle]) -> tuple[WorkerHandle, tuple[int, ...], str]:
+        """The prefill worker for `tokens`, the prompt's block hashes (() when routing is
+        load-only) and the routing reason."""
         waiter = st.ticket.item if st.ticket is not None else None
         avoid = waiter.avoid if waiter is not None else set()
         cands = [h for h in prefill if h.name not in avoid] or prefill
@@ -285,10 +287,11 @@ class RequestRunner:
             hashes, matches = await self.prefix_lookup(tokens)
         # Requests sharing a prefix may have been routed since the match was made.
         matches = self.router.with_recent(matches, hashes)
-        decision = self.router.route([h.name for h in cands], len(tokens), matches, request_id=wrid)
+        decision = self.router.route([h.name for h in cands], len(tokens), matches if hashes else None,
+                                     request_id=wrid)
         self.router.remember(decision.worker_id, hashes)
         self.metrics.routing.labels(decision.reason).inc()
-        return next(h for h in cands if h.name == decision.worker_id), hashes
+        return next(h for h in cands if h.name == decision.worker_id), hashes, decision.reason
 
     async def _consume(self, st: RequestState, w: WorkerHandle, wrid: str, call: Any) -> None:
         """Relay a DecodeChunk stream until the request ends; raises _Retry on failure."""

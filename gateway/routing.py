@@ -31,6 +31,11 @@ class RoutingConfig:
     request's prefill is done (load + prompt - cached, the prompt being the same for all):
     the predicted time to first token on equally fast workers. Raise w_cache to favour cache
     reuse over queueing delay.
+    A prompt no candidate holds any of goes to the worker that has been sent the fewest
+    uncached prompt tokens (then the least loaded): it holds the least cache content and has
+    done the least prefill work, so prefix groups spread evenly instead of following momentary
+    load (SGLang sends such requests to the "smallest tree"). Without a usable index
+    (`matched_blocks` None) the choice is by load alone.
     When the busiest candidate's load exceeds the idlest's by more than
     `balance_abs_threshold` tokens AND by more than `balance_rel_threshold` times, the cache
     is ignored and the idlest worker wins (reason "load_balance").
@@ -215,7 +220,9 @@ class RecentRoutes:
                     del self._holders[h]
 
     def __len__(self) -> int:
+        """Prompts remembered and not expired."""
         with self._lock:
+            self._expire_locked(self._clock())
             return len(self._order)
 
     def _expire_locked(self, now: float) -> None:
@@ -246,7 +253,8 @@ class CacheAwareRouter:
 
     Per request the gateway calls `index.amatch(block_hashes)` and passes the result to
     `route(...)` with a request id, then `release(request_id)` when the prefill ends in any
-    way. An empty match (index degraded, or nothing cached) makes the choice load-only.
+    way. No match (None: no index, or it is degraded) makes the choice load-only; an empty
+    one (nobody holds the prompt) sends it to the smallest cache.
     """
 
     def __init__(
@@ -260,6 +268,7 @@ class CacheAwareRouter:
         self.recent = RecentRoutes(self.config.recent_route_ttl_s)
         self._lock = threading.Lock()
         self._turn = 0
+        self._computed: dict[str, int] = {}  # uncached prompt tokens routed to each worker
 
     def with_recent(self, matches: Mapping[str, int], block_hashes: Sequence[int]) -> dict[str, int]:
         """`matches` (the prefix index's answer) merged with this gateway's recent routes of
@@ -284,7 +293,8 @@ class CacheAwareRouter:
         """Pick a prefill worker among `candidates` for a prompt of `prompt_tokens` tokens.
 
         `matched_blocks` is `PrefixIndex.match(...)` output (workers outside `candidates` are
-        ignored). With `request_id`, the request's cost (uncached tokens + cached_token_cost
+        ignored); None when there is no usable index (degraded): the idlest worker wins. With
+        `request_id`, the request's cost (uncached tokens + cached_token_cost
         x cached tokens) is recorded as the worker's load until `release(request_id)`.
         """
         cands = list(dict.fromkeys(candidates))
@@ -298,6 +308,7 @@ class CacheAwareRouter:
         with self._lock:
             turn = self._turn
             self._turn += 1
+            computed = {w: self._computed.get(w, 0) for w in cands}
         n = len(cands)
         rotation = {w: (i - turn) % n for i, w in enumerate(cands)}
         cfg = self.config
@@ -310,15 +321,19 @@ class CacheAwareRouter:
             loads = self.tracker.sample(cands)
             idlest = min(cands, key=lambda w: (loads[w], -cached[w], rotation[w]))
             hi, lo = max(loads.values()), loads[idlest]
-            if cfg.policy == "load":
+            if cfg.policy == "load" or matched_blocks is None:
                 worker, reason = idlest, "load"
             elif hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
                 worker, reason = idlest, "load_balance"
+            elif not any(cached.values()):
+                # A new prefix: the smallest cache takes it (see RoutingConfig).
+                worker, reason = min(cands, key=lambda w: (computed[w], loads[w], rotation[w])), "load"
             else:
-                worker = max(
-                    cands, key=lambda w: (cfg.w_cache * cached[w] - cfg.w_load * loads[w], -loads[w], -rotation[w])
-                )
+                worker = max(cands, key=lambda w: (cfg.w_cache * cached[w] - cfg.w_load * loads[w], -loads[w],
+                                                   -computed[w], -rotation[w]))
                 reason = "cache" if cached[worker] > 0 else "load"
+        with self._lock:
+            self._computed[worker] = self._computed.get(worker, 0) + prompt_tokens - cached[worker]
         if request_id is not None:
             cost = prompt_tokens - cached[worker] + cfg.cached_token_cost * cached[worker]
             self.tracker.on_dispatch(worker, request_id, int(math.ceil(cost)))

@@ -79,8 +79,9 @@ class Gateway:
             logger.warning("prefix index unavailable (%s); routing by load only", exc)
             return None, False
         namespace = self.config.namespace or self.model.identity
-        index = make_index(self.config.index_url, namespace)
-        return index, not self.config.index_url
+        if not self.config.index_url:
+            return make_index(None, namespace), True
+        return make_index(self.config.index_url, namespace, block_ttl_s=self.config.index_block_ttl_s), False
 
     def _wake(self) -> None:
         self.dispatcher.wake()
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", action="append", default=[], metavar="ADDR", help="role-both worker host:port")
     p.add_argument("--redis-url", default=None, help="shared prefix index (workers publish); default: embedded")
     p.add_argument("--namespace", default=None, help="prefix-index namespace; default: the model identity")
+    p.add_argument("--index-block-ttl", type=float, default=3600.0,
+                   help="Redis index: expiry (s) a lookup renews on the blocks it reads; match the workers'")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--routing", choices=POLICIES, default="cache_aware")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_dir=model_dir, host=args.host, port=args.port, workers=pool, tiers=tiers,
         routing=RoutingConfig(policy=args.routing), max_retries=args.max_retries, max_context=args.max_context,
         block_size=args.block_size, load_format=args.load_format, index_url=args.redis_url,
-        namespace=args.namespace, metrics_port=args.metrics_port,
+        namespace=args.namespace, index_block_ttl_s=args.index_block_ttl, metrics_port=args.metrics_port,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
     )
 

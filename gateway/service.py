@@ -83,7 +83,10 @@ class TandemService(wire.TandemServicer):
                              f"worker holds {largest}")
             return
         waiter = Waiter(request_id, len(admitted.prompt_ids), needed)
-        if len(self.registry.decode_workers()) > 1 or len(self.registry.prefill_workers()) > 1:
+        # The match picks among several workers, and tells how much of the prompt a decode
+        # worker lacks (conditional disaggregation).
+        if (len(self.registry.decode_workers()) > 1 or len(self.registry.prefill_workers()) > 1
+                or self.config.workers.local_prefill_tokens > 0):
             waiter.hashes, waiter.matches = await self.runner.prefix_lookup(admitted.prompt_ids)
         try:
             st.ticket = self.dispatcher.enqueue(waiter, admitted.tier, deadline)

@@ -83,6 +83,8 @@ class WorkerRegistry:
         self.handles: list[WorkerHandle] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heartbeat: dict[str, float] = {}
+        self._event_calls: dict[str, Any] = {}  # address -> its KvEvents call in progress
+        self._events_synced: set[str] = set()  # addresses whose current stream's reset was applied
         self._closed = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -198,9 +200,19 @@ class WorkerRegistry:
 
         load = float(stats.queued_prefill_tokens if h.role == "prefill" else stats.running)
         try:
-            self.index.heartbeat(h.name, WorkerInfo(h.address, h.role, stats.total_kv_blocks, load))
+            fresh = self.index.heartbeat(h.name, WorkerInfo(h.address, h.role, stats.total_kv_blocks, load))
         except ValueError as exc:
             logger.warning("prefix index heartbeat for %s refused: %s", h.name, exc)
+            return
+        if fresh and h.address in self._events_synced:
+            # Its entries were dropped (marked down after a failed poll, or reaped after a
+            # lapse) while its KvEvents stream, which only sends deltas now, went on: reconnect
+            # it, and the new stream's reset batch republishes everything the worker holds.
+            logger.info("prefix index: resynchronizing the KV events of %s", h.name)
+            self._events_synced.discard(h.address)
+            call = self._event_calls.get(h.address)
+            if call is not None:
+                call.cancel()
 
     def _forget_index(self, h: WorkerHandle) -> None:
         if self.feed_index and h.worker_id:
@@ -215,13 +227,18 @@ class WorkerRegistry:
                 await asyncio.sleep(self.pool.stats_interval_s)
                 continue
             call = h.stub.KvEvents(adapters.kv_events_request())
+            self._events_synced.discard(h.address)
+            self._event_calls[h.address] = call
             try:
                 async for msg in call:
                     failures = 0
                     self._apply_events(h, adapters.kv_events_from_proto(msg))
             except asyncio.CancelledError:
-                call.cancel()
-                raise
+                task = asyncio.current_task()
+                if self._closed or task is None or task.cancelling():
+                    call.cancel()
+                    raise
+                continue  # the call was cancelled by _heartbeat to resynchronize: reconnect now
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     logger.info("worker %s serves no KvEvents; routing to it is load-only", h.name)
@@ -229,6 +246,8 @@ class WorkerRegistry:
                 logger.debug("KvEvents stream of %s ended: %s", h.name, exc.code().name)
             except ValueError as exc:
                 logger.warning("KvEvents of %s rejected: %s", h.name, exc)
+            finally:
+                self._event_calls.pop(h.address, None)
             await asyncio.sleep(_RECONNECT_S[min(failures, len(_RECONNECT_S) - 1)])
             failures += 1
 
@@ -238,5 +257,6 @@ class WorkerRegistry:
             return
         if ev.reset:
             self.index.clear(worker_id)
+            self._events_synced.add(h.address)
         if ev.stored or ev.removed:
             self.index.publish(worker_id, ev.stored, ev.removed)
