@@ -107,6 +107,10 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
         gw += ["--redis-url", a.redis_url]
     if a.metrics_port:
         gw += ["--metrics-port", str(a.metrics_port)]
+    if a.routing:
+        gw += ["--routing", a.routing]
+    if a.local_prefill_tokens is not None:
+        gw += ["--local-prefill-tokens", str(a.local_prefill_tokens)]
     children.append(Child("gateway", "gateway", gw, a.port))
     return children
 
@@ -184,6 +188,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="gateway Prometheus port")
+    p.add_argument("--routing", default=None, choices=["cache_aware", "round_robin", "load"],
+                   help="prefill routing policy (default: cache_aware)")
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="prefill on the decode worker when it lacks fewer tokens than this")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
     p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
