@@ -7,24 +7,23 @@ See `kvtransfer.nccl_transport` for the protocol.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 import zmq
 
 from kvtransfer import nccl_group as ng
 from kvtransfer.assembly import IncomingTransfer
-from kvtransfer.base import KVReceiver, KVSink, KVTransferError, OnComplete, TransferResult
+from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
 from kvtransfer.frames import KIND_LAYER, FrameHeader, dtype_name
+from kvtransfer.pending import PendingTransfers
 from kvtransfer.nccl_recv_channel import RecvChannel
 
 logger = logging.getLogger(__name__)
 
 
-class NcclReceiver(KVReceiver):
+class NcclReceiver(PendingTransfers, KVReceiver):
     """Decode-side NCCL transport (contract: `KVReceiver`).
 
     sink: the decode cache (`KVSink`). NCCL payloads are received on `device` and handed to
@@ -69,8 +68,7 @@ class NcclReceiver(KVReceiver):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
         self._sink = sink
-        self._block_shape = tuple(block_shape)
-        self._dtype = dtype_name(getattr(sink, "dtype", None))
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
         caches = getattr(sink, "k_caches", None)
         want = torch.device(device) if device is not None else (caches[0].device if caches else torch.device("cpu"))
         self.backend = ng.check_backend(backend or ("nccl" if want.type == "cuda" else "gloo"))
@@ -107,13 +105,8 @@ class NcclReceiver(KVReceiver):
                 self._ctx.term()
             raise ValueError(f"store_address: cannot host the rendezvous store: {exc}") from None
         self._store_host, self.store_port = store_host, int(self._store.port)
-        self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self._pending: dict[str, IncomingTransfer] = {}
         self._channels: dict[bytes, RecvChannel] = {}
-        self._results: list[TransferResult] = []
-        self._results_cond = threading.Condition()
-        self._stop = threading.Event()
         self.bytes_received = self.frames_received = self.frames_dropped = 0
         self.transfers_ok = self.transfers_failed = self.channels_opened = self.channels_broken = 0
         self.transfer_seconds = 0.0
@@ -123,43 +116,6 @@ class NcclReceiver(KVReceiver):
     @property
     def address(self) -> str:
         return self._address
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        try:
-            dst = [int(x) for x in dst_block_ids]
-        except (TypeError, ValueError):
-            raise ValueError("dst_block_ids: expected a sequence of integers") from None
-        if any(b < 0 for b in dst) or len(set(dst)) != len(dst):
-            raise ValueError("dst_block_ids: ids must be distinct and non-negative")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
-        if not isinstance(deadline_s, (int, float)) or not (deadline_s > 0 and math.isfinite(deadline_s)):
-            raise ValueError(f"deadline_s: must be a positive number of seconds, got {deadline_s!r}")
-        transfer = IncomingTransfer(request_id, dst, num_layers, float(deadline_s), self._block_shape, self._dtype)
-        with self._lock:
-            if self._stop.is_set():
-                raise KVTransferError("receiver is closed")
-            if request_id in self._pending:
-                raise ValueError(f"request_id: transfer {request_id!r} is already expected")
-            self._pending[request_id] = transfer
-
-    def cancel(self, request_id: str) -> bool:
-        with self._lock:
-            transfer = self._pending.pop(request_id, None)
-        if transfer is None:
-            return False
-        with transfer.lock:  # waits for a write in progress; none follows
-            transfer.done = True
-        return True
-
-    def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
-        with self._results_cond:
-            if not self._results and timeout_s > 0:
-                self._results_cond.wait_for(lambda: bool(self._results), timeout=timeout_s)
-            out, self._results = self._results, []
-        return out
 
     def stats(self) -> dict[str, float]:
         return {

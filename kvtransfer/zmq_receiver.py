@@ -5,19 +5,17 @@ See `kvtransfer.zmq_transport` for the socket pattern; the per-transfer checks l
 """
 from __future__ import annotations
 
-import collections
 import logging
-import math
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 from kvtransfer.assembly import IncomingTransfer
-from kvtransfer.base import KVReceiver, KVSink, KVTransferError, OnComplete, TransferResult
+from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
 from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
+from kvtransfer.pending import PendingTransfers
 from kvtransfer.staging import PairPool
 
 logger = logging.getLogger(__name__)
@@ -25,7 +23,7 @@ logger = logging.getLogger(__name__)
 _DRAIN_BURST = 64  # messages handled per wake before deadlines are looked at again
 
 
-class ZmqReceiver(KVReceiver):
+class ZmqReceiver(PendingTransfers, KVReceiver):
     """Decode-side ZMQ transport (contract: `KVReceiver`).
 
     sink: the decode cache (`KVSink`); its `block_shape` and `dtype` are what frames must carry.
@@ -58,8 +56,7 @@ class ZmqReceiver(KVReceiver):
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         self._sink = sink
-        self._block_shape = tuple(block_shape)
-        self._dtype = dtype_name(getattr(sink, "dtype", None))
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
         self._on_complete = on_complete
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._own_ctx = context is None
@@ -75,11 +72,6 @@ class ZmqReceiver(KVReceiver):
                 self._ctx.term()
             raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
         self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._lock = threading.Lock()
-        self._pending: dict[str, IncomingTransfer] = {}
-        self._results: collections.deque[TransferResult] = collections.deque()
-        self._results_cond = threading.Condition()
-        self._stop = threading.Event()
         self._pool = PairPool()
         self.bytes_received = 0
         self.frames_received = 0
@@ -96,46 +88,6 @@ class ZmqReceiver(KVReceiver):
     @property
     def address(self) -> str:
         return self._address
-
-    def expect(
-        self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float
-    ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        try:
-            dst = [int(x) for x in dst_block_ids]
-        except (TypeError, ValueError):
-            raise ValueError("dst_block_ids: expected a sequence of integers") from None
-        if any(b < 0 for b in dst) or len(set(dst)) != len(dst):
-            raise ValueError("dst_block_ids: ids must be distinct and non-negative")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
-        if not isinstance(deadline_s, (int, float)) or not (deadline_s > 0 and math.isfinite(deadline_s)):
-            raise ValueError(f"deadline_s: must be a positive number of seconds, got {deadline_s!r}")
-        transfer = IncomingTransfer(request_id, dst, num_layers, float(deadline_s), self._block_shape, self._dtype)
-        with self._lock:
-            if self._stop.is_set():
-                raise KVTransferError("receiver is closed")
-            if request_id in self._pending:
-                raise ValueError(f"request_id: transfer {request_id!r} is already expected")
-            self._pending[request_id] = transfer
-
-    def cancel(self, request_id: str) -> bool:
-        with self._lock:
-            transfer = self._pending.pop(request_id, None)
-        if transfer is None:
-            return False
-        with transfer.lock:  # waits for a write in progress; none follows
-            transfer.done = True
-        return True
-
-    def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
-        with self._results_cond:
-            if not self._results and timeout_s > 0:
-                self._results_cond.wait_for(lambda: bool(self._results), timeout=timeout_s)
-            out = list(self._results)
-            self._results.clear()
-        return out
 
     @property
     def num_pending(self) -> int:

@@ -1,0 +1,65 @@
+"""The receiver-side bookkeeping every transport shares: expected transfers, cancel, results.
+
+A receiver class mixes this in, calls `_init_pending(block_shape, dtype)` in its constructor and
+appends finished `TransferResult`s through `_publish_result`; its own thread does the I/O.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Sequence
+
+from kvtransfer.assembly import IncomingTransfer
+from kvtransfer.base import KVTransferError, TransferResult
+
+
+class PendingTransfers:
+    """`expect`, `cancel` and `poll_completed` of the KVReceiver contract (kvtransfer/base.py)."""
+
+    def _init_pending(self, block_shape: tuple[int, ...], dtype: str) -> None:
+        self._block_shape = tuple(block_shape)
+        self._dtype = dtype
+        self._lock = threading.Lock()
+        self._pending: dict[str, IncomingTransfer] = {}
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._results_cond = threading.Condition()
+        self._stop = threading.Event()
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        try:
+            dst = [int(x) for x in dst_block_ids]
+        except (TypeError, ValueError):
+            raise ValueError("dst_block_ids: expected a sequence of integers") from None
+        if any(b < 0 for b in dst) or len(set(dst)) != len(dst):
+            raise ValueError("dst_block_ids: ids must be distinct and non-negative")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        if not isinstance(deadline_s, (int, float)) or not (deadline_s > 0 and math.isfinite(deadline_s)):
+            raise ValueError(f"deadline_s: must be a positive number of seconds, got {deadline_s!r}")
+        transfer = IncomingTransfer(request_id, dst, num_layers, float(deadline_s), self._block_shape, self._dtype)
+        with self._lock:
+            if self._stop.is_set():
+                raise KVTransferError("receiver is closed")
+            if request_id in self._pending:
+                raise ValueError(f"request_id: transfer {request_id!r} is already expected")
+            self._pending[request_id] = transfer
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            transfer = self._pending.pop(request_id, None)
+        if transfer is None:
+            return False
+        with transfer.lock:  # waits for a write in progress; none follows
+            transfer.done = True
+        return True
+
+    def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        with self._results_cond:
+            if not self._results and timeout_s > 0:
+                self._results_cond.wait_for(lambda: bool(self._results), timeout=timeout_s)
+            out = list(self._results)
+            self._results.clear()
+        return out
