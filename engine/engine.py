@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from engine.weights import load_model
 from tandem.hashing import model_identity, seed_hash
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    from parallel.comm import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +67,17 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        """Load the model and allocate the KV cache.
+
+        tp: this process's rank of a tensor-parallel group (parallel.comm.TPGroup); every rank
+          builds an Engine from the same config. The rank loads only its shard of the model, its
+          KV cache holds only its KV heads, and the block counts are the minimum over the ranks.
+          Rank 0 schedules and samples as usual (and calls `close()` when done); the other ranks
+          call `follow()`. A group of one is the same as None.
+        """
         self.config = config
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
         path = Path(config.model_path)
         self.model_config = ModelConfig.from_dir(path)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,33 +87,50 @@ class Engine:
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.model = load_model(path, self.model_config, dtype, device, config.load_format)
+        if self.tp is None:
+            kv_config = self.model_config
+            self.model = load_model(path, self.model_config, dtype, device, config.load_format)
+        else:
+            from parallel.tensor_parallel import load_tensor_parallel_model, shard_config
+
+            kv_config = shard_config(self.model_config, self.tp.world_size)  # ValueError before any loading
+            self.model = load_tensor_parallel_model(path, self.model_config, dtype, device, self.tp, config.load_format)
 
         kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}.get(config.kv_cache_dtype)
         if kv_dtype is None:
             raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {config.kv_cache_dtype!r}")
-        block_bytes = KVCache.bytes_per_block(self.model_config, config.block_size, kv_dtype)
+        block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
         num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes)
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {num_blocks}")
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
+        if self.tp is not None:  # block ids are rank 0's, so every rank needs as many blocks
+            num_blocks, num_host = self.tp.min_ints([num_blocks, num_host], device)
         self.sched_config = SchedulerConfig(
             block_size=config.block_size,
             max_running=config.max_running,
             max_batched_tokens=config.max_batched_tokens,
             num_host_blocks=num_host,
         )
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, kv_dtype, device, num_host)
+        self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
         self.allocator = BlockAllocator(num_blocks)
         self.hash_seed = seed_hash(self.identity)
         self.cache = RadixCache(self.allocator, config.block_size, self.hash_seed, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.sched_config, self.allocator, self.cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.runner: ModelRunner | None = None  # None on tensor-parallel followers: they run rank 0's steps
         sampler = Sampler(self.model_config.vocab_size, seed=config.seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device)
-        if config.cuda_graphs and device.type == "cuda":
-            self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d", self.identity, device, dtype, num_blocks, config.block_size)
+        if self.tp is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device)
+            if config.cuda_graphs and device.type == "cuda":
+                self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
+        elif self.tp.rank == 0:
+            from parallel.runner import TPModelRunner
+
+            self.runner = TPModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device, self.tp)
+        rank = "" if self.tp is None else f" (tensor parallel rank {self.tp.rank} of {self.tp.world_size})"
+        logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d", rank, self.identity, device, dtype, num_blocks,
+                    config.block_size)
 
     def _derive_num_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cuda":
@@ -195,6 +225,8 @@ class Engine:
         `on_layer(layer, scheduler_output)` runs after each layer's K/V are in the cache (the
         prefill worker pushes them to the decode worker from there, overlapping the next layer).
         """
+        if self.runner is None:
+            raise RuntimeError(f"step: tensor-parallel rank {self.tp.rank} runs rank 0's steps through follow()")
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -261,6 +293,21 @@ class Engine:
 
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
         return detok.push(seq.output_token_ids) + detok.flush()
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def follow(self) -> int:
+        """Tensor-parallel ranks 1..world-1: run each step rank 0's engine broadcasts, on this
+        rank's shard and KV cache, until rank 0 calls `close()`. Returns the steps run."""
+        if self.tp is None or self.tp.rank == 0:
+            raise RuntimeError("follow: only tensor-parallel ranks other than 0 follow; this engine runs step()")
+        from parallel.runner import follower_loop
+
+        return follower_loop(self.model, self.kv_cache, self.tp, self.device)
+
+    def close(self) -> None:
+        """Tensor-parallel rank 0: release the other ranks from `follow()` (idempotent; otherwise a no-op)."""
+        if self.tp is not None and self.runner is not None:
+            self.runner.stop()
 
     # ---- introspection --------------------------------------------------------------------
     @property

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.engine import Engine, EngineConfig
 from engine.sampler import TokenLogprobs
 from tandem.types import SamplingParams, Tier
+
+if TYPE_CHECKING:
+    from parallel.comm import TPGroup
 
 
 @dataclass
@@ -25,12 +29,17 @@ class LLM:
     """Load a Hugging Face model directory once; generate for many prompts with continuous batching.
 
     `LLM(model_path, dtype=None, block_size=16, num_kv_blocks=None, max_running=256,
-    load_format="auto"|"dummy", ...)`: keyword arguments are EngineConfig fields.
+    load_format="auto"|"dummy", ...)`: keyword arguments are EngineConfig fields. With `tp`, this
+    is tensor-parallel rank 0 (see Engine); call `close()` to release the other ranks.
     """
 
-    def __init__(self, model_path: str, **kwargs) -> None:
-        self.engine = Engine(EngineConfig(model_path=str(model_path), **kwargs))
+    def __init__(self, model_path: str, *, tp: TPGroup | None = None, **kwargs) -> None:
+        self.engine = Engine(EngineConfig(model_path=str(model_path), **kwargs), tp)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Release tensor-parallel followers (see Engine.close); a no-op without tp."""
+        self.engine.close()
 
     def generate(
         self,

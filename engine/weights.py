@@ -29,15 +29,22 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    dummy_draw_device: torch.device | None = None,
 ) -> CausalLM:
+    """A CausalLM on `device` filled from the checkpoint, or with dummy weights drawn on
+    `dummy_draw_device` (default `device`; see init_dummy_weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device(device), _default_dtype(dtype):
         model = CausalLM(config)
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     if load_format == "dummy":
-        init_dummy_weights(model)
+        init_dummy_weights(model, draw_device=dummy_draw_device)
     else:
         load_safetensors(model, Path(model_dir))
     return model.eval().requires_grad_(False)
@@ -115,11 +122,20 @@ def _expected_keys(model: CausalLM, qkv: dict, gate_up: dict) -> set[str]:
     return keys
 
 
-def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Deterministic random weights (same seed ⇒ same model on the same device type); norms stay 1."""
-    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02, draw_device: torch.device | None = None) -> None:
+    """Deterministic random weights (same seed ⇒ same model on the same device type); norms stay 1.
+
+    The draws come from a generator on `draw_device` (default: the model's device), one
+    parameter at a time, so a model held on the host gets the values a device-resident model
+    would, while the device holds one parameter at most.
+    """
+    model_device = model.embed_tokens.weight.device
+    draw_device = torch.device(draw_device) if draw_device is not None else model_device
+    gen = torch.Generator(device=draw_device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
-        else:
+        elif draw_device == model_device:
             p.data.normal_(0.0, std, generator=gen)
+        else:
+            p.data.copy_(torch.empty(p.shape, dtype=p.dtype, device=draw_device).normal_(0.0, std, generator=gen))

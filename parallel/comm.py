@@ -49,6 +49,13 @@ class TPGroup:
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return out
 
+    def min_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """The element-wise minimum of every rank's `values` (same length on every rank)."""
+        x = torch.tensor(values, dtype=torch.int64, device=device)
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return x.tolist()
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` on every rank (in place); returns `x`."""
         if self.world_size > 1:

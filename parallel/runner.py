@@ -1,36 +1,32 @@
 """Driving a tensor-parallel model replica: rank 0 schedules, every rank runs the same step.
 
-Rank 0 runs the engine as usual (scheduler, radix cache, sampler) with a `TPModelRunner`, which
-broadcasts each step's inputs (token ids, positions, the AttentionMetadata tensors, the rows to
-sample, swap orders) before running its own shard. The other ranks sit in `follower_loop`:
-receive a step, run the same forward on their shard and their KV cache, take part in the
-logits gather, repeat. Block ids are rank 0's; every rank's cache has the same number of
-blocks, each holding only that rank's KV heads.
+Every rank builds `engine.Engine(config, tp=...)`. Rank 0's engine runs as usual (scheduler,
+radix cache, sampler) with a `TPModelRunner`, which broadcasts each step's inputs (token ids,
+positions, the AttentionMetadata tensors, the rows to sample, swap orders) before running its
+own shard. The other ranks sit in `follower_loop` (`Engine.follow()`): receive a step, run the
+same forward on their shard and their KV cache, take part in the logits gather, repeat. Block
+ids are rank 0's; every rank's cache has the same number of blocks, each holding only that
+rank's KV heads.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.model_runner import BatchInputs, ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from parallel.comm import TPGroup
-from parallel.tensor_parallel import apply_tensor_parallel, load_tensor_parallel_model, shard_config
 
 logger = logging.getLogger(__name__)
 
 _STOP, _STEP = 0, 1
 _HEADER = 9  # kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 Swaps = list[tuple[list[int], list[int]]]
 
 
@@ -189,47 +185,6 @@ class TPModelRunner(ModelRunner):
         if not self.stopped:
             self.stopped = True
             send_step(self.tp, None, self.device)
-
-
-def attach_tensor_parallel(engine: Engine, tp: TPGroup) -> TPModelRunner:
-    """Rank 0: shard `engine`'s loaded model in place, give it a cache of its KV heads with the
-    same block count, and a runner that drives the followers (which must be in `run_follower`).
-
-    The engine loaded the full model first, so its device briefly held all of it.
-    """
-    if tp.rank != 0:
-        raise ValueError(f"rank: only rank 0 drives an engine, got {tp.rank}")
-    old = engine.kv_cache
-    apply_tensor_parallel(engine.model, tp.rank, tp.world_size, tp.group)
-    kv_dtype = old.layers[0][0].dtype
-    num_blocks, block_size, num_host, k_scale, v_scale = (
-        old.num_blocks, old.block_size, old.num_host_blocks, old.k_scale, old.v_scale)
-    setup = [num_blocks, block_size, num_host, _DTYPES.index(kv_dtype), _DTYPES.index(engine.dtype)]
-    tp.broadcast(torch.tensor(setup, dtype=torch.int64, device=engine.device))
-    tp.broadcast(torch.tensor([k_scale, v_scale], dtype=torch.float64, device=engine.device))
-    engine.kv_cache = engine.runner.kv_cache = engine.runner.graphs = old = None  # free the full-width cache first
-    engine.kv_cache = KVCache(shard_config(engine.model_config, tp.world_size), num_blocks, block_size, kv_dtype,
-                              engine.device, num_host, k_scale, v_scale)
-    engine.runner = TPModelRunner(engine.model, engine.kv_cache, engine.runner.sampler, engine.eos_token_ids,
-                                  engine.device, tp)
-    return engine.runner
-
-
-def run_follower(model_path: str | Path, tp: TPGroup, device: torch.device | None = None,
-                 load_format: str = "auto") -> int:
-    """Ranks 1..world-1: load this rank's shard, build its KV cache as rank 0 says, and run every
-    step rank 0 broadcasts until it stops. Returns the number of steps run."""
-    if tp.rank == 0:
-        raise ValueError("rank: rank 0 drives the engine (attach_tensor_parallel), it does not follow")
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    setup = tp.broadcast(torch.empty(5, dtype=torch.int64, device=device)).tolist()
-    k_scale, v_scale = tp.broadcast(torch.empty(2, dtype=torch.float64, device=device)).tolist()
-    num_blocks, block_size, num_host, kv_dtype, dtype = setup
-    config = ModelConfig.from_dir(model_path)
-    model = load_tensor_parallel_model(model_path, config, _DTYPES[dtype], device, tp, load_format)
-    kv_cache = KVCache(shard_config(config, tp.world_size), num_blocks, block_size, _DTYPES[kv_dtype], device,
-                       num_host, k_scale, v_scale)
-    return follower_loop(model, kv_cache, tp, device)
 
 
 def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch.device) -> int:

@@ -133,15 +133,15 @@ def load_tensor_parallel_model(
     tp: TPGroup,
     load_format: str = "auto",
 ) -> CausalLM:
-    """Load the full model, keep this rank's shard, and return it on `device`.
+    """Load the model on the host, keep this rank's shard, and return the shard on `device`.
 
-    A checkpoint is read on the host, so the device never holds more than the shard (the host
-    briefly holds the whole model per rank process; a loader that narrows each tensor as it
-    streams in would avoid that). Dummy weights are drawn on `device` itself, because random
-    draws differ between CPU and CUDA generators and every rank must shard the same weights as
-    rank 0's engine, which draws them on its device.
+    The device never holds more than the shard (the host briefly holds the whole model per
+    rank process; a loader that narrows each tensor as it streams in would avoid that). Dummy
+    weights are drawn on `device`'s generator one parameter at a time, because random draws
+    differ between CPU and CUDA generators and every rank must shard the weights an unsharded
+    engine on `device` would draw.
     """
-    load_device = torch.device(device) if load_format == "dummy" else torch.device("cpu")
-    model = load_model(model_dir, config, dtype, load_device, load_format)
+    device = torch.device(device)
+    model = load_model(model_dir, config, dtype, torch.device("cpu"), load_format, dummy_draw_device=device)
     apply_tensor_parallel(model, tp.rank, tp.world_size, tp.group)
     return model.to(device)

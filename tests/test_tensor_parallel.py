@@ -2,8 +2,9 @@
 
 Tiny random Llama (KV heads split over the ranks) and Qwen2 (qkv bias, one KV head replicated
 on both ranks, tied embeddings, a vocabulary that does not split evenly). The TP=2 logits of a
-packed prefill must match TP=1 at every position, and greedy generation through the engine
-(rank 0 scheduling, rank 1 following) must give the same tokens.
+packed prefill must match TP=1 at every position, and greedy generation through an Engine built
+for each rank (rank 0 scheduling, rank 1 following) must give the same tokens, with each rank's
+KV cache holding only its KV heads.
 """
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.weights import load_model
-from parallel import TPGroup, apply_tensor_parallel, check_shardable, kv_head_range, shard_config
+from parallel import (
+    TPGroup,
+    apply_tensor_parallel,
+    check_shardable,
+    kv_head_range,
+    load_tensor_parallel_model,
+    shard_config,
+)
 from parallel.runner import prefill_step, run_step
 from tandem.types import SamplingParams
 
@@ -34,6 +42,8 @@ ENGINE_KW = dict(device="cpu", num_kv_blocks=48, block_size=BLOCK_SIZE, max_runn
 # Too few blocks for all three to finish: the scheduler swaps one out and back in (rank 0 tells rank 1).
 TIGHT_KW = {**ENGINE_KW, "num_kv_blocks": 7, "swap_space_gb": 0.001}
 TIGHT_TOKENS = 16
+# Block counts derived from a small memory budget (not capped by max_running * context).
+DERIVED_KW = {**ENGINE_KW, "num_kv_blocks": None, "cpu_kv_cache_gb": 2**-10, "max_running": 256}
 FAMILIES = {
     "llama": dict(family="llama"),  # 4 heads, 2 KV heads: one KV head per rank
     "qwen2": dict(family="qwen2", num_key_value_heads=1, tie_word_embeddings=True, vocab_size=259),
@@ -52,29 +62,36 @@ def greedy_tokens(llm, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
 
 
 def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any) -> None:
-    """One tensor-parallel rank (spawned): packed logits, then engine generation, per family."""
-    from engine import LLM
+    """One tensor-parallel rank (spawned): packed logits, then per-rank engines, per family."""
+    from engine import LLM, Engine, EngineConfig
     from parallel import init_tensor_parallel, load_tensor_parallel_model
-    from parallel.runner import attach_tensor_parallel, run_follower
 
     tp = init_tensor_parallel(rank, WORLD, init_method, backend="gloo")
     try:
         for name, path in model_dirs.items():
             config = ModelConfig.from_dir(path)
             model = load_tensor_parallel_model(path, config, torch.float32, torch.device("cpu"), tp)
-            logits = packed_logits(model, config, WORLD)
-            if rank == 0:
-                result = {"logits": logits}
-                for key, kw, max_tokens in (("tokens", ENGINE_KW, MAX_TOKENS), ("tight", TIGHT_KW, TIGHT_TOKENS)):
-                    llm = LLM(path, **kw)
-                    runner = attach_tensor_parallel(llm.engine, tp)
-                    result[key] = greedy_tokens(llm, max_tokens)
-                    result[f"{key}_swaps"] = llm.engine.scheduler.stats.num_swaps_out
-                    runner.stop()
-                out.put((name, rank, result))
-            else:
-                steps = [run_follower(path, tp, torch.device("cpu")) for _ in range(2)]
-                out.put((name, rank, {"logits": logits, "steps": steps}))
+            result: dict[str, Any] = {"logits": packed_logits(model, config, WORLD)}
+            runs = (("tokens", ENGINE_KW, MAX_TOKENS), ("tight", TIGHT_KW, TIGHT_TOKENS), ("derived", DERIVED_KW, 0))
+            for key, kw, max_tokens in runs:
+                if rank == 0:
+                    llm = LLM(path, tp=tp, **kw)
+                    engine = llm.engine
+                    if max_tokens:
+                        result[key] = greedy_tokens(llm, max_tokens)
+                        result[f"{key}_swaps"] = engine.scheduler.stats.num_swaps_out
+                    llm.close()
+                else:
+                    engine = Engine(EngineConfig(path, **kw), tp=tp)
+                    try:
+                        engine.step()
+                    except RuntimeError as e:
+                        result[f"{key}_step_refused"] = str(e)
+                    result[f"{key}_steps"] = engine.follow()
+                result[f"{key}_kv_shape"] = tuple(engine.kv_cache.layers[0][0].shape)
+                result[f"{key}_blocks"] = engine.num_total_blocks
+                result[f"{key}_qkv_rows"] = engine.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+            out.put((name, rank, result))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -136,7 +153,7 @@ def test_tp2_engine_greedy_tokens_match_tp1(name: str, models: dict[str, Path], 
     assert got == ref
     assert len({t for seq in ref for t in seq}) > 3  # varied output, so a wrong shard would show
     # one prefill step for the batch, then one decode step per further token
-    assert tp_runs[name][1]["steps"][0] >= MAX_TOKENS
+    assert tp_runs[name][1]["tokens_steps"] >= MAX_TOKENS
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -148,6 +165,33 @@ def test_tp2_swaps_run_on_every_rank_and_keep_the_tokens(name: str, models: dict
     run = tp_runs[name][0]
     assert run["tight_swaps"] >= 1 and llm.engine.scheduler.stats.num_swaps_out >= 1
     assert run["tight"] == ref
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tp2_engine_holds_only_its_shard_and_its_kv_heads(name: str, models: dict[str, Path], tp_runs) -> None:
+    from engine import LLM
+
+    config = ModelConfig.from_dir(models[name])
+    full = LLM(str(models[name]), **ENGINE_KW).engine
+    full_shape = tuple(full.kv_cache.layers[0][0].shape)
+    assert full_shape == (ENGINE_KW["num_kv_blocks"], BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    full_qkv_rows = full.model.layers[0].self_attn.qkv_proj.weight.shape[0]
+    # KV heads split over the ranks, or one replicated head on each when there are fewer than ranks
+    local_kv_heads = max(1, config.num_kv_heads // WORLD)
+    for rank in range(WORLD):
+        run = tp_runs[name][rank]
+        assert run["tokens_kv_shape"] == (ENGINE_KW["num_kv_blocks"], BLOCK_SIZE, local_kv_heads, config.head_dim)
+        assert run["tokens_qkv_rows"] == (config.num_heads // WORLD + 2 * local_kv_heads) * config.head_dim < full_qkv_rows
+    # Derived from the memory budget, the block count follows the smaller per-rank block and agrees across ranks.
+    derived = LLM(str(models[name]), **DERIVED_KW).engine.num_total_blocks
+    tp_blocks = tp_runs[name][0]["derived_blocks"]
+    assert tp_runs[name][1]["derived_blocks"] == tp_blocks
+    assert tp_runs[name][1]["derived_steps"] == 0
+    assert "follow()" in tp_runs[name][1]["tokens_step_refused"]  # a follower's step comes from rank 0
+    if local_kv_heads < config.num_kv_heads:
+        assert tp_blocks >= 2 * derived
+    else:
+        assert tp_blocks == derived
 
 
 def test_kv_head_assignment_gives_every_query_head_its_kv_head() -> None:
@@ -173,3 +217,28 @@ def test_unshardable_configs_name_the_field(models: dict[str, Path]) -> None:
         TPGroup(2, 2)
     model = load_model(models["llama"], config, torch.float32, torch.device("cpu"))
     assert apply_tensor_parallel(model, 0, 1) is model and type(model).__name__ == "CausalLM"
+
+
+def test_per_rank_dummy_shard_equals_sharding_the_full_dummy_model(models: dict[str, Path]) -> None:
+    config = ModelConfig.from_dir(models["qwen2"])
+    for rank in range(WORLD):  # no collective runs while loading, so no process group is needed
+        full = apply_tensor_parallel(load_model(models["qwen2"], config, torch.float32, torch.device("cpu"), "dummy"),
+                                     rank, WORLD)
+        shard = load_tensor_parallel_model(models["qwen2"], config, torch.float32, torch.device("cpu"),
+                                           TPGroup(rank, WORLD), "dummy")
+        want, got = full.state_dict(), shard.state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        qkv = got["layers.0.self_attn.qkv_proj.weight"]
+        assert qkv.shape[0] < load_model(models["qwen2"], config, torch.float32, torch.device("cpu"),
+                                         "dummy").layers[0].self_attn.qkv_proj.weight.shape[0]
+
+
+def test_an_engine_without_tp_imports_no_parallel_module() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, engine.engine, engine.llm; "
+            "print(sorted(m for m in sys.modules if m == 'parallel' or m.startswith('parallel.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
