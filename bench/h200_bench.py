@@ -5,7 +5,9 @@
 Model: Llama-3.1-8B shape with dummy weights in bf16. Ceilings (device copy GB/s, bf16 matmul
 TFLOP/s) are measured in the same run and every fraction is taken against them.
 Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, prefill, offline,
-fp8_offline, transformers. Each is timed and guarded; a failure is recorded, not fatal.
+transformers, ours_on_hf_subset, services (+ offline on the same prompts), fp8_offline. Each is
+timed and guarded; a failure is recorded, not fatal. The services section needs pyzmq, redis and the
+gRPC health/reflection wheels on the device: carry `.whl` (see the device notes) and install first.
 """
 from __future__ import annotations
 
@@ -229,6 +231,47 @@ def transformers_offline(model_dir: Path, num_prompts: int, in_len: int, out_len
             "seconds": round(dt, 2), "output_tok_s": round(n_out / dt, 1)}
 
 
+def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, tmp: Path, max_running: int = 384) -> dict:
+    """The offline workload through gateway + prefill + decode processes on the one GPU (ZMQ KV
+    transfer through host memory), against the offline engine on the same prompts in this run.
+    Needs pyzmq and the gRPC health/reflection packages (carry them as wheels)."""
+    import asyncio
+
+    from gateway.config import GatewayConfig, WorkerPoolConfig
+    from gateway.testing import GatewayThread, start_workers, stop_workers
+    from tandem import AsyncClient
+
+    ctx = in_len + out_len + 16
+    common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache"]
+    p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "8192", "--max-running", "64",
+                                       "--max-batched-tokens", "8192"]),
+                          ("decode", [*common, "--num-kv-blocks", "40000", "--max-running", str(max_running)])],
+                         model_dir, tmp / "svc-workers", timeout=600)
+    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, load_format="dummy", max_context=ctx,
+                                     workers=WorkerPoolConfig(prefill=(p.address,), decode=(d.address,),
+                                                              max_inflight_per_decode=max_running)))
+    try:
+        assert gw.wait_ready(120), "gateway not ready"
+        g = torch.Generator().manual_seed(0)
+        vocab = min(128000, json.loads((model_dir / "config.json").read_text())["vocab_size"] - 2)
+        prompts = torch.randint(0, vocab, (num_prompts, in_len), generator=g).tolist()
+
+        async def run() -> tuple[int, float]:
+            async with AsyncClient(gw.target, timeout=3600) as client:
+                await client.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+                t = time.perf_counter()
+                outs = await asyncio.gather(*(client.generate(x, max_tokens=out_len, temperature=0.0, ignore_eos=True)
+                                              for x in prompts))
+                return sum(len(o.token_ids) for o in outs), time.perf_counter() - t
+
+        n, dt = asyncio.run(run())
+    finally:
+        gw.stop()
+        stop_workers([p, d])
+    return {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
+            "output_tok_s": round(n / dt, 1)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(REPO / "bench/results/h200.json"))
@@ -239,6 +282,7 @@ def main() -> int:
     p.add_argument("--hf-out-len", type=int, default=256)
     p.add_argument("--offline-budget-s", type=float, default=None, help="cut the prompt count to fit this")
     p.add_argument("--kernel-timeout-s", type=float, default=150.0)
+    p.add_argument("--services-prompts", type=int, default=256)
     p.add_argument("--parity-families", default="llama,qwen3,glm4")
     p.add_argument("--skip", default="", help="comma-separated sections to skip")
     p.add_argument("--only", default="", help="comma-separated sections to run")
@@ -279,6 +323,8 @@ def main() -> int:
         section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, budget_s=a.offline_budget_s))
         section("transformers", lambda: transformers_offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len, 64))
         section("ours_on_hf_subset", lambda: offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len))
+        section("services", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len, tmp))
+        section("offline_services_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len))
         section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8", budget_s=a.offline_budget_s))
 
     summary = {
@@ -291,6 +337,9 @@ def main() -> int:
     hf = res.get("transformers", {}).get("output_tok_s")
     ours_sub = res.get("ours_on_hf_subset", {}).get("output_tok_s")
     summary["vs_transformers"] = round(ours_sub / hf, 2) if hf and ours_sub else None
+    svc = res.get("services", {}).get("output_tok_s")
+    off = res.get("offline_services_subset", {}).get("output_tok_s")
+    summary["services_vs_offline"] = round(svc / off, 2) if svc and off else None
     res.update(summary)
     out.write_text(json.dumps(res, indent=1))
     log("SUMMARY", json.dumps(summary))
