@@ -19,7 +19,7 @@ from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
-from kvtransfer.zmq_sender import _Item, _Outgoing
+from kvtransfer.outgoing import Item, Outgoing
 
 if TYPE_CHECKING:
     from kvtransfer.nccl_sender import NcclSender
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Transfer(_Outgoing):
+class Transfer(Outgoing):
     channel: Any = None  # the Channel this transfer travels on (a broken one is replaced for new opens)
 
 
@@ -81,7 +81,7 @@ class Channel:
         self.peer, self.channel_id = peer, channel_id
         self.broken: str | None = None
         self._sender = sender
-        self._items: collections.deque[_Item] = collections.deque()
+        self._items: collections.deque[Item] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self.backend = ""
@@ -91,7 +91,7 @@ class Channel:
         self.thread = threading.Thread(target=self._run, name=f"kv-nccl-send {peer}", daemon=True)
         self.thread.start()
 
-    def put(self, item: _Item) -> None:
+    def put(self, item: Item) -> None:
         with self._cond:
             self._items.append(item)
             self._cond.notify()
@@ -167,7 +167,7 @@ class Channel:
             self.broken = error
             logger.warning("kv nccl channel to %s broken: %s", self.peer, error)
 
-    def _process(self, sock: zmq.Socket, item: _Item) -> None:
+    def _process(self, sock: zmq.Socket, item: Item) -> None:
         state, sender = item.state, self._sender
         if self.broken is not None and state.error is None:
             state.error = f"channel to {self.peer} broken: {self.broken}"
@@ -191,7 +191,7 @@ class Channel:
             self._send_header(sock, state, FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason))
             sender._count(transfers_aborted=1)
 
-    def _send_layer(self, sock: zmq.Socket, item: _Item, staged: _Staged) -> None:
+    def _send_layer(self, sock: zmq.Socket, item: Item, staged: _Staged) -> None:
         sender, state = self._sender, item.state
         try:
             k, v = self._on_backend_device(staged.k, staged.ready), self._on_backend_device(staged.v, None)

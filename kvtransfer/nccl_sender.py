@@ -24,7 +24,7 @@ from kvtransfer.base import KVSender, KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER
 from kvtransfer.nccl_send_channel import Channel, Transfer, stage
 from kvtransfer.staging import PairPool, check_cache_pair
-from kvtransfer.zmq_sender import _block_ids, _check_request_id, _Item
+from kvtransfer.outgoing import Item, check_open_args, parse_block_ids
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +89,7 @@ class NcclSender(KVSender):
         self.send_seconds = 0.0
 
     def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
-        _check_request_id(request_id)
-        if not isinstance(peer_address, str) or not peer_address.startswith(_SCHEMES):
-            raise ValueError(f"peer_address: expected a tcp:// or ipc:// endpoint, got {peer_address!r}")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        check_open_args(request_id, peer_address, num_layers, _SCHEMES)
         with self._lock:
             if self._closed:
                 raise KVTransferError("sender is closed")
@@ -129,7 +125,7 @@ class NcclSender(KVSender):
         if layer in state.layers:
             raise ValueError(f"layer: layer {layer} of {request_id!r} was already sent")
         dtype, shape = check_cache_pair(src_k, src_v)
-        src, dst = _block_ids(src_block_ids, "src_block_ids"), _block_ids(dst_block_ids, "dst_block_ids")
+        src, dst = parse_block_ids(src_block_ids, "src_block_ids"), parse_block_ids(dst_block_ids, "dst_block_ids")
         if len(src) != len(dst):
             raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
         if len(set(dst)) != len(dst):
@@ -151,7 +147,7 @@ class NcclSender(KVSender):
             self._release(nbytes)
             raise
         state.layers.add(layer)
-        state.channel.put(_Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
+        state.channel.put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
 
     def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
         state = self._state(request_id)
@@ -165,7 +161,7 @@ class NcclSender(KVSender):
             raise ValueError(f"meta: not JSON-serializable ({exc})") from None
         with self._lock:
             self._requests.pop(request_id, None)
-        state.channel.put(_Item(state, KIND_COMMIT, meta=meta))
+        state.channel.put(Item(state, KIND_COMMIT, meta=meta))
         return state.future
 
     def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
@@ -174,7 +170,7 @@ class NcclSender(KVSender):
         if state is None:
             return False
         state.aborted = True  # the channel thread skips this request's queued layers
-        state.channel.put(_Item(state, KIND_ABORT, reason=str(reason)))
+        state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
         return True
 
     def _reserve(self, nbytes: int) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.base import KVTransferError, TransferResult
+from kvtransfer.outgoing import check_request_id
 
 
 class PendingTransfers:
@@ -27,8 +28,7 @@ class PendingTransfers:
         self._stop = threading.Event()
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        check_request_id(request_id)
         try:
             dst = [int(x) for x in dst_block_ids]
         except (TypeError, ValueError):

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -27,57 +26,13 @@ from kvtransfer.frames import (
     check_checksum_algorithm,
     checksum,
 )
+from kvtransfer.outgoing import Item, Outgoing, check_open_args, parse_block_ids
 from kvtransfer.staging import PairPool, StagedLayer, check_cache_pair, stage_layer
 
 logger = logging.getLogger(__name__)
 
 CORRUPT_ENV = "TANDEM_KV_CORRUPT_ONCE"
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-def _check_request_id(request_id: Any) -> None:
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-
-
-def _block_ids(value: Any, field_name: str) -> tuple[int, ...]:
-    try:
-        ids = tuple(int(x) for x in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{field_name}: expected a sequence of integers") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"{field_name}: block ids must be non-negative")
-    return ids
-
-
-@dataclass(eq=False)
-class _Outgoing:
-    """Sender-side state of one transfer. `seq`, `bytes_sent` belong to the peer thread."""
-
-    request_id: str
-    peer: str
-    num_layers: int
-    started: float = field(default_factory=time.monotonic)
-    layers: set[int] = field(default_factory=set)
-    dst_sorted: list[int] | None = None
-    layout: tuple[str, tuple[int, ...]] | None = None  # (dtype, block shape) fixed by layer one
-    future: Future[SendResult] = field(default_factory=Future)
-    seq: int = 0
-    bytes_sent: int = 0
-    error: str | None = None
-    aborted: bool = False
-
-
-@dataclass
-class _Item:
-    state: _Outgoing
-    kind: str
-    layer: int = -1
-    staged: StagedLayer | None = None
-    src: tuple[int, ...] = ()
-    dst: tuple[int, ...] = ()
-    meta: dict[str, Any] | None = None
-    reason: str = ""
 
 
 class _PeerChannel:
@@ -87,14 +42,14 @@ class _PeerChannel:
     def __init__(self, sender: ZmqSender, peer: str) -> None:
         self.peer = peer
         self._sender = sender
-        self._items: collections.deque[_Item] = collections.deque()
+        self._items: collections.deque[Item] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self.pool = PairPool()
         self.thread = threading.Thread(target=self._run, name=f"kv-send {peer}", daemon=True)
         self.thread.start()
 
-    def put(self, item: _Item) -> None:
+    def put(self, item: Item) -> None:
         with self._cond:
             self._items.append(item)
             self._cond.notify()
@@ -164,7 +119,7 @@ class ZmqSender(KVSender):
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._lock = threading.Lock()
-        self._requests: dict[str, _Outgoing] = {}
+        self._requests: dict[str, Outgoing] = {}
         self._channels: dict[str, _PeerChannel] = {}
         self._staged_cond = threading.Condition()
         self._gather_pool = PairPool()
@@ -181,11 +136,7 @@ class ZmqSender(KVSender):
     # -- caller side --------------------------------------------------------------------------
 
     def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
-        _check_request_id(request_id)
-        if not isinstance(peer_address, str) or not peer_address.startswith(_SCHEMES):
-            raise ValueError(f"peer_address: expected tcp://, ipc:// or inproc:// endpoint, got {peer_address!r}")
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers: must be a positive integer, got {num_layers!r}")
+        check_open_args(request_id, peer_address, num_layers, _SCHEMES)
         with self._lock:
             if self._closed:
                 raise KVTransferError("sender is closed")
@@ -193,9 +144,9 @@ class ZmqSender(KVSender):
                 raise ValueError(f"request_id: transfer {request_id!r} is already open")
             if peer_address not in self._channels:
                 self._channels[peer_address] = _PeerChannel(self, peer_address)
-            self._requests[request_id] = _Outgoing(request_id, peer_address, num_layers)
+            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers)
 
-    def _state(self, request_id: str) -> _Outgoing:
+    def _state(self, request_id: str) -> Outgoing:
         with self._lock:
             if self._closed:
                 raise KVTransferError("sender is closed")
@@ -221,8 +172,8 @@ class ZmqSender(KVSender):
         if layer in state.layers:
             raise ValueError(f"layer: layer {layer} of {request_id!r} was already sent")
         dtype, shape = check_cache_pair(src_k, src_v)
-        src = _block_ids(src_block_ids, "src_block_ids")
-        dst = _block_ids(dst_block_ids, "dst_block_ids")
+        src = parse_block_ids(src_block_ids, "src_block_ids")
+        dst = parse_block_ids(dst_block_ids, "dst_block_ids")
         if len(src) != len(dst):
             raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
         if len(set(dst)) != len(dst):
@@ -244,7 +195,7 @@ class ZmqSender(KVSender):
             self._release(2 * len(src) * block_bytes)
             raise
         state.layers.add(layer)
-        self._channels[state.peer].put(_Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
+        self._channels[state.peer].put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
 
     def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
         state = self._state(request_id)
@@ -258,7 +209,7 @@ class ZmqSender(KVSender):
             raise ValueError(f"meta: not JSON-serializable ({exc})") from None
         with self._lock:
             self._requests.pop(request_id, None)
-        self._channels[state.peer].put(_Item(state, KIND_COMMIT, meta=meta))
+        self._channels[state.peer].put(Item(state, KIND_COMMIT, meta=meta))
         return state.future
 
     def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
@@ -267,7 +218,7 @@ class ZmqSender(KVSender):
         if state is None:
             return False
         state.aborted = True  # the peer thread skips this request's queued layers
-        self._channels[state.peer].put(_Item(state, KIND_ABORT, reason=str(reason)))
+        self._channels[state.peer].put(Item(state, KIND_ABORT, reason=str(reason)))
         return True
 
     def _reserve(self, nbytes: int) -> None:
@@ -289,7 +240,7 @@ class ZmqSender(KVSender):
 
     # -- peer threads ---------------------------------------------------------------------------
 
-    def _process(self, sock: zmq.Socket, item: _Item, pool: PairPool) -> None:
+    def _process(self, sock: zmq.Socket, item: Item, pool: PairPool) -> None:
         state = item.state
         if item.kind == KIND_LAYER:
             assert item.staged is not None
@@ -312,7 +263,7 @@ class ZmqSender(KVSender):
             self._send(sock, state, [header.encode()])
             self._count(transfers_aborted=1)
 
-    def _send_layer(self, sock: zmq.Socket, item: _Item, staged: StagedLayer, pool: PairPool) -> None:
+    def _send_layer(self, sock: zmq.Socket, item: Item, staged: StagedLayer, pool: PairPool) -> None:
         staged.wait()
         k, v = staged.k_bytes(), staged.v_bytes()
         alg = self.checksum_algorithm
@@ -335,7 +286,7 @@ class ZmqSender(KVSender):
             logger.warning("%s set: corrupted layer %d of %s", CORRUPT_ENV, item.layer, item.state.request_id)
         self._send(sock, item.state, [header.encode(), k, v])
 
-    def _send(self, sock: zmq.Socket, state: _Outgoing, parts: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket, state: Outgoing, parts: list[Any]) -> None:
         t0 = time.perf_counter()
         try:
             sock.send_multipart(parts, copy=False)
