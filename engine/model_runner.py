@@ -103,6 +103,10 @@ class ModelRunner:
         if not batch.sample_index:
             return [], None
         logits = self.model.logits(hidden[batch.sample_rows])
+        return batch.sample_index, self.sample(out, batch.sample_index, logits)
+
+    def sample(self, out: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> SamplerOutput:
+        """Sample one token for each scheduled sequence in `sample_index` (rows of `logits`)."""
         rows = [
             SamplingRow(
                 params=out.scheduled[i].seq.params,
@@ -110,6 +114,6 @@ class ModelRunner:
                 output_token_ids=out.scheduled[i].seq.output_token_ids,
                 eos_token_ids=self.eos_token_ids,
             )
-            for i in batch.sample_index
+            for i in sample_index
         ]
-        return batch.sample_index, self.sampler(logits, rows)
+        return self.sampler(logits, rows)

@@ -23,8 +23,8 @@ from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVSender, KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER
 from kvtransfer.nccl_send_channel import Channel, Transfer, stage
-from kvtransfer.staging import PairPool, check_cache_pair
-from kvtransfer.outgoing import Item, check_open_args, parse_block_ids
+from kvtransfer.outgoing import Item, check_open_args
+from kvtransfer.staging import PairPool
 
 logger = logging.getLogger(__name__)
 
@@ -120,26 +120,7 @@ class NcclSender(KVSender):
         src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
     ) -> None:
         state = self._state(request_id)
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < state.num_layers:
-            raise ValueError(f"layer: must be an integer in [0, {state.num_layers}), got {layer!r}")
-        if layer in state.layers:
-            raise ValueError(f"layer: layer {layer} of {request_id!r} was already sent")
-        dtype, shape = check_cache_pair(src_k, src_v)
-        src, dst = parse_block_ids(src_block_ids, "src_block_ids"), parse_block_ids(dst_block_ids, "dst_block_ids")
-        if len(src) != len(dst):
-            raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
-        if len(set(dst)) != len(dst):
-            raise ValueError("dst_block_ids: ids must be distinct")
-        if any(i >= shape[0] for i in src):
-            raise ValueError(f"src_block_ids: ids must be below num_blocks={shape[0]}")
-        layout = (dtype, shape[1:])
-        if state.layout is None:
-            state.layout, state.dst_sorted = layout, sorted(dst)
-        elif layout != state.layout:
-            raise ValueError(f"src_k: dtype/block shape {layout} differs from earlier layers {state.layout}")
-        elif sorted(dst) != state.dst_sorted:
-            raise ValueError("dst_block_ids: every layer must carry the same destination blocks")
-        nbytes = 2 * len(src) * (src_k[:1].nbytes if shape[0] else 0)
+        src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
         self._reserve(nbytes)
         try:
             staged = stage(src_k, src_v, src, self._stage_pool)

@@ -26,8 +26,8 @@ from kvtransfer.frames import (
     check_checksum_algorithm,
     checksum,
 )
-from kvtransfer.outgoing import Item, Outgoing, check_open_args, parse_block_ids
-from kvtransfer.staging import PairPool, StagedLayer, check_cache_pair, stage_layer
+from kvtransfer.outgoing import Item, Outgoing, check_open_args
+from kvtransfer.staging import PairPool, StagedLayer, stage_layer
 
 logger = logging.getLogger(__name__)
 
@@ -167,32 +167,12 @@ class ZmqSender(KVSender):
         dst_block_ids: Sequence[int],
     ) -> None:
         state = self._state(request_id)
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < state.num_layers:
-            raise ValueError(f"layer: must be an integer in [0, {state.num_layers}), got {layer!r}")
-        if layer in state.layers:
-            raise ValueError(f"layer: layer {layer} of {request_id!r} was already sent")
-        dtype, shape = check_cache_pair(src_k, src_v)
-        src = parse_block_ids(src_block_ids, "src_block_ids")
-        dst = parse_block_ids(dst_block_ids, "dst_block_ids")
-        if len(src) != len(dst):
-            raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
-        if len(set(dst)) != len(dst):
-            raise ValueError("dst_block_ids: ids must be distinct")
-        if any(i >= shape[0] for i in src):
-            raise ValueError(f"src_block_ids: ids must be below num_blocks={shape[0]}")
-        layout = (dtype, shape[1:])
-        if state.layout is None:
-            state.layout, state.dst_sorted = layout, sorted(dst)
-        elif layout != state.layout:
-            raise ValueError(f"src_k: dtype/block shape {layout} differs from earlier layers {state.layout}")
-        elif sorted(dst) != state.dst_sorted:
-            raise ValueError("dst_block_ids: every layer must carry the same destination blocks")
-        block_bytes = src_k[:1].nbytes if shape[0] else 0  # bytes of one block, numpy or torch
-        self._reserve(2 * len(src) * block_bytes)
+        src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
+        self._reserve(nbytes)
         try:
             staged = stage_layer(src_k, src_v, src, self._gather_pool)
         except BaseException:
-            self._release(2 * len(src) * block_bytes)
+            self._release(nbytes)
             raise
         state.layers.add(layer)
         self._channels[state.peer].put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))

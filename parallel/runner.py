@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.model_runner import BatchInputs, ModelRunner
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from parallel.comm import TPGroup
 
@@ -169,16 +169,7 @@ class TPModelRunner(ModelRunner):
         logits = run_step(self.model, self.kv_cache, step, after_layer)
         if batch is None or logits is None:
             return [], None
-        rows = [
-            SamplingRow(
-                params=out.scheduled[i].seq.params,
-                prompt_token_ids=out.scheduled[i].seq.prompt_token_ids,
-                output_token_ids=out.scheduled[i].seq.output_token_ids,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for i in batch.sample_index
-        ]
-        return batch.sample_index, self.sampler(logits, rows)
+        return batch.sample_index, self.sample(out, batch.sample_index, logits)
 
     def stop(self) -> None:
         """Release the followers from `follower_loop` (idempotent)."""
