@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing import RoutingConfig
-from tandem.types import Tier
+from tandem.types import Tier, check_int
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 128
@@ -31,7 +31,7 @@ class TierConfig:
     default_deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _check_int("capacity", self.capacity, lo=1)
+        check_int("capacity", self.capacity, lo=1)
         if self.aging_s is not None:
             _check_positive("aging_s", self.aging_s)
         _check_positive("default_deadline_s", self.default_deadline_s)
@@ -80,10 +80,10 @@ class WorkerPoolConfig:
                 if addr in seen:
                     raise ValueError(f"{role}: worker address {addr} is listed twice")
                 seen.add(addr)
-        _check_int("max_inflight_per_decode", self.max_inflight_per_decode, lo=1)
+        check_int("max_inflight_per_decode", self.max_inflight_per_decode, lo=1)
         _check_positive("stats_interval_s", self.stats_interval_s)
         _check_positive("stats_timeout_s", self.stats_timeout_s)
-        _check_int("local_prefill_tokens", self.local_prefill_tokens, lo=0)
+        check_int("local_prefill_tokens", self.local_prefill_tokens, lo=0)
 
     @property
     def num_workers(self) -> int:
@@ -125,9 +125,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
             raise ValueError(f"model_dir: must be a non-empty path, got {self.model_dir!r}")
-        _check_int("port", self.port, lo=0, hi=65535)
+        check_int("port", self.port, lo=0, hi=65535)
         if self.metrics_port is not None:
-            _check_int("metrics_port", self.metrics_port, lo=0, hi=65535)
+            check_int("metrics_port", self.metrics_port, lo=0, hi=65535)
         tiers = dict(self.tiers)
         missing = [t.name for t in Tier if t not in tiers]
         if missing:
@@ -135,25 +135,16 @@ class GatewayConfig:
         if any(not isinstance(v, TierConfig) for v in tiers.values()):
             raise ValueError("tiers: values must be TierConfig")
         object.__setattr__(self, "tiers", MappingProxyType({t: tiers[t] for t in Tier}))
-        _check_int("max_retries", self.max_retries, lo=0)
+        check_int("max_retries", self.max_retries, lo=0)
         if self.max_context is not None:
-            _check_int("max_context", self.max_context, lo=2)
-        _check_int("block_size", self.block_size, lo=1)
-        _check_int("max_message_bytes", self.max_message_bytes, lo=1024)
+            check_int("max_context", self.max_context, lo=2)
+        check_int("block_size", self.block_size, lo=1)
+        check_int("max_message_bytes", self.max_message_bytes, lo=1024)
         _check_positive("grace_s", self.grace_s)
         _check_positive("index_block_ttl_s", self.index_block_ttl_s)
 
     def with_changes(self, **changes: Any) -> GatewayConfig:
         return replace(self, **changes)
-
-
-def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name}: must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name}: must be <= {hi}, got {value}")
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -87,21 +87,21 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError('<field>: <why>') for the first invalid field; return self."""
-        _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_float("temperature", self.temperature, lo=0.0)
-        _check_int("top_k", self.top_k, lo=0)
-        _check_float("top_p", self.top_p)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_float("temperature", self.temperature, lo=0.0)
+        check_int("top_k", self.top_k, lo=0)
+        check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_float("repetition_penalty", self.repetition_penalty)
+        check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
-        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=MAX_SEED)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+            check_int("seed", self.seed, lo=0, hi=MAX_SEED)
+        check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -112,18 +112,19 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop: a stop string is longer than {MAX_STOP_STRING_CHARS} characters")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, lo=0, hi=(vocab_size - 1) if vocab_size else None)
+            check_int("stop_token_ids", t, lo=0, hi=(vocab_size - 1) if vocab_size else None)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+            check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    """ValueError('<name>: why') unless value is an int (not bool) within [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     if lo is not None and value < lo:
@@ -132,7 +133,8 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
         raise ValueError(f"{name}: must be <= {hi}, got {value}")
 
 
-def _check_float(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
+def check_float(name: str, value: Any, lo: float | None = None, hi: float | None = None) -> None:
+    """ValueError('<name>: why') unless value is a finite number within [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name}: must be a finite number, got {value!r}")
     if lo is not None and value < lo:
