@@ -231,7 +231,7 @@ def transformers_offline(model_dir: Path, num_prompts: int, in_len: int, out_len
             "seconds": round(dt, 2), "output_tok_s": round(n_out / dt, 1)}
 
 
-def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, tmp: Path, max_running: int = 384) -> dict:
+def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_dir: Path, max_running: int = 384) -> dict:
     """The offline workload through gateway + prefill + decode processes on the one GPU (ZMQ KV
     transfer through host memory), against the offline engine on the same prompts in this run.
     Needs pyzmq and the gRPC health/reflection packages (carry them as wheels)."""
@@ -243,10 +243,10 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, tmp: 
 
     ctx = in_len + out_len + 16
     common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache"]
-    p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "8192", "--max-running", "64",
+    p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "4096", "--max-running", "64",
                                        "--max-batched-tokens", "8192"]),
-                          ("decode", [*common, "--num-kv-blocks", "40000", "--max-running", str(max_running)])],
-                         model_dir, tmp / "svc-workers", timeout=600)
+                          ("decode", [*common, "--num-kv-blocks", "36000", "--max-running", str(max_running)])],
+                         model_dir, log_dir, timeout=600)
     gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, load_format="dummy", max_context=ctx,
                                      workers=WorkerPoolConfig(prefill=(p.address,), decode=(d.address,),
                                                               max_inflight_per_decode=max_running)))
@@ -284,6 +284,7 @@ def main() -> int:
     p.add_argument("--kernel-timeout-s", type=float, default=150.0)
     p.add_argument("--services-prompts", type=int, default=256)
     p.add_argument("--parity-families", default="llama,qwen3,glm4")
+    p.add_argument("--log-dir", default=None, help="keep the services section's worker logs here")
     p.add_argument("--skip", default="", help="comma-separated sections to skip")
     p.add_argument("--only", default="", help="comma-separated sections to run")
     a = p.parse_args()
@@ -323,7 +324,8 @@ def main() -> int:
         section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, budget_s=a.offline_budget_s))
         section("transformers", lambda: transformers_offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len, 64))
         section("ours_on_hf_subset", lambda: offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len))
-        section("services", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len, tmp))
+        section("services", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len,
+                                             Path(a.log_dir) if a.log_dir else tmp / "svc-workers"))
         section("offline_services_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len))
         section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8", budget_s=a.offline_budget_s))
 

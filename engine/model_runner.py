@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -14,6 +15,7 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,12 @@ class ModelRunner:
         self.graphs = graphs
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
+        """Pack the scheduled sequences' new tokens, positions, cache slots and block tables.
+
+        Host cost matters here (it runs every step, for every sequence): block tables come from a
+        per-sequence int32 copy that only grows, and the token lists are never joined."""
         bs = self.block_size
+        scheduled = out.scheduled
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -53,19 +60,23 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sample_index: list[int] = []
-        max_blocks = max((len(s.seq.block_table) for s in out.scheduled), default=1)
-        tables = []
-        for i, s in enumerate(out.scheduled):
+        max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1)
+        tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
+        for i, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            tokens = seq.all_token_ids
-            ids.extend(tokens[start:end])
-            pos.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.num_new_tokens == 1:
+                ids.append(seq.token_at(start))
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend((seq.prompt_token_ids + seq.output_token_ids)[start:end])
+                pos.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
-            tables.append(table + [0] * (max_blocks - len(table)))
+            tables[i, : len(table)] = _table_row(seq)
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
                 sample_index.append(i)
@@ -76,10 +87,10 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=t(slots),
-            block_tables=t(tables, torch.int32),
+            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
             query_start_loc=t(qsl, torch.int32),
             seq_lens=t(seq_lens, torch.int32),
-            is_decode=all(s.num_new_tokens == 1 for s in out.scheduled),
+            is_decode=len(ids) == len(scheduled),
             k_scale=self.kv_cache.k_scale,
             v_scale=self.kv_cache.v_scale,
         )
@@ -117,3 +128,24 @@ class ModelRunner:
             for i in sample_index
         ]
         return self.sampler(logits, rows)
+
+
+def _table_row(seq: Sequence) -> np.ndarray:
+    """`seq.block_table` as int32, from a cache on the sequence that is extended in place while
+    the table only grows (the scheduler appends blocks) and rebuilt when the list is replaced."""
+    table = seq.block_table
+    cache = seq.table_cache
+    if cache is None or cache[0] is not table or cache[2] > len(table):
+        arr = np.empty(max(16, 2 * len(table)), dtype=np.int32)
+        arr[: len(table)] = table
+        seq.table_cache = cache = [table, arr, len(table)]
+    owner, arr, filled = cache
+    n = len(table)
+    if n > filled:
+        if n > len(arr):
+            grown = np.empty(2 * n, dtype=np.int32)
+            grown[:filled] = arr[:filled]
+            cache[1] = arr = grown
+        arr[filled:n] = table[filled:n]
+        cache[2] = n
+    return arr[:n]

@@ -301,13 +301,16 @@ class Scheduler:
     # ---- after the forward pass -----------------------------------------------------------
     def postprocess(self, out: SchedulerOutput) -> None:
         """Advance computed counts; caller appends sampled tokens, then calls `finish` as needed."""
+        caching, bs = self.cache.enabled, self.config.block_size
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.seq.num_computed_tokens // self.config.block_size > len(s.seq.prefix_match.block_ids if s.seq.prefix_match else []):
-                self._cache_computed(s.seq)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            # A sequence's newly full blocks join the prefix cache (a disabled cache takes none).
+            if caching and seq.prefix_match is not None and seq.num_computed_tokens // bs > len(seq.prefix_match.block_ids):
+                self._cache_computed(seq)
 
     def _cache_computed(self, seq: Sequence) -> None:
-        if seq.prefix_match is None or not seq.block_table:
+        if not self.cache.enabled or seq.prefix_match is None or not seq.block_table:
             return
         computed = seq.all_token_ids[: seq.num_computed_tokens]
         new = self.cache.insert(computed, seq.block_table)

@@ -49,10 +49,17 @@ class Sequence:
     host_blocks: list[int] = field(default_factory=list)  # where its KV went when swapped
     text: str = ""  # detokenized output so far (offline engine, for stop strings)
     detok: Any = None
+    # The model runner's int32 copy of block_table (see ModelRunner._table_row); not state.
+    table_cache: Any = field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        """Token `i` of prompt + output, without building the joined list."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per iteration: 4 blocks of 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-MIN_PARTITION = 256  # fewest KV tokens a split is given
+MIN_PARTITION = 128  # fewest KV tokens a split is given
 MAX_SPLITS = 64
 RESIDENT = 4  # stage-1 programs an SM holds at once (registers bound it at this tile size)
 # FP8 caches: the tile config, and whether the dots run in fp16 rather than q's dtype

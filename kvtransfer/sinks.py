@@ -19,8 +19,8 @@ class TensorKVSink:
 
     k_caches, v_caches: one tensor per layer (a list), or one stacked tensor
     [num_layers, num_blocks, ...]; CPU or CUDA, all of the same dtype and block shape.
-    A CUDA write copies synchronously from host memory, so the network buffer may be released
-    as soon as `write` returns.
+    A CUDA write queues its copies on the caller's current stream; source tensors in host memory
+    are copied before `write` returns, so a network buffer may be released then.
     """
 
     def __init__(
@@ -66,13 +66,12 @@ class TensorKVSink:
 
             self._pool.run(put, (k_cache, k), (v_cache, v), nbytes)
             return
-        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long, device=k_cache.device)
-
-        def copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-            cache, src = pair
-            cache.index_copy_(0, idx, src.to(cache.device))
-
-        self._pool.run(copy, (k_cache, k), (v_cache, v), nbytes)
+        # Device caches: both copies are queued on the caller's stream, where the index is made
+        # too. (A helper thread would run on another stream and could read the index, or reuse its
+        # memory, before this stream wrote it.) The copies are asynchronous already.
+        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long).to(k_cache.device, non_blocking=True)
+        k_cache.index_copy_(0, idx, k.to(k_cache.device))
+        v_cache.index_copy_(0, idx, v.to(v_cache.device))
 
     def close(self) -> None:
         """Stop the helper thread (it also ends with the process)."""

@@ -1,0 +1,117 @@
+"""Where a decode step's time goes: host phases and GPU kernels at a few batch sizes.
+
+    python bench/step_profile.py --batch 1,64,384 --ctx 1024 [--out step_profile.json]
+
+Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences are prefilled to
+`ctx` tokens and then decode steps are timed two ways: as they run (wall ms per step), and with a
+device synchronize around each phase (schedule, prepare, forward, logits, sample, postprocess) so
+each phase's own host + GPU time shows. The top GPU kernels of one step come from torch.profiler.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+
+def _timed(obj, name: str, acc: dict, sync: bool) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        if sync:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        r = fn(*args, **kwargs)
+        if sync:
+            torch.cuda.synchronize()
+        acc[name] += time.perf_counter() - t
+        return r
+
+    setattr(obj, name, wrapper)
+
+
+def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch,
+              max_model_len=ctx + steps * 3 + 64, max_batched_tokens=8192, enable_prefix_cache=False)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(0)
+    for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
+        eng.add_request(p, SamplingParams(max_tokens=steps * 3 + 32, temperature=0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in [*eng.scheduler.waiting, *eng.scheduler.running]):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / steps
+
+    acc: dict[str, float] = defaultdict(float)
+    runner = eng.runner
+    for obj, names in ((eng.scheduler, ("schedule", "postprocess")), (eng, ("_process_samples",)),
+                       (runner, ("prepare", "sample")), (runner.model, ("logits",))):
+        for n in names:
+            _timed(obj, n, acc, sync=True)
+    if runner.graphs is not None:
+        _timed(runner.graphs, "run", acc, sync=True)
+    for _ in range(steps):
+        eng.step()
+    phases = {k: round(v / steps * 1e3, 3) for k, v in acc.items()}
+
+    from torch.profiler import ProfilerActivity, profile
+
+    kernels, gpu_total = [], None
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                eng.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernels = [{"name": e.key[:90], "us_per_step": round(e.device_time_total / 3, 1), "calls": e.count // 3}
+                   for e in sorted(events, key=lambda e: -e.device_time_total)[:12]]
+        gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / 3 / 1e3, 3)
+    except Exception as e:  # the profiler is a bonus: keep the timings without it
+        kernels = [{"error": f"{type(e).__name__}: {e}"}]
+    for s in list(eng.scheduler.running):
+        eng.abort(s.request_id)
+    del llm, eng, runner
+    torch.cuda.empty_cache()
+    return {"batch": batch, "ctx": ctx, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
+            "synced_phase_ms": phases, "top_kernels": kernels}
+
+
+def main() -> int:
+    from bench.h200_bench import LLAMA31_8B, write_model
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", default="1,64,384")
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    res = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
+        for b in map(int, a.batch.split(",")):
+            res.append(profile_batch(model_dir, b, a.ctx, a.steps))
+            print(json.dumps(res[-1]), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
