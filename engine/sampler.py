@@ -300,7 +300,7 @@ class Sampler:
             if k_max:
                 top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)
                 parts += [top_vals.flatten().to(torch.float64), top_ids.flatten().to(torch.float64)]
-        flat = torch.cat(parts).tolist()
+        flat = _host_list(torch.cat(parts))
 
         token_ids = [int(t) for t in flat[:batch]]
         logprobs: list[TokenLogprobs | None] = [None] * batch
@@ -322,6 +322,18 @@ class Sampler:
             raise ValueError(f"rows: {len(rows)} rows for {logits.shape[0]} logit rows")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits: {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+
+
+def _host_list(x: torch.Tensor) -> list[float]:
+    """`x.tolist()`, waiting for a device tensor with the GIL released (the worker's gRPC and KV
+    threads run meanwhile) rather than inside a copy that holds it."""
+    if x.device.type == "cuda":
+        host = x.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.tolist()
+    return x.tolist()
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:

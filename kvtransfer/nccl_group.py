@@ -106,7 +106,7 @@ def pair_group(store: dist.Store, prefix: str, rank: int, backend: str, timeout_
     return dist.ProcessGroupNCCL(scoped, rank, 2, options)
 
 
-SPIN_S = 0.005  # how long wait_work yields before it sleeps
+MAX_PAUSE_S = 0.0005  # longest sleep between wait_work's completion checks
 
 
 def wait_work(work: Any, backend: str, timeout_s: float, what: str) -> None:
@@ -121,16 +121,15 @@ def wait_work(work: Any, backend: str, timeout_s: float, what: str) -> None:
         except RuntimeError as exc:
             raise KVTransferError(f"{what}: {exc}") from None
         return
-    start = time.monotonic()
-    deadline = start + timeout_s
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
     while not work.is_completed():
-        now = time.monotonic()
-        if now >= deadline:
+        if time.monotonic() >= deadline:
             raise KVTransferError(f"{what}: not completed within {timeout_s:g}s")
-        # A layer usually lands within microseconds: yield (releasing the GIL) for the first
-        # few milliseconds, then back off. A short sleep can last a millisecond or more on a
-        # virtual machine's timer, which would cap a 32-layer transfer at ~10 GB/s.
-        time.sleep(0 if now - start < SPIN_S else 0.0005)
+        # Sleep (which lets the engine and socket threads have the GIL) in short, growing
+        # steps: a layer usually lands within tens of microseconds.
+        time.sleep(pause)
+        pause = min(MAX_PAUSE_S, pause + 0.00002)
     work.wait()  # surfaces an NCCL error and orders the current stream after the transfer
 
 
