@@ -5,7 +5,8 @@
 Model: Llama-3.1-8B shape with dummy weights in bf16. Ceilings (device copy GB/s, bf16 matmul
 TFLOP/s) are measured in the same run and every fraction is taken against them.
 Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, prefill, offline,
-transformers, ours_on_hf_subset, services (+ offline on the same prompts), fp8_offline. Each is
+transformers, ours_on_hf_subset, services (+ offline on the same prompts, with overlapped and with
+synchronous engine steps), fp8_offline. Each is
 timed and guarded; a failure is recorded, not fatal. The services section needs pyzmq, redis and the
 gRPC health/reflection wheels on the device: carry `.whl` (see the device notes) and install first.
 """
@@ -170,14 +171,14 @@ def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
 
 
 def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: str = "auto",
-            max_running: int = 384, budget_s: float | None = None) -> dict:
+            max_running: int = 384, budget_s: float | None = None, overlap: bool | None = None) -> dict:
     """Offline throughput. With `budget_s`, a pilot of 64 prompts first estimates the rate and the
     prompt count is cut (never raised) so the main run fits the budget; the count used is reported."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=max_running,
               max_model_len=in_len + out_len + 16, max_batched_tokens=8192, kv_cache_dtype=kv,
-              enable_prefix_cache=False)
+              enable_prefix_cache=False, overlap_schedule=overlap)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
@@ -198,7 +199,8 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     n_out = sum(len(o.token_ids) for o in outs)
     res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
-           "preemptions": llm.engine.scheduler.stats.num_preemptions, "pilot_tok_s": pilot}
+           "preemptions": llm.engine.scheduler.stats.num_preemptions, "pilot_tok_s": pilot,
+           "overlap": llm.engine.overlap}
     del llm
     torch.cuda.empty_cache()
     return res
@@ -327,6 +329,7 @@ def main() -> int:
         section("services", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len,
                                              Path(a.log_dir) if a.log_dir else tmp / "svc-workers"))
         section("offline_services_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len))
+        section("offline_sync_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len, overlap=False))
         section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8", budget_s=a.offline_budget_s))
 
     summary = {
@@ -342,6 +345,8 @@ def main() -> int:
     svc = res.get("services", {}).get("output_tok_s")
     off = res.get("offline_services_subset", {}).get("output_tok_s")
     summary["services_vs_offline"] = round(svc / off, 2) if svc and off else None
+    sync = res.get("offline_sync_subset", {}).get("output_tok_s")
+    summary["overlap_speedup"] = round(off / sync, 3) if off and sync else None  # same prompts, same run
     res.update(summary)
     out.write_text(json.dumps(res, indent=1))
     log("SUMMARY", json.dumps(summary))

@@ -5,7 +5,8 @@
 Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences are prefilled to
 `ctx` tokens and then decode steps are timed two ways: as they run (wall ms per step), and with a
 device synchronize around each phase (schedule, prepare, forward, logits, sample, postprocess) so
-each phase's own host + GPU time shows. The top GPU kernels of one step come from torch.profiler.
+each phase's own host + GPU time shows (which also turns the overlapped step synchronous). The
+top GPU kernels of one step come from torch.profiler. `--no-overlap` runs synchronous steps.
 """
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ def _timed(obj, name: str, acc: dict, sync: bool) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
+def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch,
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
               max_model_len=ctx + steps * 3 + 64, max_batched_tokens=8192, enable_prefix_cache=False)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
@@ -62,7 +63,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
     acc: dict[str, float] = defaultdict(float)
     runner = eng.runner
     for obj, names in ((eng.scheduler, ("schedule", "postprocess")), (eng, ("_process_samples",)),
-                       (runner, ("prepare", "sample")), (runner.model, ("logits",))):
+                       (runner, ("prepare",)), (runner.sampler, ("launch",)), (runner.model, ("logits",))):
         for n in names:
             _timed(obj, n, acc, sync=True)
     if runner.graphs is not None:
@@ -85,11 +86,12 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int) -> dict:
         gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / 3 / 1e3, 3)
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
+    overlap = eng.overlap
     for s in list(eng.scheduler.running):
         eng.abort(s.request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
-    return {"batch": batch, "ctx": ctx, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
+    return {"batch": batch, "ctx": ctx, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
             "synced_phase_ms": phases, "top_kernels": kernels}
 
 
@@ -101,12 +103,13 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
     a = p.parse_args()
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         for b in map(int, a.batch.split(",")):
-            res.append(profile_batch(model_dir, b, a.ctx, a.steps))
+            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None))
             print(json.dumps(res[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -6,6 +6,7 @@ the offline loop over the same calls. One Engine owns one model replica and its 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +20,9 @@ from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
-from engine.sampler import Sampler, TokenLogprobs
+from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.weights import load_model
 from tandem.hashing import model_identity, seed_hash
 from tandem.tokenizer import Tokenizer
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from parallel.comm import TPGroup
 
 logger = logging.getLogger(__name__)
+
+OVERLAP_ENV = "TANDEM_OVERLAP_SCHEDULE"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     seed: int | None = None
     cuda_graphs: bool = True  # capture decode graphs on CUDA devices
+    # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).
+    # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
+    # tensor parallelism.
+    overlap_schedule: bool | None = None
 
 
 @dataclass
@@ -111,6 +118,7 @@ class Engine:
             max_running=config.max_running,
             max_batched_tokens=config.max_batched_tokens,
             num_host_blocks=num_host,
+            max_model_len=self.max_model_len,
         )
         self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
         self.allocator = BlockAllocator(num_blocks)
@@ -128,9 +136,15 @@ class Engine:
             from parallel.runner import TPModelRunner
 
             self.runner = TPModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device, self.tp)
+        overlap = config.overlap_schedule
+        if overlap is None:
+            overlap = {"1": True, "0": False}.get(os.environ.get(OVERLAP_ENV, ""), device.type == "cuda")
+        self.overlap = self.tp is None and bool(overlap)
+        self._inflight: _InFlight | None = None  # a launched step whose samples are not yet processed
+        self._ready: list[StepOutput] = []  # outputs of a step resolved outside step(), returned by the next
         rank = "" if self.tp is None else f" (tensor parallel rank {self.tp.rank} of {self.tp.world_size})"
-        logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d", rank, self.identity, device, dtype, num_blocks,
-                    config.block_size)
+        logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", rank, self.identity, device, dtype, num_blocks,
+                    config.block_size, ", overlapped steps" if self.overlap else "")
 
     def _derive_num_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cuda":
@@ -180,11 +194,13 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued, running, reserved or prefilled request and free its blocks."""
+        self.settle()
         return self.scheduler.abort(request_id) is not None or self.scheduler.release(request_id)
 
     # ---- disaggregation hooks (prefill side: add_request(prefill_only=True) then release) ----
     def release(self, request_id: str) -> bool:
         """Free the blocks of a prefilled (or reserved, never activated) request."""
+        self.settle()
         return self.scheduler.release(request_id)
 
     def reserve(
@@ -196,6 +212,7 @@ class Engine:
         or None when the cache is too full right now.
         """
         params = params.validate(self.model_config.vocab_size)
+        self.settle()
         seq = Sequence(request_id, list(prompt_token_ids), params, Tier.parse(tier))
         if params.stop:
             from tandem.detokenize import IncrementalDetokenizer, StopMatcher
@@ -208,6 +225,7 @@ class Engine:
 
         Returns the first token's StepOutput (finished already if it was a stop token).
         """
+        self.settle()
         seq = self.scheduler.activate(request_id, first_token, logprob)
         reason, stop_reason = self._check_stop(seq, first_token)
         if reason is not None:
@@ -216,7 +234,16 @@ class Engine:
         return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason, seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether `step()` has work: queued or running requests, or outputs not yet returned."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
+
+    def settle(self) -> None:
+        """Process the samples of a step still in flight (their outputs come with the next
+        `step()`), so that the caller may change requests and free blocks. Every method that
+        does so calls it; it waits for the device."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._ready += self._resolve(inflight)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self, on_layer: Callable[[int, SchedulerOutput], None] | None = None) -> list[StepOutput]:
@@ -227,18 +254,59 @@ class Engine:
         """
         if self.runner is None:
             raise RuntimeError(f"step: tensor-parallel rank {self.tp.rank} runs rank 0's steps through follow()")
+        if not self.overlap or on_layer is not None:
+            self.settle()
+            results, self._ready = self._ready, []
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return results
+            hook = (lambda layer: on_layer(layer, out)) if on_layer is not None else None
+            sampled_idx, samples = self.runner.execute(out, hook)
+            self.scheduler.postprocess(out)
+            return results + self._process_samples(out, sampled_idx, samples)
+        return self._overlapped_step()
+
+    def _overlapped_step(self) -> list[StepOutput]:
+        """Schedule and launch step n+1 while step n may still run on the device, then process
+        step n's samples. Sequences sampled in step n carry a pending token (counted by the
+        scheduler, read by step n+1 from the device); one that step n ends was scheduled in n+1
+        anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
+        it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens)."""
+        results, self._ready = self._ready, []
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        hook = (lambda layer: on_layer(layer, out)) if on_layer is not None else None
-        sampled_idx, samples = self.runner.execute(out, hook)
-        self.scheduler.postprocess(out)
-        return self._process_samples(out, sampled_idx, samples)
+        launched = None
+        if not out.is_empty:
+            prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
+            idx, samples = self.runner.launch(out, None, prev_tokens)
+            launched = _InFlight(out, idx, samples)
+            for j, i in enumerate(idx):
+                seq = out.scheduled[i].seq
+                seq.num_pending += 1
+                seq.pending_row = j
+        if prev is not None:
+            results += self._resolve(prev)
+        if launched is not None:
+            self.scheduler.postprocess(out)
+            if all(_overlap_safe(out.scheduled[i].seq) for i in launched.sample_index):
+                self._inflight = launched
+            else:
+                results += self._resolve(launched)
+        return results
+
+    def _resolve(self, step: _InFlight) -> list[StepOutput]:
+        """Wait for a launched step's samples and process them."""
+        samples = step.samples.result() if step.samples is not None else None
+        for i in step.sample_index:
+            step.out.scheduled[i].seq.num_pending -= 1
+        return self._process_samples(step.out, step.sample_index, samples)
 
     def _process_samples(self, out: SchedulerOutput, idx: list[int], samples) -> list[StepOutput]:
         results = []
         for j, i in enumerate(idx):
             seq = out.scheduled[i].seq
+            if seq.status is SeqStatus.FINISHED:
+                continue  # ended by an earlier step's sample (or aborted) while this one ran
             token = samples.token_ids[j]
             lp = samples.logprobs[j]
             seq.output_token_ids.append(token)
@@ -275,7 +343,7 @@ class Engine:
                     return FinishReason.STOP, matcher.stop_string
             else:
                 seq.text += delta
-        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
@@ -322,3 +390,22 @@ class Engine:
         """Free blocks once the prefix cache drops its unlocked entries (for leak checks)."""
         self.cache.reset()
         return self.allocator.num_free
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its schedule, the scheduled indices that sample, and their samples."""
+
+    out: SchedulerOutput
+    sample_index: list[int]
+    samples: PendingSamples | None
+
+
+def _overlap_safe(seq: Sequence) -> bool:
+    """Whether `seq`'s next sample may be drawn before its last token reaches the host: true
+    unless its sampling reads its own output tokens (penalties, min_tokens masking, the
+    per-position seed)."""
+    p = seq.params
+    return (p.seed is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and len(seq.output_token_ids) + seq.num_pending > p.min_tokens)
+

@@ -13,7 +13,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import PendingSamples, Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -46,9 +46,12 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def prepare(self, out: SchedulerOutput) -> BatchInputs:
+    def prepare(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> BatchInputs:
         """Pack the scheduled sequences' new tokens, positions, cache slots and block tables.
 
+        A sequence whose input token is still pending (sampled by the step before, which may
+        still run) reads it from `prev_tokens`, that step's device tensor of samples, at
+        `seq.pending_row`; the copy is queued on the device after that step.
         Host cost matters here (it runs every step, for every sequence): block tables come from a
         per-sequence int32 copy that only grows, and the token lists are never joined."""
         bs = self.block_size
@@ -62,15 +65,24 @@ class ModelRunner:
         sample_index: list[int] = []
         max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1)
         tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
+        from_prev: list[tuple[int, int]] = []  # (row of this batch, row of prev_tokens)
         for i, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
             if s.num_new_tokens == 1:
-                ids.append(seq.token_at(start))
+                if start >= seq.num_known_tokens:
+                    if prev_tokens is None or seq.num_pending != 1:
+                        raise RuntimeError(f"prepare: {seq.request_id}'s input token is pending without its step")
+                    from_prev.append((len(ids), seq.pending_row))
+                    ids.append(0)
+                else:
+                    ids.append(seq.token_at(start))
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                if end > seq.num_known_tokens:
+                    raise RuntimeError(f"prepare: {seq.request_id} has pending tokens inside a multi-token chunk")
                 ids.extend((seq.prompt_token_ids + seq.output_token_ids)[start:end])
                 pos.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -94,18 +106,29 @@ class ModelRunner:
             k_scale=self.kv_cache.k_scale,
             v_scale=self.kv_cache.v_scale,
         )
-        return BatchInputs(t(ids), t(pos), meta, t(sample_rows), sample_index)
+        input_ids = t(ids)
+        if from_prev:
+            rows, src = zip(*from_prev)
+            input_ids[t(list(rows))] = prev_tokens[t(list(src))]
+        return BatchInputs(input_ids, t(pos), meta, t(sample_rows), sample_index)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
         """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples)."""
+        idx, pending = self.launch(out, after_layer)
+        return idx, (pending.result() if pending is not None else None)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
+               prev_tokens: torch.Tensor | None = None) -> tuple[list[int], PendingSamples | None]:
+        """Queue swaps, the forward pass and sampling without waiting for the device. Returns
+        (scheduled indices that sample, their PendingSamples). `prev_tokens`: see `prepare`."""
         for dev_blocks, host_blocks in out.swap_out:
             self.kv_cache.swap_out(dev_blocks, host_blocks)
         for host_blocks, dev_blocks in out.swap_in:
             self.kv_cache.swap_in(host_blocks, dev_blocks)
         if not out.scheduled:
             return [], None
-        batch = self.prepare(out)
+        batch = self.prepare(out, prev_tokens)
         hidden = None
         if self.graphs is not None and batch.meta.is_decode and after_layer is None:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -114,11 +137,14 @@ class ModelRunner:
         if not batch.sample_index:
             return [], None
         logits = self.model.logits(hidden[batch.sample_rows])
-        return batch.sample_index, self.sample(out, batch.sample_index, logits)
+        return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index))
 
     def sample(self, out: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token for each scheduled sequence in `sample_index` (rows of `logits`)."""
-        rows = [
+        return self.sampler(logits, self._rows(out, sample_index))
+
+    def _rows(self, out: SchedulerOutput, sample_index: list[int]) -> list[SamplingRow]:
+        return [
             SamplingRow(
                 params=out.scheduled[i].seq.params,
                 prompt_token_ids=out.scheduled[i].seq.prompt_token_ids,
@@ -127,7 +153,6 @@ class ModelRunner:
             )
             for i in sample_index
         ]
-        return self.sampler(logits, rows)
 
 
 def _table_row(seq: Sequence) -> np.ndarray:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -101,10 +101,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Pick the next token of every row; `logits` is left unmodified."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
+        """Queue the sampling of every row on the logits' device without waiting for it.
+
+        The returned PendingSamples holds the token ids on the device at once (a next step may
+        read its inputs from there) and gives the host-side SamplerOutput on `result()`."""
         self._check(logits, rows)
         batch = len(rows)
         if batch == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return PendingSamples(torch.empty(0, dtype=torch.long, device=logits.device), None, 0, [], 0, [])
         device = logits.device
         raw = logits[:, : self.vocab_size]  # [B, V], drops padding columns
         params = [row.params for row in rows]
@@ -126,7 +133,7 @@ class Sampler:
             if sampled:
                 index = _index(sampled, device)
                 tokens[index] = self._sample(x[index], [rows[i] for i in sampled])
-        return self._to_host(tokens, raw_logprobs, lp_rows, lp_index, params)
+        return self._start_copy(tokens, raw_logprobs, lp_rows, lp_index, params)
 
     # ------------------------------------------------------------------ stages
 
@@ -280,17 +287,16 @@ class Sampler:
 
     # ------------------------------------------------------------------ output
 
-    def _to_host(
+    def _start_copy(
         self,
         tokens: torch.Tensor,
         raw_logprobs: torch.Tensor | None,
         lp_rows: list[int],
         lp_index: torch.Tensor | None,
         params: list[SamplingParams],
-    ) -> SamplerOutput:
-        batch = tokens.shape[0]
+    ) -> PendingSamples:
         # Everything travels as one float64 vector: token ids (< 2**53) and float32 logprobs
-        # are both exact in it, and one .tolist() is one device sync.
+        # are both exact in it, and one copy is one wait.
         parts = [tokens.to(torch.float64)]
         k_max = 0
         if raw_logprobs is not None:
@@ -300,20 +306,13 @@ class Sampler:
             if k_max:
                 top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)
                 parts += [top_vals.flatten().to(torch.float64), top_ids.flatten().to(torch.float64)]
-        flat = _host_list(torch.cat(parts))
-
-        token_ids = [int(t) for t in flat[:batch]]
-        logprobs: list[TokenLogprobs | None] = [None] * batch
-        n_lp = len(lp_rows)
-        chosen_lp = flat[batch : batch + n_lp]
-        vals_at = batch + n_lp
-        ids_at = vals_at + n_lp * k_max
-        for j, i in enumerate(lp_rows):
-            k = min(params[i].logprobs or 0, k_max)
-            base = j * k_max
-            top = [(int(flat[ids_at + base + c]), flat[vals_at + base + c]) for c in range(k)]
-            logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_lp[j], top=top)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        flat = torch.cat(parts)
+        done = None
+        if flat.device.type == "cuda":
+            flat = flat.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited on
+            done = torch.cuda.Event()
+            done.record()
+        return PendingSamples(tokens, flat, tokens.shape[0], lp_rows, k_max, [p.logprobs for p in params], done)
 
     def _check(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
@@ -324,16 +323,42 @@ class Sampler:
             raise ValueError(f"logits: {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
 
 
-def _host_list(x: torch.Tensor) -> list[float]:
-    """`x.tolist()`, waiting for a device tensor with the GIL released (the worker's gRPC and KV
-    threads run meanwhile) rather than inside a copy that holds it."""
-    if x.device.type == "cuda":
-        host = x.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return host.tolist()
-    return x.tolist()
+@dataclass
+class PendingSamples:
+    """One batch's samples on their way to the host (see `Sampler.launch`).
+
+    tokens: [B] int64 on the logits' device, ready for the device's next work at once.
+    `result()` waits for the copy, with the GIL released (a worker's gRPC and KV threads run
+    meanwhile), and returns the host-side SamplerOutput.
+    """
+
+    tokens: torch.Tensor
+    _flat: torch.Tensor | None
+    _batch: int
+    _lp_rows: list[int]
+    _k_max: int
+    _asked: list[int | None]  # each row's params.logprobs
+    _done: Any = None  # torch.cuda.Event recorded after the copy, for device tensors
+
+    def result(self) -> SamplerOutput:
+        if self._flat is None:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if self._done is not None:
+            self._done.synchronize()
+        flat = self._flat.tolist()
+        batch, k_max = self._batch, self._k_max
+        token_ids = [int(t) for t in flat[:batch]]
+        logprobs: list[TokenLogprobs | None] = [None] * batch
+        n_lp = len(self._lp_rows)
+        chosen_lp = flat[batch : batch + n_lp]
+        vals_at = batch + n_lp
+        ids_at = vals_at + n_lp * k_max
+        for j, i in enumerate(self._lp_rows):
+            k = min(self._asked[i] or 0, k_max)
+            base = j * k_max
+            top = [(int(flat[ids_at + base + c]), flat[vals_at + base + c]) for c in range(k)]
+            logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_lp[j], top=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
@@ -360,4 +385,4 @@ def _row_values(
     return torch.tensor(column, dtype=torch.float32).to(device).unsqueeze(1)
 
 
-__all__ = ["Sampler", "SamplingRow", "SamplerOutput", "TokenLogprobs", "step_seed"]
+__all__ = ["PendingSamples", "Sampler", "SamplingRow", "SamplerOutput", "TokenLogprobs", "step_seed"]

@@ -28,6 +28,7 @@ class SchedulerConfig:
     max_running: int = 256
     max_batched_tokens: int = 4096
     num_host_blocks: int = 0
+    max_model_len: int = 1 << 62  # a sequence whose pending token fills this is not scheduled again
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -70,6 +71,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_swaps_out: int = 0
     num_recomputes: int = 0
+    num_scheduled_tokens: int = 0
 
 
 class Scheduler:
@@ -191,6 +193,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.surely_ends_with_pending(self.config.max_model_len):
+                i += 1  # its last token is on the way; the engine finishes it when that lands
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._ensure_blocks(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -208,6 +213,7 @@ class Scheduler:
             self._swap_in(out, budget)
             budget = self.config.max_batched_tokens - out.num_tokens
             self._admit(out, budget)
+        self.stats.num_scheduled_tokens += out.num_tokens
         return out
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
@@ -304,6 +310,8 @@ class Scheduler:
         caching, bs = self.cache.enabled, self.config.block_size
         for s in out.scheduled:
             seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # ended meanwhile (an overlapped engine resolves the previous step first)
             seq.num_computed_tokens += s.num_new_tokens
             # A sequence's newly full blocks join the prefix cache (a disabled cache takes none).
             if caching and seq.prefix_match is not None and seq.num_computed_tokens // bs > len(seq.prefix_match.block_ids):

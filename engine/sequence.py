@@ -51,6 +51,10 @@ class Sequence:
     detok: Any = None
     # The model runner's int32 copy of block_table (see ModelRunner._table_row); not state.
     table_cache: Any = field(default=None, repr=False, compare=False)
+    # Overlapped steps (Engine with overlap_schedule): tokens sampled on the device but not yet
+    # appended to output_token_ids, and the row of the newest one in its step's samples.
+    num_pending: int = 0
+    pending_row: int = -1
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -63,7 +67,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus output tokens, counting sampled tokens still on their way to the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus output tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def surely_ends_with_pending(self, max_model_len: int) -> bool:
+        """Whether the pending token ends this sequence whatever its value (it needs no step
+        after it): a prefill-only request, max_tokens reached, or the model's context full."""
+        return self.num_pending > 0 and (
+            self.prefill_only
+            or len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+            or self.num_tokens >= max_model_len
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

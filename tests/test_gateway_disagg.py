@@ -1,7 +1,8 @@
 """The gateway over disaggregated workers (real prefill and decode processes, KV pushed over
 zmq): greedy output equals the offline engine's, prefix reuse, cancellation freeing blocks on
 both sides, a corrupt KV transfer retried with unchanged output, and a decode worker killed
-mid-stream with the stream resumed elsewhere, each token delivered exactly once."""
+mid-stream with the stream resumed elsewhere, each token delivered exactly once. The decode
+workers run with the overlapped engine step."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.engine import OVERLAP_ENV
 from gateway.config import GatewayConfig, WorkerPoolConfig
 from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from kvtransfer.zmq_transport import CORRUPT_ENV
@@ -35,9 +37,10 @@ def cluster(model_dir: Path, tmp_path_factory) -> dict[str, WorkerProcess]:
     """p, d: the main pair; p_bad: a prefill worker whose first KV push is corrupted;
     d_victim: a decode worker with the most free blocks (picked first), killed by one test."""
     blocks = ["--num-kv-blocks", "96", "--max-running", "32"]
+    overlap = {OVERLAP_ENV: "1"}  # the decode workers overlap scheduling with steps, as on a GPU
     p, d, p_bad, d_victim = start_workers(
-        [("prefill", blocks), ("decode", blocks), ("prefill", blocks, {CORRUPT_ENV: "1"}),
-         ("decode", ["--num-kv-blocks", "160", "--max-running", "32"])],
+        [("prefill", blocks), ("decode", blocks, overlap), ("prefill", blocks, {CORRUPT_ENV: "1"}),
+         ("decode", ["--num-kv-blocks", "160", "--max-running", "32"], overlap)],
         model_dir, tmp_path_factory.mktemp("gw-disagg-workers"))
     workers = {"p": p, "d": d, "p_bad": p_bad, "d_victim": d_victim}
     yield workers

@@ -22,8 +22,9 @@ class DuplicateRequestError(Exception):
 
 
 def has_work(engine: Engine) -> bool:
-    """True while some request is waiting, running or swapped out (reserved ones do not count)."""
-    return engine.scheduler.has_unfinished()
+    """True while some request is waiting, running or swapped out, or a step's outputs are not
+    yet returned (reserved requests do not count)."""
+    return engine.has_unfinished()
 
 
 def knows(engine: Engine, request_id: str) -> bool:

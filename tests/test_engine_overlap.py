@@ -1,0 +1,145 @@
+"""The overlapped engine step (schedule step n+1 while step n runs) gives exactly the outputs of
+the synchronous step: same tokens, logprobs, texts and finish reasons, no leaked blocks, in
+every situation that touches the pending token (stops, lengths, the context end, preemption,
+penalties and seeds that fall back to synchronous steps, aborts while a step is in flight)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.engine import StepOutput
+from engine.sequence import FinishReason
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama"]
+
+
+def prompts(n: int, lens: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
+
+
+def both(model_dir, **kwargs) -> tuple[LLM, LLM]:
+    return LLM(model_dir, overlap_schedule=False, **kwargs), LLM(model_dir, overlap_schedule=True, **kwargs)
+
+
+def summary(outs) -> list[tuple]:
+    """Everything but logprob values, which `logprobs()` compares with a tolerance (a batch of
+    another shape rounds differently)."""
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text,
+             None if o.logprobs is None else [lp.token_id for lp in o.logprobs]) for o in outs]
+
+
+def logprobs(outs) -> list[float]:
+    return [lp.logprob for o in outs if o.logprobs for lp in o.logprobs]
+
+
+def assert_clean(llm: LLM) -> None:
+    e = llm.engine
+    assert not e.has_unfinished()
+    assert e._inflight is None and not e._ready
+    assert all(s.num_pending == 0 for s in e.scheduler.running)
+    assert e.num_free_blocks_after_reset() == e.num_total_blocks
+
+
+def test_overlap_is_on_only_where_asked(model_dir):
+    sync, overlap = both(model_dir, num_kv_blocks=32)
+    assert overlap.engine.overlap and not sync.engine.overlap
+    assert not LLM(model_dir, num_kv_blocks=32).engine.overlap  # default: CUDA only
+
+
+def test_greedy_batches_with_admissions_match(model_dir):
+    """More prompts than max_running, mixed lengths and max_tokens: sequences join and leave the
+    batch while a step is in flight."""
+    ps = prompts(11, (3, 17, 40, 9, 26))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1, 2, 7, 13, 5, 20, 3, 9, 1, 4, 16)]
+    sync, overlap = both(model_dir, num_kv_blocks=96, max_running=4, max_batched_tokens=32)
+    assert summary(overlap.generate(ps, params)) == summary(sync.generate(ps, params))
+    assert_clean(overlap)
+    # A sequence whose pending token is its last is not scheduled again: no wasted tokens.
+    assert overlap.engine.scheduler.stats.num_scheduled_tokens == sync.engine.scheduler.stats.num_scheduled_tokens
+
+
+def test_stops_while_in_flight_match(model_dir):
+    """Stop tokens, stop strings and EOS end sequences whose next step is already running: that
+    step's sample is dropped."""
+    ps = prompts(6, (5, 21, 12))
+    ref = LLM(model_dir, num_kv_blocks=96, overlap_schedule=False).generate(
+        ps, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[ref[0].token_ids[3]], ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, stop=[ref[1].text[2:4]], ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, logprobs=2, stop_token_ids=[ref[2].token_ids[6]], ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[ref[5].token_ids[0]], ignore_eos=True),
+    ]
+    sync, overlap = both(model_dir, num_kv_blocks=96, max_running=8)
+    want_outs, got_outs = sync.generate(ps, params), overlap.generate(ps, params)
+    want = summary(want_outs)
+    assert summary(got_outs) == want
+    assert logprobs(got_outs) == pytest.approx(logprobs(want_outs), abs=1e-4)
+    assert [w[1] for w in want].count("stop") >= 3
+    assert want[0][0] == ref[0].token_ids[:4] and want[5][0] == ref[5].token_ids[:1]
+    assert_clean(overlap)
+
+
+def test_stops_logprobs_and_sampling_match(model_dir):
+    ps = prompts(8, (5, 21, 12))
+    ref = LLM(model_dir, num_kv_blocks=96, overlap_schedule=False).generate(
+        ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    params = [
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[ref[0].token_ids[3]], ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, stop=[ref[1].text[2:5]] if len(ref[1].text) > 5 else None),
+        SamplingParams(max_tokens=10, temperature=0, logprobs=3),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7),  # seeded: falls back to synchronous steps
+        SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(max_tokens=10, temperature=0, min_tokens=4, stop_token_ids=[ref[5].token_ids[1]]),
+        SamplingParams(max_tokens=10, temperature=0),  # EOS honoured
+        SamplingParams(max_tokens=10, temperature=0.7, top_k=5, seed=3, logprobs=1),
+    ]
+    sync, overlap = both(model_dir, num_kv_blocks=96, max_running=8)
+    got_outs, want_outs = overlap.generate(ps, params), sync.generate(ps, params)
+    got, want = summary(got_outs), summary(want_outs)
+    assert got == want
+    assert logprobs(got_outs) == pytest.approx(logprobs(want_outs), abs=1e-4)
+    assert want[0][1] == "stop" and want[0][2] == ref[0].token_ids[3]
+    assert_clean(overlap)
+
+
+def test_context_end_and_preemption_match(model_dir):
+    """max_model_len ends sequences (the pending token fills the context), and a cache too
+    small for the batch preempts while tokens are pending, by recompute and by swap."""
+    ps = prompts(6, (30, 11, 45))
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for swap_gb in (0.0, 0.01):
+        sync, overlap = both(model_dir, num_kv_blocks=14, max_running=6, max_model_len=64, swap_space_gb=swap_gb)
+        got, want = overlap.generate(ps, params), sync.generate(ps, params)
+        assert summary(got) == summary(want)
+        assert {o.finish_reason for o in want} == {"length"}
+        assert max(len(p) + len(o.token_ids) for p, o in zip(ps, want)) == 64
+        assert overlap.engine.scheduler.stats.num_preemptions > 0
+        assert_clean(overlap)
+
+
+def test_abort_while_a_step_is_in_flight(model_dir):
+    e = LLM(model_dir, num_kv_blocks=64, overlap_schedule=True).engine
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    keep, drop = (e.add_request(p, params) for p in prompts(2, (9, 14)))
+    outputs: list[StepOutput] = []
+    while len(drop.output_token_ids) < 3:
+        outputs += e.step()
+    assert e._inflight is not None  # the next step is running on the device
+    assert e.abort(drop.request_id)
+    assert drop.finish_reason is FinishReason.ABORT
+    while e.has_unfinished():
+        outputs += e.step()
+    assert keep.finish_reason is FinishReason.LENGTH and len(keep.output_token_ids) == 30
+    streamed = [t for o in outputs if o.request_id == keep.request_id for t in o.new_token_ids]
+    assert streamed == keep.output_token_ids  # every token reached the caller exactly once
+    dropped = [t for o in outputs if o.request_id == drop.request_id for t in o.new_token_ids]
+    assert dropped == drop.output_token_ids and len(dropped) < 30
+    assert e.num_free_blocks_after_reset() == e.num_total_blocks
