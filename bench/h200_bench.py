@@ -236,31 +236,47 @@ def transformers_offline(model_dir: Path, num_prompts: int, in_len: int, out_len
 def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_dir: Path, max_running: int = 384) -> dict:
     """The offline workload through gateway + prefill + decode processes on the one GPU (ZMQ KV
     transfer through host memory), against the offline engine on the same prompts in this run.
+    Each part runs in its own process, as `tandem up` starts them; this process is the client.
     Needs pyzmq and the gRPC health/reflection packages (carry them as wheels)."""
     import asyncio
 
-    from gateway.config import GatewayConfig, WorkerPoolConfig
-    from gateway.testing import GatewayThread, start_workers, stop_workers
+    from gateway.testing import start_workers, stop_workers
     from tandem import AsyncClient
+    from tandem.launcher import free_port, healthy
 
     ctx = in_len + out_len + 16
     common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache"]
+    log_dir.mkdir(parents=True, exist_ok=True)
     p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "4096", "--max-running", "64",
                                        "--max-batched-tokens", "8192"]),
                           ("decode", [*common, "--num-kv-blocks", "36000", "--max-running", str(max_running)])],
                          model_dir, log_dir, timeout=600)
-    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, load_format="dummy", max_context=ctx,
-                                     workers=WorkerPoolConfig(prefill=(p.address,), decode=(d.address,),
-                                                              max_inflight_per_decode=max_running)))
+    target = f"127.0.0.1:{free_port()}"
+    with open(log_dir / "gateway.log", "wb") as log:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "gateway", "--port", target.rsplit(":", 1)[1], "--model", str(model_dir),
+             "--load-format", "dummy", "--max-context", str(ctx), "--max-inflight-per-decode", str(max_running),
+             "--prefill", p.address, "--decode", d.address], stdout=log, stderr=subprocess.STDOUT)
     try:
-        assert gw.wait_ready(120), "gateway not ready"
+        deadline = time.monotonic() + 120
+        while not healthy(target):
+            if gateway.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start; see {log_dir / 'gateway.log'}")
+            time.sleep(0.2)
         g = torch.Generator().manual_seed(0)
         vocab = min(128000, json.loads((model_dir / "config.json").read_text())["vocab_size"] - 2)
         prompts = torch.randint(0, vocab, (num_prompts, in_len), generator=g).tolist()
 
         async def run() -> tuple[int, float]:
-            async with AsyncClient(gw.target, timeout=3600) as client:
-                await client.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+            async with AsyncClient(target, timeout=3600) as client:
+                for attempt in range(100):  # until the gateway has seen both workers
+                    try:
+                        await client.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+                        break
+                    except Exception:
+                        if attempt == 99:
+                            raise
+                        await asyncio.sleep(0.5)
                 t = time.perf_counter()
                 outs = await asyncio.gather(*(client.generate(x, max_tokens=out_len, temperature=0.0, ignore_eos=True)
                                               for x in prompts))
@@ -268,10 +284,14 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_d
 
         n, dt = asyncio.run(run())
     finally:
-        gw.stop()
+        gateway.terminate()
+        try:
+            gateway.wait(30)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
         stop_workers([p, d])
     return {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
-            "output_tok_s": round(n / dt, 1)}
+            "output_tok_s": round(n / dt, 1), "gateway": "own process"}
 
 
 def main() -> int:
