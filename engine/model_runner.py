@@ -4,6 +4,7 @@ The runner owns the device state (model, KV cache, sampler); it knows nothing of
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -92,25 +93,37 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
                 sample_index.append(i)
-        dev = self.device
-
-        def t(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        rows, src = (list(x) for x in zip(*from_prev)) if from_prev else ([], [])
+        input_ids, pos_t, slots_t, qsl_t, lens_t, sample_t, rows_t, src_t = self._upload(
+            [ids, pos, slots, qsl, seq_lens, sample_rows, rows, src])
         meta = AttentionMetadata(
-            slot_mapping=t(slots),
-            block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
+            slot_mapping=slots_t,
+            block_tables=self._upload_table(tables),
+            query_start_loc=qsl_t.to(torch.int32),
+            seq_lens=lens_t.to(torch.int32),
             is_decode=len(ids) == len(scheduled),
             k_scale=self.kv_cache.k_scale,
             v_scale=self.kv_cache.v_scale,
         )
-        input_ids = t(ids)
         if from_prev:
-            rows, src = zip(*from_prev)
-            input_ids[t(list(rows))] = prev_tokens[t(list(src))]
-        return BatchInputs(input_ids, t(pos), meta, t(sample_rows), sample_index)
+            input_ids[rows_t] = prev_tokens[src_t]
+        return BatchInputs(input_ids, pos_t, meta, sample_t, sample_index)
+
+    def _upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """int64 device tensors of `lists`, through one pinned buffer and one asynchronous copy
+        (a copy from pageable memory may wait for the device to finish its queued work, which
+        would undo the overlap of this step's preparation with the step before)."""
+        sizes = [len(x) for x in lists]
+        host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes)))
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return list(torch.split(host, sizes))
+
+    def _upload_table(self, tables: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(tables)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return host
 
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
         """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples)."""
