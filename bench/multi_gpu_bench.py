@@ -190,13 +190,21 @@ def run_kv(a: argparse.Namespace) -> dict[str, Any]:
     nbytes = a.layers * layer_bytes
     out: dict[str, Any] = {"config": {k: getattr(a, k) for k in (
         "layers", "blocks", "block_size", "kv_heads", "head_dim", "dtype", "backend", "src", "dst")}}
+
+    def part(name: str, fn) -> None:
+        """Measure one part; the result so far is written after each (a killed run keeps them)."""
+        out[name] = fn()
+        print(f"{name}: {json.dumps(out[name])[:300]}", flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
     if a.backend == "nccl":
-        out["copy_ceiling"] = copy_ceiling(nbytes, a.iters)
-    out["raw_p2p"] = raw_p2p(nbytes, a.iters, a.backend, a.src, a.dst)
-    out["nccl_transport"] = transport_bandwidth(a, "nccl", {"backend": a.backend, "device": a.src if a.backend == "nccl" else None},
-                                                {"backend": a.backend})
+        part("copy_ceiling", lambda: copy_ceiling(nbytes, a.iters))
+    part("raw_p2p", lambda: raw_p2p(nbytes, a.iters, a.backend, a.src, a.dst))
+    part("nccl_transport", lambda: transport_bandwidth(
+        a, "nccl", {"backend": a.backend, "device": a.src if a.backend == "nccl" else None}, {"backend": a.backend}))
     if a.with_zmq:
-        out["zmq_transport"] = transport_bandwidth(a, "zmq", {}, {})
+        part("zmq_transport", lambda: transport_bandwidth(a, "zmq", {}, {}))
     ceiling = out.get("copy_ceiling", {}).get("0->1", {}).get("gbps_median")
     if ceiling:
         out["transport_vs_copy"] = round(out["nccl_transport"]["gbps_median"] / ceiling, 3)
@@ -354,6 +362,8 @@ def run_goodput(a: argparse.Namespace) -> dict[str, Any]:
                 results["modes"][mode] = goodput_search(cluster.target, a, work, mode)
             finally:
                 cluster.stop()
+            if a.out:  # a killed run keeps the modes measured so far
+                Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
     modes = results["modes"]
     if "disagg" in modes and "colocated" in modes and modes["colocated"]["goodput_rps"]:
         results["disagg_over_colocated"] = round(modes["disagg"]["goodput_rps"] / modes["colocated"]["goodput_rps"], 3)
