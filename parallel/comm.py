@@ -17,6 +17,10 @@ from kvtransfer.nccl_group import ensure_nccl_env
 
 logger = logging.getLogger(__name__)
 
+# Newer torch deprecates all_gather_into_tensor (with a warning in every process) for
+# all_gather_single, which takes the same arguments; older torch has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -46,7 +50,7 @@ class TPGroup:
         if self.world_size == 1:
             return x
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        _all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def min_ints(self, values: list[int], device: torch.device) -> list[int]:
@@ -66,14 +70,17 @@ class TPGroup:
 def init_tensor_parallel(
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | None = None,
     backend: str | None = None,
     device: torch.device | None = None,
     timeout_s: float = 600.0,
+    store: dist.Store | None = None,
 ) -> TPGroup:
     """Join the default process group as rank `rank` of `world_size` and return it as a TPGroup.
 
     init_method: "tcp://HOST:PORT" (rank 0 hosts the store there) or "file:///path".
+    store: instead of init_method, a store every rank reaches (e.g. a TCPStore rank 0 hosts on
+      a free port, which avoids picking a port before binding it).
     backend: "nccl" or "gloo"; None picks nccl when CUDA is available. With NCCL, `device`
       (default cuda:`rank`) becomes this process's current device and NVLink multicast is
       turned off before the communicator exists.
@@ -86,8 +93,10 @@ def init_tensor_parallel(
         ensure_nccl_env()
         device_id = device or torch.device("cuda", rank)
         torch.cuda.set_device(device_id)
+    if (init_method is None) == (store is None):
+        raise ValueError("init_method: give exactly one of init_method and store")
     tp = TPGroup(rank, world_size)  # validates rank and world_size before anything connects
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device_id)
     logger.info("tensor parallel rank %d of %d joined (%s)", rank, world_size, backend)
     return tp

@@ -7,12 +7,20 @@ own shard. The other ranks sit in `follower_loop` (`Engine.follow()`): receive a
 same forward on their shard and their KV cache, take part in the logits gather, repeat. Block
 ids are rank 0's; every rank's cache has the same number of blocks, each holding only that
 rank's KV heads.
+
+Step extras: a service that must act on every rank at a layer point (a prefill worker pushing
+each rank's KV heads as soon as a layer is computed) sets `TPModelRunner.step_extras`; the bytes
+it returns for a step travel inside that step's broadcast, and a follower's `on_step(extras)`
+(see `follower_loop`) turns them into the after-layer hook it runs that step with. Riding in
+the same broadcast keeps them in lockstep with the step itself, with no second channel to order.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -26,8 +34,12 @@ from parallel.comm import TPGroup
 logger = logging.getLogger(__name__)
 
 _STOP, _STEP = 0, 1
-_HEADER = 9  # kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words
+# kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words, extra bytes
+_HEADER = 10
 Swaps = list[tuple[list[int], list[int]]]
+# Rank 0: the extras of a step (b"" for none). Followers: the after-layer hook for a step's extras.
+StepExtras = Callable[[SchedulerOutput], bytes]
+OnFollowerStep = Callable[[bytes], LayerHook | None]
 
 
 @dataclass
@@ -40,6 +52,7 @@ class Step:
     sample_rows: torch.Tensor
     swap_out: Swaps = field(default_factory=list)
     swap_in: Swaps = field(default_factory=list)
+    extras: bytes = b""  # opaque to the runner: see the module docstring
 
 
 def run_step(model: CausalLM, kv_cache: KVCache, step: Step, after_layer: LayerHook | None = None) -> torch.Tensor | None:
@@ -102,6 +115,11 @@ def _parse_swaps(words: list[int], count: int) -> tuple[Swaps, list[int]]:
     return swaps, words[i:]
 
 
+def _bytes_to_words(data: bytes) -> torch.Tensor:
+    padded = data + b"\0" * (-len(data) % 8)
+    return torch.from_numpy(np.frombuffer(padded, dtype=np.int64).copy())
+
+
 def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
     """Rank 0: broadcast `step` (None: tell the followers to stop) as two int64 tensors."""
     if tp.world_size == 1:
@@ -112,28 +130,35 @@ def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
     m = step.meta
     t, (b, w), s = step.input_ids.numel(), tuple(m.block_tables.shape), step.sample_rows.numel()
     swaps = _swap_words(step.swap_out) + _swap_words(step.swap_in)
-    header = [_STEP, t, b, w, s, int(m.is_decode), len(step.swap_out), len(step.swap_in), len(swaps)]
+    header = [_STEP, t, b, w, s, int(m.is_decode), len(step.swap_out), len(step.swap_in), len(swaps),
+              len(step.extras)]
     tp.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
     parts = [step.input_ids, step.positions, m.slot_mapping, m.block_tables.reshape(-1), m.query_start_loc,
              m.seq_lens, step.sample_rows, torch.tensor(swaps, dtype=torch.int64)]
+    if step.extras:
+        parts.append(_bytes_to_words(step.extras))
     tp.broadcast(torch.cat([p.to(device=device, dtype=torch.int64) for p in parts]))
 
 
 def recv_step(tp: TPGroup, device: torch.device, kv_cache: KVCache) -> Step | None:
     """A follower: the next step from rank 0, or None when rank 0 stopped."""
     header = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
-    kind, t, b, w, s, is_decode, n_out, n_in, n_words = header
+    kind, t, b, w, s, is_decode, n_out, n_in, n_words, n_extra = header
     if kind == _STOP:
         return None
-    body = tp.broadcast(torch.empty(3 * t + b * w + (b + 1) + b + s + n_words, dtype=torch.int64, device=device))
-    ids, pos, slots, tables, qsl, lens, rows, rest = torch.split(body, [t, t, t, b * w, b + 1, b, s, n_words])
+    extra_words = -(-n_extra // 8)
+    body = tp.broadcast(torch.empty(3 * t + b * w + (b + 1) + b + s + n_words + extra_words, dtype=torch.int64,
+                                    device=device))
+    ids, pos, slots, tables, qsl, lens, rows, rest, extra = torch.split(
+        body, [t, t, t, b * w, b + 1, b, s, n_words, extra_words])
     swap_out, words = _parse_swaps(rest.tolist(), n_out)
     swap_in, _ = _parse_swaps(words, n_in)
+    extras = extra.cpu().numpy().tobytes()[:n_extra] if n_extra else b""
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32), query_start_loc=qsl.to(torch.int32),
         seq_lens=lens.to(torch.int32), is_decode=bool(is_decode), k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
     )
-    return Step(ids, pos, meta, rows, swap_out, swap_in)
+    return Step(ids, pos, meta, rows, swap_out, swap_in, extras)
 
 
 def _empty_step(device: torch.device, kv_cache: KVCache) -> Step:
@@ -147,6 +172,8 @@ class TPModelRunner(ModelRunner):
     """Rank 0's ModelRunner: broadcasts each step to the other ranks, then runs its own shard.
 
     Decode CUDA graphs are not captured (every rank would have to replay its graph in step).
+    `step_extras` (None: none), when set, is called with each step's SchedulerOutput before the
+    step is broadcast; its bytes reach the followers' `on_step` (see the module docstring).
     """
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, eos_token_ids: frozenset[int],
@@ -154,6 +181,7 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, kv_cache, sampler, eos_token_ids, device)
         self.tp = tp
         self.stopped = False
+        self.step_extras: StepExtras | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
@@ -165,6 +193,8 @@ class TPModelRunner(ModelRunner):
         else:
             step = Step(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
         step.swap_out, step.swap_in = list(out.swap_out), list(out.swap_in)
+        if self.step_extras is not None and batch is not None:
+            step.extras = self.step_extras(out)
         send_step(self.tp, step, self.device)
         logits = run_step(self.model, self.kv_cache, step, after_layer)
         if batch is None or logits is None:
@@ -178,12 +208,19 @@ class TPModelRunner(ModelRunner):
             send_step(self.tp, None, self.device)
 
 
-def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch.device) -> int:
-    """Run rank 0's steps on this rank's shard until rank 0 stops; returns the steps run."""
+def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch.device,
+                  on_step: OnFollowerStep | None = None) -> int:
+    """Run rank 0's steps on this rank's shard until rank 0 stops; returns the steps run.
+
+    on_step: called with each step's extras (b"" when rank 0 sent none) before its forward; the
+      hook it returns runs after each layer of that step, at the same points as rank 0's
+      `after_layer` (`Engine.follow()` passes none; a worker follower calls this directly).
+    """
     steps = 0
     with torch.inference_mode():
         while (step := recv_step(tp, device, kv_cache)) is not None:
-            run_step(model, kv_cache, step)
+            after_layer = on_step(step.extras) if on_step is not None else None
+            run_step(model, kv_cache, step, after_layer)
             steps += 1
     logger.info("tensor parallel rank %d: stopped after %d steps", tp.rank, steps)
     return steps

@@ -11,6 +11,7 @@ from tandem import wire
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.types import SamplingParams, Tier
 from worker.adapters import finish_to_proto, logprob_to_proto
+from worker.transfer import split_kv_addresses
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +20,15 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 @dataclass(frozen=True)
 class KvTarget:
+    """kv_address as the decode worker advertised it; kv_addresses: one endpoint per decode
+    rank (a tensor-parallel decode worker advertises several, see worker.transfer)."""
+
     worker_id: str
     kv_address: str
     reservation_id: int
     num_cached_blocks: int
     dst_block_ids: list[int]
+    kv_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,10 @@ def prefill_from_proto(msg: worker_pb2.PrefillRequest, block_size: int) -> Prefi
     if not msg.HasField("target"):
         raise ValueError("target: a KvTarget is required")
     t = msg.target
-    if not t.kv_address.startswith(_SCHEMES):
-        raise ValueError(f"target.kv_address: expected a tcp://, ipc:// or inproc:// endpoint, got {t.kv_address!r}")
+    addresses = split_kv_addresses(t.kv_address)
+    for address in addresses:
+        if not address.startswith(_SCHEMES):
+            raise ValueError(f"target.kv_address: expected tcp://, ipc:// or inproc:// endpoints, got {t.kv_address!r}")
     prompt_blocks = -(-len(msg.token_ids) // block_size)
     if t.num_cached_blocks >= prompt_blocks:
         raise ValueError(f"target.num_cached_blocks: {t.num_cached_blocks} leaves none of the prompt's {prompt_blocks} blocks to send")
@@ -63,7 +70,8 @@ def prefill_from_proto(msg: worker_pb2.PrefillRequest, block_size: int) -> Prefi
         token_ids=list(msg.token_ids),
         params=wire.params_from_proto(msg.params),
         tier=wire.tier_from_proto(msg.tier),
-        target=KvTarget(t.worker_id, t.kv_address, t.reservation_id, t.num_cached_blocks, list(t.dst_block_ids)),
+        target=KvTarget(t.worker_id, t.kv_address, t.reservation_id, t.num_cached_blocks, list(t.dst_block_ids),
+                        tuple(addresses)),
         timeout_s=msg.timeout_ms / 1000.0 if msg.timeout_ms else None,
         num_output_tokens=msg.num_output_tokens,
     )

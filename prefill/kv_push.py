@@ -8,6 +8,11 @@ that layer, the last partial block included, to the sender, which stages a copy 
 returning. When the step's output (the first token) reaches the request's listener, the pusher
 commits the transfer with the token and frees the engine's blocks at once: the sender no
 longer reads them.
+
+Tensor parallel (`ranks` set): this is rank 0; `step_extras` tells the other ranks which
+requests push in the step about to run (`prefill.tp_push`), each rank pushes its own KV heads
+to the decode rank of the same index, and the send future resolves once every rank's commit
+was handed to its transport.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from kvtransfer import KVSender, KVTransferError
 from prefill.adapters import PrefillInput
+from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
 from worker import engine_ext
 from worker.adapters import logprob_to_meta
 from worker.engine_loop import EngineLoop, TimerHandle
@@ -59,6 +65,7 @@ class PrefillJob:
     error: str | None = None
     timer: TimerHandle | None = None
     done: Future = field(default_factory=Future)  # Future[PrefillDone], or PrefillFailed
+    rank_sends: Future | None = None  # TP: the other ranks' send results (prefill.tp_push.RankSends)
 
     @property
     def transfer_id(self) -> str:
@@ -75,11 +82,18 @@ class PrefillJob:
 
 
 class KvPusher:
-    """Prefill jobs in flight and the engine hooks that push their KV. Engine thread only."""
+    """Prefill jobs in flight and the engine hooks that push their KV. Engine thread only.
 
-    def __init__(self, loop: EngineLoop, sender: KVSender) -> None:
+    ranks: on rank 0 of a tensor-parallel worker, the collector of the other ranks' results
+      (None without TP). rank_timeout_s bounds the wait for them after the step.
+    """
+
+    def __init__(self, loop: EngineLoop, sender: KVSender, ranks: RankSends | None = None,
+                 rank_timeout_s: float = 30.0) -> None:
         self.loop = loop
         self.sender = sender
+        self.ranks = ranks
+        self.rank_timeout_s = rank_timeout_s
         self.jobs: dict[str, PrefillJob] = {}
 
     def start(self, engine: Engine, job: PrefillJob) -> Sequence:
@@ -99,21 +113,42 @@ class KvPusher:
             self.loop.abort_now(job.inp.request_id, DEADLINE)
 
     # ---- engine hooks -------------------------------------------------------------------------
-    def on_layer(self, layer: int, out: SchedulerOutput) -> None:
-        if not self.jobs:
-            return
+    def _pushing(self, out: SchedulerOutput) -> list[PrefillJob]:
+        """Jobs whose last prompt chunk this step computes (they push during it)."""
+        jobs = []
         for s in out.scheduled:
             if not s.samples:
                 continue
             job = self.jobs.get(s.seq.request_id)
             if job is not None and job.seq is s.seq and job.error is None:
-                self._push(job, layer)
+                jobs.append(job)
+        return jobs
+
+    def on_layer(self, layer: int, out: SchedulerOutput) -> None:
+        if not self.jobs:
+            return
+        for job in self._pushing(out):
+            self._push(job, layer)
+
+    def step_extras(self, out: SchedulerOutput) -> bytes:
+        """TP rank 0, before the step is broadcast: what the other ranks push during it."""
+        if not self.jobs or self.ranks is None:
+            return b""
+        plans = []
+        for job in self._pushing(out):
+            target = job.inp.target
+            first = target.num_cached_blocks
+            src = job.seq.block_table[first : first + len(target.dst_block_ids)]
+            plans.append(PushPlan(job.transfer_id, list(target.kv_addresses), job.num_layers, list(src),
+                                  list(target.dst_block_ids)))
+            job.rank_sends = self.ranks.watch(job.transfer_id, self.rank_timeout_s)
+        return encode_plans(plans)
 
     def _push(self, job: PrefillJob, layer: int) -> None:
         target = job.inp.target
         try:
             if not job.opened:
-                self.sender.open(job.transfer_id, target.kv_address, job.num_layers)
+                self.sender.open(job.transfer_id, target.kv_addresses[0], job.num_layers)
                 job.opened = True
             k, v = self.loop.engine.kv_cache.layers[layer]
             first = target.num_cached_blocks
@@ -155,11 +190,15 @@ class KvPusher:
             return
         finally:
             engine.release(job.inp.request_id)  # staged copies were taken in send_layer
+        if job.rank_sends is not None:
+            send = combine_sends(send, job.rank_sends)
         job.finish(PrefillDone(out, seq.num_cached_tokens, send))
 
     def _fail(self, engine: Engine, job: PrefillJob, failure: PrefillFailed) -> None:
         if job.opened:
             self.sender.abort(job.transfer_id, str(failure))
+        if self.ranks is not None:
+            self.ranks.forget(job.transfer_id)
         engine.abort(job.inp.request_id)  # frees blocks in any state; no-op when already gone
         job.finish(failure)
 

@@ -17,6 +17,7 @@ from engine.engine import Engine
 from kvtransfer import KVSender
 from prefill import adapters as ad
 from prefill.kv_push import KvPusher, PrefillFailed, PrefillJob, deadline_from
+from prefill.tp_push import RankSends, check_pairing
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem._proto.tandem.v1 import worker_pb2
@@ -34,11 +35,16 @@ _FAILURE_STATUS = {
 
 
 class PrefillService(wire.PrefillWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, sender: KVSender) -> None:
+    """ranks: on rank 0 of a tensor-parallel worker, the collector of the other ranks' push
+    results (None without TP); the caller routes the TP link's results into it and installs
+    `pusher.step_extras` on the engine's TP runner."""
+
+    def __init__(self, runtime: WorkerRuntime, sender: KVSender, ranks: RankSends | None = None) -> None:
         self.runtime = runtime
         self.loop = runtime.loop
         self.sender = sender
-        self.pusher = KvPusher(runtime.loop, sender)
+        self.tp = ranks.world_size if ranks is not None else 1
+        self.pusher = KvPusher(runtime.loop, sender, ranks, runtime.config.kv_timeout_s)
         runtime.loop.on_layer = self.pusher.on_layer
 
     @rpc("Prefill")
@@ -47,6 +53,7 @@ class PrefillService(wire.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         engine = self.runtime.engine
         inp = ad.prefill_from_proto(request, engine.config.block_size)
+        check_pairing(len(inp.target.kv_addresses), self.tp, inp.target.worker_id)
         job = PrefillJob(inp, engine.model_config.num_layers, deadline_from(inp.timeout_s))
         with self.runtime.tracked():
             await self.runtime.run(lambda e: self.pusher.start(e, job))

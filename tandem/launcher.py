@@ -85,6 +85,8 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
     for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running)):
         if value:
             common += [flag, str(value)]
+    if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
+        common += ["--tp", str(a.tp)]
     children: list[Child] = []
     if a.colocated:
         for i in range(a.decode_workers):
@@ -97,7 +99,7 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
             children.append(Child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *common], port))
         for i in range(a.decode_workers):
             port = free_port()
-            kv = f"tcp://127.0.0.1:{free_port()}"
+            kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(Child(f"decode-{i}", "decode", ["--port", str(port), "--worker-id", f"decode-{i}",
                                                             "--kv-address", kv, *common], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port)]
@@ -182,6 +184,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--colocated", action="store_true", help="run --decode-workers role-both workers, no disaggregation")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")
@@ -196,7 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    for name in ("prefill_workers", "decode_workers"):
+    for name in ("prefill_workers", "decode_workers", "tp"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return a

@@ -22,6 +22,7 @@ from worker.engine_loop import EngineLoop, LoopStopped
 from worker.events import KvEventsBatch
 from worker.metrics import WorkerMetrics
 from worker.streams import AsyncBridge, ItemStream
+from worker.transfer import KvPairingError
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class WorkerRuntime:
 
 _STATUS = (
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (KvPairingError, grpc.StatusCode.FAILED_PRECONDITION),  # this pair of workers cannot work together
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (LookupError, grpc.StatusCode.NOT_FOUND),
     (LoopStopped, grpc.StatusCode.UNAVAILABLE),

@@ -11,6 +11,11 @@ Drain (SIGTERM or SIGINT): health turns NOT_SERVING, Stats says draining, Reserv
 ok=false and new Prefill / PrefillAndDecode calls UNAVAILABLE; in-flight requests and
 reservations finish (up to --drain-timeout); then everything stops and `main` returns 0.
 A second signal skips the wait.
+
+Tensor parallel (--tp N): this process is rank 0 and starts ranks 1..N-1 (`worker.tp_ranks`)
+before building its engine shard; the drain ends by releasing them. A rank that dies makes
+this worker stop at once (in-flight RPCs fail with UNAVAILABLE) and exit with a non-zero code.
+A decode worker advertises one KV receiver per rank (`worker.transfer`).
 """
 from __future__ import annotations
 
@@ -48,6 +53,10 @@ class WorkerServer:
         from engine.engine import Engine
 
         self.config = config
+        self.ranks: Any = None  # worker.tp_ranks.TPRanks on rank 0 of a tensor-parallel worker
+        self.exit_code = 0
+        if engine is None and config.tp > 1:
+            engine = self._start_ranks()
         self.engine = engine if engine is not None else Engine(config.engine_config())
         self.server: grpc.aio.Server | None = None
         self.runtime: WorkerRuntime | None = None
@@ -61,6 +70,20 @@ class WorkerServer:
         self._stopping = False
         self._skip_wait = asyncio.Event()
         self._stopped = asyncio.Event()
+
+    def _start_ranks(self) -> Any:
+        """Start the other tensor-parallel ranks and build this rank's engine with them."""
+        from engine.engine import Engine
+        from worker.tp_ranks import TPRanks
+
+        self.ranks = TPRanks(self.config)
+        try:
+            engine = Engine(self.config.engine_config(0), tp=self.ranks.join())
+            self.ranks.wait_ready()
+        except BaseException:
+            self.ranks.kill()
+            raise
+        return engine
 
     @property
     def address(self) -> str:
@@ -83,6 +106,9 @@ class WorkerServer:
         runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
         runtime.bridge = AsyncBridge(asyncio.get_running_loop())
         self.server, self.runtime = server, runtime
+        if self.ranks is not None:
+            event_loop = asyncio.get_running_loop()
+            self.ranks.on_failure = lambda reason: event_loop.call_soon_threadsafe(self._on_rank_failure, reason)
         names = self._add_services(server, runtime)
         self.health = wire.add_health_and_reflection(server, names)
         self._start_metrics(runtime)
@@ -98,19 +124,44 @@ class WorkerServer:
         from worker.transfer import make_receiver, make_sender
 
         cfg = self.config
+        ranks = self.ranks
         if cfg.role == "prefill":
             from prefill.service import PrefillService
 
             self.sender = make_sender(cfg.kv_transport, cfg.kv_sender_options)
-            wire.add_prefill_worker_servicer(PrefillService(runtime, self.sender), server)
-            runtime.kv_stats = lambda: {"sent": self.sender.stats()}
+            rank_sends = None
+            if ranks is not None:
+                from prefill.tp_push import RankSends
+
+                rank_sends = RankSends(ranks.world_size)
+                ranks.link.on_result, ranks.link.on_tick = rank_sends.on_result, rank_sends.tick
+            service = PrefillService(runtime, self.sender, rank_sends)
+            if ranks is not None:
+                self.engine.runner.step_extras = service.pusher.step_extras
+            wire.add_prefill_worker_servicer(service, server)
+
+            def sent() -> dict[str, Any]:
+                stats = dict(self.sender.stats())
+                if rank_sends is not None:
+                    stats["bytes_sent"] = stats.get("bytes_sent", 0) + rank_sends.bytes_sent
+                return {"sent": stats}
+
+            runtime.kv_stats = sent
             return [wire.PREFILL_SERVICE]
         from decode.service import DecodeService
 
         service = DecodeService(runtime, cfg.kv_timeout_s)
         if cfg.role == "decode":
-            bind = cfg.kv_address or f"tcp://{cfg.host}:*"
-            self.receiver = make_receiver(cfg.kv_transport, self.engine, bind, service.on_transfer)
+            bind = cfg.rank_kv_address(0) or f"tcp://{cfg.host}:*"
+            if ranks is None:
+                self.receiver = make_receiver(cfg.kv_transport, self.engine, bind, service.on_transfer)
+            else:
+                from decode.tp_receiver import TPReceiver
+
+                self.receiver = TPReceiver(ranks.world_size, ranks.link, service.on_transfer)
+                local = make_receiver(cfg.kv_transport, self.engine, bind, self.receiver.on_rank0_result)
+                self.receiver.attach(local, ranks.kv_addresses(local.address))
+                ranks.link.on_result = self.receiver.on_rank_result
             service.receiver = self.receiver
             self.kv_address = self.receiver.address
             runtime.kv_stats = lambda: {"received": self.receiver.stats()}
@@ -156,7 +207,9 @@ class WorkerServer:
         path = Path(self.config.ready_file)
         data = {"role": self.config.role, "worker_id": self.worker_id, "address": self.address,
                 "kv_address": self.kv_address, "metrics_port": self.metrics_port, "pid": os.getpid(),
-                "model_identity": self.engine.identity}
+                "model_identity": self.engine.identity, "tp": self.config.tp}
+        if self.ranks is not None:
+            data["tp_pids"] = self.ranks.pids  # ranks 1..tp-1
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(path)
@@ -193,6 +246,15 @@ class WorkerServer:
         if not self._skip_wait.is_set():
             logger.warning("drain timeout: stopping with %d requests in flight", runtime.in_flight)
 
+    def _on_rank_failure(self, reason: str) -> None:
+        """Event loop: a tensor-parallel rank died; stop without draining, exit non-zero."""
+        from worker.tp_ranks import FAILURE_EXIT_CODE
+
+        self.exit_code = FAILURE_EXIT_CODE
+        if self.runtime is not None:
+            self.runtime.draining = True
+        asyncio.get_running_loop().create_task(self.shutdown(graceful=False))
+
     def _close_parts(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
@@ -201,6 +263,8 @@ class WorkerServer:
             self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
+        if self.ranks is not None and not self.ranks.stop(self.engine):
+            self.exit_code = self.exit_code or 1
         if self.runtime.metrics is not None:
             self.runtime.metrics.close()
         if self.config.ready_file:
@@ -209,11 +273,16 @@ class WorkerServer:
     async def serve_forever(self, install_signals: bool = True) -> None:
         """Start, then run until SIGTERM / SIGINT has drained the worker."""
         await self.start()
-        if install_signals:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._on_signal, sig)
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, self._on_signal, sig)
         await self._stopped.wait()
+        for sig in signals:
+            # Stopped already: closing the loop would restore the default handlers, and a
+            # repeated signal would then kill the process in the middle of its exit.
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         logger.info("received %s", sig.name)
@@ -236,8 +305,14 @@ def run(config: WorkerConfig) -> int:
     # default 5 ms, or every layer of an incoming KV transfer waits up to 5 ms for the GIL.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server = WorkerServer(config)
-    asyncio.run(server.serve_forever())
-    return 0
+    try:
+        asyncio.run(server.serve_forever())
+    finally:
+        if server.ranks is not None and not server._stopped.is_set():
+            server.ranks.kill()  # start-up failed after the other ranks were started
+    if server.exit_code:
+        logger.error("%s worker stopped with exit code %d", config.role, server.exit_code)
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None, role: str | None = None, prog: str | None = None) -> int:
@@ -247,6 +322,7 @@ def main(argv: list[str] | None = None, role: str | None = None, prog: str | Non
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args, role)
+        config.check_tp()
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, config.role)
