@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,47 +73,49 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, st.get_tensor(name)
 
 
-def load_safetensors(model: CausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the (merged) parameter it belongs to; fail on gaps."""
-    cfg = model.config
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    qkv_offsets = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size), "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
-    gate_up_offsets = {"gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
-    for name, tensor in _iter_tensors(safetensors_files(model_dir)):
-        if "rotary_emb" in name:
-            continue
-        target = name.removeprefix("model.")
-        if target == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        shard = None
-        parts = target.split(".")
-        if len(parts) >= 2 and parts[-2] in qkv_offsets:
-            shard = qkv_offsets[parts[-2]]
-            target = ".".join(parts[:-2] + ["qkv_proj", parts[-1]])
-        elif len(parts) >= 2 and parts[-2] in gate_up_offsets:
-            shard = gate_up_offsets[parts[-2]]
-            target = ".".join(parts[:-2] + ["gate_up_proj", parts[-1]])
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"weights: checkpoint tensor {name!r} has no place in a {cfg.model_type} model")
-        dest = param.data if shard is None else param.data.narrow(0, shard[0], shard[1])
-        if dest.shape != tensor.shape:
-            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
-        if shard is None and target.endswith("gate_up_proj.weight"):
-            loaded |= {f"{target}#{off}" for off, _ in gate_up_offsets.values()}  # GLM ships it merged
-        else:
-            loaded.add(target if shard is None else f"{target}#{shard[0]}")
-    expected = _expected_keys(model, qkv_offsets, gate_up_offsets)
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes: rows [row_offset, row_offset + rows) of parameter
+    `target` of the (merged) model (rows None: the whole parameter), satisfying `keys` of
+    `expected_keys`."""
+
+    target: str
+    row_offset: int
+    rows: int | None
+    keys: tuple[str, ...]
 
 
-def _expected_keys(model: CausalLM, qkv: dict, gate_up: dict) -> set[str]:
+def _merged_offsets(cfg: ModelConfig) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    qkv = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size), "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+    gate_up = {"gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+    return qkv, gate_up
+
+
+def checkpoint_placement(name: str, cfg: ModelConfig) -> Placement | None:
+    """The Placement of checkpoint tensor `name`, or None for a tensor the model does not keep
+    (rotary tables, a tied lm_head)."""
+    if "rotary_emb" in name:
+        return None
+    target = name.removeprefix("model.")
+    if target == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    qkv, gate_up = _merged_offsets(cfg)
+    parts = target.split(".")
+    for merged, offsets in (("qkv_proj", qkv), ("gate_up_proj", gate_up)):
+        if len(parts) >= 2 and parts[-2] in offsets:
+            off, rows = offsets[parts[-2]]
+            target = ".".join(parts[:-2] + [merged, parts[-1]])
+            return Placement(target, off, rows, (f"{target}#{off}",))
+    if target.endswith("gate_up_proj.weight"):  # GLM ships it merged
+        return Placement(target, 0, None, tuple(f"{target}#{off}" for off, _ in gate_up.values()))
+    return Placement(target, 0, None, (target,))
+
+
+def expected_keys(param_names: Iterable[str], cfg: ModelConfig) -> set[str]:
+    """What a complete checkpoint's Placements cover, for a model with these parameters."""
+    qkv, gate_up = _merged_offsets(cfg)
     keys: set[str] = set()
-    for name, _ in model.named_parameters():
+    for name in param_names:
         if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             keys |= {f"{name}#{off}" for off, _ in qkv.values()}
         elif name.endswith("gate_up_proj.weight"):
@@ -120,6 +123,37 @@ def _expected_keys(model: CausalLM, qkv: dict, gate_up: dict) -> set[str]:
         else:
             keys.add(name)
     return keys
+
+
+def stream_checkpoint(model_dir: Path, cfg: ModelConfig, param_names: Iterable[str],
+                      ) -> Iterator[tuple[str, Placement, torch.Tensor]]:
+    """(checkpoint name, Placement, tensor) for every tensor the model keeps, one tensor in host
+    memory at a time; ValueError naming the tensor for one with no place, and at the end for
+    tensors the checkpoint lacks."""
+    names = set(param_names)
+    loaded: set[str] = set()
+    for name, tensor in _iter_tensors(safetensors_files(model_dir)):
+        placement = checkpoint_placement(name, cfg)
+        if placement is None:
+            continue
+        if placement.target not in names:
+            raise ValueError(f"weights: checkpoint tensor {name!r} has no place in a {cfg.model_type} model")
+        yield name, placement, tensor
+        loaded.update(placement.keys)
+    missing = sorted(expected_keys(names, cfg) - loaded)
+    if missing:
+        raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def load_safetensors(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the (merged) parameter it belongs to; fail on gaps."""
+    params = dict(model.named_parameters())
+    for name, placement, tensor in stream_checkpoint(model_dir, model.config, params):
+        param = params[placement.target].data
+        dest = param if placement.rows is None else param.narrow(0, placement.row_offset, placement.rows)
+        if dest.shape != tensor.shape:
+            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02, draw_device: torch.device | None = None) -> None:

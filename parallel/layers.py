@@ -55,6 +55,7 @@ class RowParallelLinear(nn.Linear):
     """
 
     tp: TPGroup
+    columns: tuple[int, int]  # (start, length) of the full weight's input columns held here
 
     @classmethod
     def from_linear(cls, full: nn.Linear, start: int, length: int, tp: TPGroup) -> RowParallelLinear:
@@ -63,6 +64,7 @@ class RowParallelLinear(nn.Linear):
         if full.bias is not None:
             layer.bias = _frozen(full.bias.data)
         layer.tp = tp
+        layer.columns = (int(start), int(length))
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import CausalLM
-from engine.weights import load_model
+from engine.rope import build_cos_sin_cache
+from engine.weights import LOAD_FORMATS, Placement, _default_dtype, stream_checkpoint
 from parallel.comm import TPGroup
 from parallel.layers import (
     ColumnParallelLinear,
@@ -33,6 +34,7 @@ from parallel.layers import (
     VocabParallelEmbedding,
     shard_vocab_rows,
     vocab_parallel_logits,
+    vocab_shard,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,15 +135,98 @@ def load_tensor_parallel_model(
     tp: TPGroup,
     load_format: str = "auto",
 ) -> CausalLM:
-    """Load the model on the host, keep this rank's shard, and return the shard on `device`.
-
-    The device never holds more than the shard (the host briefly holds the whole model per
-    rank process; a loader that narrows each tensor as it streams in would avoid that). Dummy
-    weights are drawn on `device`'s generator one parameter at a time, because random draws
-    differ between CPU and CUDA generators and every rank must shard the weights an unsharded
-    engine on `device` would draw.
+    """This rank's shard of the model on `device`, equal to `apply_tensor_parallel` of the full
+    model, without ever holding the full model: the module tree is built and sharded on the
+    meta device, only the shard is allocated, and each checkpoint tensor (one in host memory at
+    a time) has its rows and columns that belong here copied in (`ShardPlacer`). Dummy weights
+    are drawn one full parameter at a time on `device`'s generator, in the unsharded model's
+    order, and sliced: every rank shards the weights an unsharded engine on `device` draws.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    model = load_model(model_dir, config, dtype, torch.device("cpu"), load_format, dummy_draw_device=device)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = CausalLM(config)
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     apply_tensor_parallel(model, tp.rank, tp.world_size, tp.group)
-    return model.to(device)
+    model.to_empty(device=device)
+    model.cos_sin_cache = build_cos_sin_cache(config, device).to(torch.float32)
+    placer = ShardPlacer(model, tp)
+    with torch.no_grad():
+        if load_format == "dummy":
+            _draw_dummy_shards(model, placer, full_shapes, device)
+        else:
+            for name, placement, tensor in stream_checkpoint(Path(model_dir), config, full_shapes):
+                placer.place(name, placement, tensor)
+    return model.eval().requires_grad_(False)
+
+
+class ShardPlacer:
+    """Copies pieces of full parameters into this rank's shards.
+
+    `place` takes rows [row_offset, row_offset + rows) of a full (merged) parameter and writes
+    the part this rank holds: column-parallel rows by their segments, row-parallel columns,
+    vocabulary rows of the embedding and lm_head (padding rows stay zero), replicated
+    parameters whole.
+    """
+
+    def __init__(self, model: CausalLM, tp: TPGroup) -> None:
+        self.tp = tp
+        self.vocab_size = model.config.vocab_size
+        self.params = dict(model.named_parameters())
+        self.owners = {f"{mod_name}.{p_name}" if mod_name else p_name: module
+                       for mod_name, module in model.named_modules() for p_name, _ in module.named_parameters(recurse=False)}
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in self.params:
+                self.params[name].data.zero_()
+
+    def place(self, name: str, placement: Placement, tensor: torch.Tensor) -> None:
+        target = placement.target
+        local = self.params[target].data
+        module = self.owners[target]
+        off, rows = placement.row_offset, tensor.shape[0]
+        if placement.rows is not None and rows != placement.rows:
+            raise ValueError(f"weights: {name!r} has {rows} rows, expected {placement.rows}")
+        if isinstance(module, ColumnParallelLinear):
+            self._check_cols(name, tensor, local)
+            at = 0
+            for start, length in module.segments:  # local rows [at, at + length) are full rows [start, ...)
+                a, b = max(start, off), min(start + length, off + rows)
+                if a < b:
+                    local[at + a - start:at + b - start].copy_(tensor[a - off:b - off])
+                at += length
+        elif isinstance(module, RowParallelLinear) and target.endswith("weight"):
+            start, length = module.columns
+            full_cols = length * self.tp.world_size
+            if tensor.dim() != 2 or tensor.shape[1] != full_cols:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected ({local.shape[0]}, {full_cols})")
+            local[off:off + rows].copy_(tensor[:, start:start + length])
+        elif target in ("embed_tokens.weight", "lm_head.weight"):
+            self._check_cols(name, tensor, local)
+            start, held, _ = vocab_shard(self.vocab_size, self.tp)
+            a, b = max(start, off), min(start + held, off + rows)
+            if a < b:
+                local[a - start:b - start].copy_(tensor[a - off:b - off])
+        else:
+            dest = local.narrow(0, off, rows) if local.dim() else local
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+
+    @staticmethod
+    def _check_cols(name: str, tensor: torch.Tensor, local: torch.Tensor) -> None:
+        if tensor.shape[1:] != local.shape[1:]:
+            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected rows of {tuple(local.shape[1:])}")
+
+
+def _draw_dummy_shards(model: CausalLM, placer: ShardPlacer, full_shapes: dict[str, tuple[int, ...]],
+                       device: torch.device, seed: int = 0, std: float = 0.02) -> None:
+    """`engine.weights.init_dummy_weights` of the full model, sliced to this rank's shard."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = next(iter(placer.params.values())).dtype
+    for name, shape in full_shapes.items():  # the unsharded model's order: the same draws
+        if "norm" in name:
+            placer.params[name].data.fill_(1.0)
+            continue
+        full = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        placer.place(name, Placement(name, 0, None, (name,)), full)

@@ -71,7 +71,9 @@ def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any
         for name, path in model_dirs.items():
             config = ModelConfig.from_dir(path)
             model = load_tensor_parallel_model(path, config, torch.float32, torch.device("cpu"), tp)
-            result: dict[str, Any] = {"logits": packed_logits(model, config, WORLD)}
+            # numpy travels through the queue by value (a tensor would be shared through a file
+            # descriptor that dies with this process)
+            result: dict[str, Any] = {"logits": packed_logits(model, config, WORLD).numpy()}
             runs = (("tokens", ENGINE_KW, MAX_TOKENS), ("tight", TIGHT_KW, TIGHT_TOKENS), ("derived", DERIVED_KW, 0))
             for key, kw, max_tokens in runs:
                 if rank == 0:
@@ -137,7 +139,7 @@ def tp_runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 def test_tp2_logits_match_tp1_at_every_packed_position(name: str, models: dict[str, Path], tp_runs) -> None:
     config = ModelConfig.from_dir(models[name])
     ref = packed_logits(load_model(models[name], config, torch.float32, torch.device("cpu")), config, 1)
-    got, other = tp_runs[name][0]["logits"], tp_runs[name][1]["logits"]
+    got, other = (torch.from_numpy(tp_runs[name][r]["logits"]) for r in (0, 1))
     assert got.shape == ref.shape == (sum(map(len, PROMPTS)), config.vocab_size)
     assert torch.equal(got, other)  # every rank ends with the same gathered logits
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -232,6 +234,47 @@ def test_per_rank_dummy_shard_equals_sharding_the_full_dummy_model(models: dict[
         qkv = got["layers.0.self_attn.qkv_proj.weight"]
         assert qkv.shape[0] < load_model(models["qwen2"], config, torch.float32, torch.device("cpu"),
                                          "dummy").layers[0].self_attn.qkv_proj.weight.shape[0]
+
+
+def test_streamed_checkpoint_shard_equals_sharding_the_full_model(tiny_models: dict[str, Path]) -> None:
+    """The per-rank loader never builds the full model, yet for every family (merged and split
+    qkv / gate_up checkpoints, biases, q/k norms, tied embeddings) each rank's shard equals the
+    full model's, sharded."""
+    for family, path in tiny_models.items():
+        config = ModelConfig.from_dir(path)
+        for rank in range(WORLD):
+            full = apply_tensor_parallel(load_model(path, config, torch.float32, torch.device("cpu")), rank, WORLD)
+            shard = load_tensor_parallel_model(path, config, torch.float32, torch.device("cpu"), TPGroup(rank, WORLD))
+            want, got = full.state_dict(), shard.state_dict()
+            assert want.keys() == got.keys(), family
+            assert [k for k in want if not torch.equal(want[k], got[k])] == [], family
+            assert torch.equal(full.cos_sin_cache, shard.cos_sin_cache)
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """A checkpoint with a tensor missing, an unknown tensor, or a wrong shape fails with the
+    tensor's name, in the plain loader and the per-rank one alike."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_models["llama"]
+    config = ModelConfig.from_dir(src)
+    tensors = load_file(str(src / "model.safetensors"))
+    k_proj = next(k for k in tensors if k.endswith("layers.0.self_attn.k_proj.weight"))
+    cases = {
+        "lacks": {k: v for k, v in tensors.items() if k != k_proj},
+        "no place": {**tensors, "model.layers.0.mystery.weight": torch.zeros(2, 2)},
+        "k_proj": {**tensors, k_proj: torch.zeros(3, tensors[k_proj].shape[1])},
+    }
+    for expected, content in cases.items():
+        d = tmp_path / expected.replace(" ", "_")
+        shutil.copytree(src, d)
+        save_file(content, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=expected):
+            load_model(d, config, torch.float32, torch.device("cpu"))
+        with pytest.raises(ValueError, match=expected):
+            load_tensor_parallel_model(d, config, torch.float32, torch.device("cpu"), TPGroup(0, WORLD))
 
 
 def test_an_engine_without_tp_imports_no_parallel_module() -> None:
