@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("--dtype", dest="dtype_model", default=None, help="model dtype (default: the checkpoint's)")
     gp.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the harness")
     gp.add_argument("--modes", type=lambda s: s.split(","), default=["disagg", "colocated"])
-    gp.add_argument("--kv-transport", default="nccl", choices=["nccl", "zmq"])
+    gp.add_argument("--kv-transport", default="nccl", choices=["nccl", "zmq", "cuda_ipc"])
     gp.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1, 2, 4, 8, 12, 16, 24])
     gp.add_argument("--refine", type=int, default=2, help="bisection steps after the sweep")
     gp.add_argument("--num-requests", type=int, default=200)

@@ -1,7 +1,8 @@
 """The KV-transfer contract: sender (prefill side), receiver (decode side), sink, registry.
 
-Every transport (zmq today; nccl and cuda_ipc later) implements `KVSender` and `KVReceiver`
-and registers itself by name, so workers pick one with `get_transport(name)`.
+Every transport (zmq; nccl; cuda_ipc, through memory shared on one host: CUDA IPC handles for
+device caches, a shared-memory file for host caches) implements `KVSender` and `KVReceiver` and
+registers itself by name, so workers pick one with `get_transport(name)`.
 """
 from __future__ import annotations
 
@@ -230,7 +231,11 @@ class Transport:
 
 # Built-in transports are imported on first use so that importing the package stays cheap and
 # a transport's heavy dependencies (torch.distributed for nccl) load only when chosen.
-_BUILTIN_MODULES: dict[str, str] = {"zmq": "kvtransfer.zmq_transport", "nccl": "kvtransfer.nccl_transport"}
+_BUILTIN_MODULES: dict[str, str] = {
+    "zmq": "kvtransfer.zmq_transport",
+    "nccl": "kvtransfer.nccl_transport",
+    "cuda_ipc": "kvtransfer.ipc_transport",
+}
 _REGISTRY: dict[str, Transport] = {}
 
 

@@ -196,7 +196,7 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--swap-space", type=float, default=1.0, dest="swap_space_gb",
                    help="GiB of host memory (per rank) for the KV of preempted requests")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    p.add_argument("--kv-transport", default="zmq", help="KV transfer transport (zmq)")
+    p.add_argument("--kv-transport", default="zmq", help="KV transfer transport: zmq, nccl, or cuda_ipc (one host)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: this process is rank 0 and starts the others (one GPU each "
                         "on CUDA: cuda:0..N-1 of CUDA_VISIBLE_DEVICES); prefill and decode workers that "

@@ -1,0 +1,418 @@
+"""Decode side of the ipc transport: a ROUTER socket for the senders' channels, their mapped
+pools, and one thread that checks each layer, copies it from its slot into the sink and
+releases the slot.
+
+See `kvtransfer.ipc_transport` for the protocol; the per-transfer checks live in
+`kvtransfer.assembly`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from kvtransfer import ipc_wire as wire
+from kvtransfer.assembly import IncomingTransfer
+from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
+from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
+from kvtransfer.ipc_pool import CUDA, MappedPool
+from kvtransfer.pending import PendingTransfers
+from kvtransfer.staging import PairPool
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_BURST = 64  # messages handled per wake before releases and deadlines are looked at again
+
+
+@dataclass
+class _Peer:
+    """One sender channel as this receiver sees it."""
+
+    identity: bytes
+    pool: MappedPool | None = None
+    releases: list[int] = field(default_factory=list)  # leases read, not yet reported
+
+
+class IpcReceiver(PendingTransfers, KVReceiver):
+    """Decode-side ipc transport (contract: `KVReceiver`).
+
+    sink: the decode cache (`KVSink`). Host pools hand it CPU tensors viewing shared memory;
+      GPU pools hand it tensors on the sender's GPU, written on this receiver's own stream, with
+      the default stream (the decode engine's) ordered after each write.
+    bind: ZMQ endpoint for the control link; "tcp://127.0.0.1:*" picks a free port, and
+      "ipc:///path" suits one host best; `address` tells the real one.
+    device: where the cache lives; None: the sink's `k_caches` device, else CPU. A GPU pool is
+      refused unless this is a GPU.
+    max_pool_bytes: the largest pool a sender may ask this receiver to map.
+    on_complete, poll_interval_s: as for the zmq receiver.
+    """
+
+    def __init__(
+        self,
+        sink: KVSink,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        on_complete: OnComplete | None = None,
+        device: str | torch.device | None = None,
+        max_pool_bytes: int = 1 << 36,
+        poll_interval_s: float = 0.02,
+        context: zmq.Context | None = None,
+    ) -> None:
+        block_shape = getattr(sink, "block_shape", None)
+        if (
+            not callable(getattr(sink, "write", None))
+            or not isinstance(block_shape, (tuple, list))
+            or len(block_shape) != 3
+            or not all(isinstance(d, int) and d > 0 for d in block_shape)
+        ):
+            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        if not wire.is_int(max_pool_bytes) or max_pool_bytes <= 0:
+            raise ValueError(f"max_pool_bytes: must be a positive integer, got {max_pool_bytes!r}")
+        self._sink = sink
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
+        caches = getattr(sink, "k_caches", None)
+        try:
+            self.device = torch.device(device) if device is not None else (
+                caches[0].device if caches is not None and len(caches) else torch.device("cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: not a torch device: {device!r}") from None
+        self.max_pool_bytes = max_pool_bytes
+        self._on_complete = on_complete
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            if self._own_ctx:
+                self._ctx.term()
+            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._peers: dict[bytes, _Peer] = {}
+        self._device_reads: collections.deque[tuple[Any, _Peer, int]] = collections.deque()  # GPU pools
+        self._stream: Any = None  # this receiver's CUDA stream, made with the first GPU pool
+        self._pair = PairPool()
+        self.bytes_received = self.frames_received = self.frames_dropped = 0
+        self.transfers_ok = self.transfers_failed = self.checksum_failures = 0
+        self.channels_opened = self.channels_refused = 0
+        self.transfer_seconds = 0.0
+        # The socket moves to the receiver thread here; Thread.start() is the memory barrier
+        # ZMQ asks for, and no other thread touches it afterwards.
+        self._thread = threading.Thread(target=self._run, name="kv-ipc-recv", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "bytes_received": self.bytes_received,
+            "frames_received": self.frames_received,
+            "frames_dropped": self.frames_dropped,
+            "transfers_ok": self.transfers_ok,
+            "transfers_failed": self.transfers_failed,
+            "checksum_failures": self.checksum_failures,
+            "transfer_seconds": self.transfer_seconds,
+            "channels": len(self._peers),
+            "channels_opened": self.channels_opened,
+            "channels_refused": self.channels_refused,
+            "pending": len(self._pending),
+        }
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        with self._lock:
+            self._stop.set()
+        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            logger.warning("kv ipc receiver thread did not stop; leaving its ZMQ context open")
+            return
+        self._pair.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    # -- receiver thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                # GPU reads in flight are polled for completion, so look again soon.
+                if poller.poll(1 if self._device_reads else self._poll_ms):
+                    for _ in range(_DRAIN_BURST):
+                        try:
+                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message([p.buffer for p in parts])
+                self._send_releases()
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + self._poll_ms / 1000
+        except Exception:
+            logger.exception("kv ipc receiver thread crashed")
+            raise
+        finally:
+            self._send_releases(wait=True)
+            for peer in list(self._peers.values()):  # senders break their channels at once
+                self._reply(peer.identity, wire.BYE, {})
+                if peer.pool is not None:
+                    peer.pool.close()
+            self._peers.clear()
+            self._sock.close(linger=200)  # long enough for the goodbyes to leave
+
+    def _on_message(self, parts: list[memoryview]) -> None:
+        if len(parts) < 2:
+            logger.warning("dropping kv ipc message of %d parts", len(parts))
+            return
+        identity, tag, body = bytes(parts[0]), bytes(parts[1]), parts[2:]
+        peer = self._peers.get(identity)
+        try:
+            if tag == wire.HELLO:
+                self._hello(identity, body)
+            elif peer is None:
+                if tag == wire.FRAME:
+                    self.frames_received += 1
+                    self.frames_dropped += 1
+                if tag != wire.BYE:
+                    self._refuse(identity, "channel: not open on this receiver (did it restart?); open a new one")
+            elif tag == wire.POOL:
+                self._map(peer, body)
+            elif tag == wire.FRAME:
+                self._frame(peer, body)
+            elif tag == wire.BYE:
+                self._forget(peer)
+            else:
+                logger.warning("dropping kv ipc message with unknown tag %r", tag)
+        except Exception:  # one bad message must not take the receiver down
+            logger.exception("kv ipc: failed to handle a %r message", tag)
+
+    def _hello(self, identity: bytes, body: list[memoryview]) -> None:
+        try:
+            doc = wire.decode(body[0] if body else b"", "hello")
+            if doc.get("v") != wire.IPC_VERSION:
+                raise ValueError(f"v: unsupported ipc transport version {doc.get('v')!r}")
+            if identity in self._peers:
+                raise ValueError(f"channel: {identity!r} is already open")
+        except ValueError as exc:
+            self._refuse(identity, str(exc))
+            return
+        self._peers[identity] = _Peer(identity)
+        self.channels_opened += 1
+
+    def _map(self, peer: _Peer, body: list[memoryview]) -> None:
+        try:
+            if peer.pool is not None:
+                raise ValueError("pool: this channel already announced its pool")
+            pool = MappedPool.open(wire.decode(body[0] if body else b"", "pool"), self.device, self.max_pool_bytes)
+        except ValueError as exc:
+            self._refuse(peer.identity, str(exc))
+            return
+        if pool.kind == CUDA and self._stream is None:
+            from kvtransfer import ipc_cuda
+
+            self._stream = ipc_cuda.new_stream(self.device)
+        peer.pool = pool
+        self._reply(peer.identity, wire.MAPPED, {})
+        logger.info("kv ipc channel %s mapped a %s pool of %d x %d bytes", peer.identity.decode(errors="replace"),
+                    pool.kind, pool.slots, pool.slot_bytes)
+
+    def _forget(self, peer: _Peer) -> None:
+        """The sender closed its channel: finish reading its slots, then unmap its pool."""
+        self._send_releases(wait=True)
+        self._peers.pop(peer.identity, None)
+        if peer.pool is not None:
+            peer.pool.close()
+
+    def _frame(self, peer: _Peer, body: list[memoryview]) -> None:
+        self.frames_received += 1
+        try:
+            header = FrameHeader.decode(body[0]) if body else None
+        except FrameError as exc:
+            header = None
+            logger.warning("dropping malformed kv ipc frame: %s", exc)
+        if header is None:  # its request is unknown; its lease, if any, can still go back
+            self.frames_dropped += 1
+            self._release(peer, wire.lease_of(body[1]) if len(body) == 2 else None)
+            return
+        lease, k, v, error = None, None, None, None
+        if header.kind == KIND_LAYER:
+            lease = wire.lease_of(body[1]) if len(body) == 2 else None
+            try:
+                k, v = self._extent(peer, header, body)
+            except ValueError as exc:
+                error = f"bad extent in layer {header.layer}: {exc}"
+        elif len(body) != 1:
+            error = f"malformed {header.kind} message: {len(body)} parts, expected 1"
+        device_read = isinstance(k, torch.Tensor)  # a GPU pool's slot, with the stream already waiting on it
+        result = None
+        with self._lock:
+            transfer = self._pending.get(header.request_id)
+        if transfer is None:
+            self.frames_dropped += 1
+            logger.debug("dropping kv %s message for unknown request %s", header.kind, header.request_id)
+        else:
+            with transfer.lock:
+                if transfer.done:
+                    self.frames_dropped += 1
+                elif error is not None:
+                    result = transfer.fail(error)
+                elif device_read:
+                    result = self._write_device(transfer, header, k, v)
+                else:  # host pools: the shared checks, checksums included, then the sink's copy
+                    result = transfer.on_message(header, k, v, self._sink, self._pair)
+                if result is not None:
+                    result = self._retire(transfer, result)
+        if device_read:
+            self._end_device_read(peer, lease)
+        else:
+            self._release(peer, lease)
+        if result is not None:
+            self._deliver(result)
+
+    def _extent(self, peer: _Peer, header: FrameHeader, body: list[memoryview]) -> tuple[Any, Any]:
+        """K and V of a layer message inside the channel's pool; ValueError naming the bad field."""
+        if len(body) != 2:
+            raise ValueError(f"extent: layer message of {len(body)} parts, expected header and extent")
+        extent = wire.Extent.decode(body[1])
+        payload = header.payload_nbytes
+        if extent.slots == 0:
+            if payload:
+                raise ValueError(f"slots: 0 slots for {payload} bytes of K and V")
+            return memoryview(b""), memoryview(b"")
+        pool = peer.pool
+        if pool is None:
+            raise ValueError("pool: no staging pool is mapped on this channel")
+        pool.check_lease(extent.slot, extent.slots, payload)
+        self.bytes_received += 2 * payload
+        if pool.kind == CUDA:
+            from kvtransfer import ipc_cuda
+
+            ipc_cuda.begin_read(self._stream, pool.events[extent.slot])  # after the sender's gather
+        return pool.views(extent.slot, payload)
+
+    def _write_device(self, transfer: IncomingTransfer, header: FrameHeader, k: torch.Tensor,
+                      v: torch.Tensor) -> TransferResult | None:
+        """Check a layer in GPU memory and queue its copy into the sink on this receiver's stream."""
+        error = device_layer_error(transfer, header)
+        if error is not None:
+            return transfer.fail(error)
+        dtype = getattr(torch, header.dtype)
+        try:
+            with torch.cuda.stream(self._stream):
+                self._sink.write(header.layer, list(header.dst_block_ids), k.view(dtype).view(header.shape),
+                                 v.view(dtype).view(header.shape))
+        except Exception as exc:  # the sink is the decode worker's code; report, don't crash the thread
+            logger.exception("kv sink write failed for request %s layer %d", transfer.request_id, header.layer)
+            return transfer.fail(f"sink write failed for layer {header.layer}: {exc!r}")
+        transfer.layers.add(header.layer)
+        transfer.bytes_received += 2 * header.payload_nbytes
+        return None
+
+    def _end_device_read(self, peer: _Peer, lease: int | None) -> None:
+        from kvtransfer import ipc_cuda
+
+        done = ipc_cuda.end_read(self._stream, self.device)
+        if lease is not None:
+            self._device_reads.append((done, peer, lease))
+
+    def _release(self, peer: _Peer, lease: int | None) -> None:
+        if lease is not None:
+            peer.releases.append(lease)
+
+    def _send_releases(self, wait: bool = False) -> None:
+        """Report leases whose reads are complete (all of them with `wait`)."""
+        while self._device_reads and (wait or self._device_reads[0][0].query()):
+            done, peer, lease = self._device_reads.popleft()  # one stream: they complete in order
+            if wait:
+                done.synchronize()
+            peer.releases.append(lease)
+        for peer in self._peers.values():
+            if peer.releases:
+                self._reply(peer.identity, wire.RELEASE, {"leases": peer.releases})
+                peer.releases = []
+
+    def _reply(self, identity: bytes, tag: bytes, doc: dict[str, Any]) -> None:
+        try:  # ROUTER drops messages for peers that are gone; it never blocks
+            self._sock.send_multipart([identity, tag, wire.encode(doc)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("kv ipc reply %r to %r not sent: %s", tag, identity, exc)
+
+    def _refuse(self, identity: bytes, error: str) -> None:
+        self.channels_refused += 1
+        logger.warning("kv ipc: refusing channel %r: %s", identity, error)
+        self._reply(identity, wire.REFUSE, {"error": error})
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            late = [t for t in self._pending.values() if now >= t.deadline]
+        for transfer in late:
+            with transfer.lock:
+                result = None if transfer.done else transfer.expire(now)
+                if result is not None:
+                    result = self._retire(transfer, result)
+            if result is not None:
+                self._deliver(result)
+
+    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
+        """Drop a finished transfer from the pending set; None if it was cancelled meanwhile."""
+        with self._lock:
+            if self._pending.get(transfer.request_id) is not transfer:
+                return None
+            del self._pending[transfer.request_id]
+        if result.ok:
+            self.transfers_ok += 1
+            self.transfer_seconds += result.seconds
+        else:
+            self.transfers_failed += 1
+            self.checksum_failures += transfer.checksum_failed
+        return result
+
+    def _deliver(self, result: TransferResult) -> None:
+        if self._on_complete is not None:
+            try:
+                self._on_complete(result)
+            except Exception:
+                logger.exception("kv on_complete callback failed for %s", result.request_id)
+            return
+        with self._results_cond:
+            self._results.append(result)
+            self._results_cond.notify_all()
+
+
+def device_layer_error(transfer: IncomingTransfer, header: FrameHeader) -> str | None:
+    """Why a layer in GPU memory must not be written, or None: the checks `IncomingTransfer`
+    makes, bar the checksum (device memory never crossed a wire, and hashing it would need a
+    host copy). Advances the transfer's sequence like `IncomingTransfer.on_message`."""
+    if header.seq != transfer.next_seq:
+        return f"sequence gap: expected seq {transfer.next_seq}, got {header.seq} (a message was lost)"
+    transfer.next_seq += 1
+    n = len(transfer.dst_block_ids)
+    want_shape = (n, *transfer.block_shape)
+    if not 0 <= header.layer < transfer.num_layers:
+        return f"layer {header.layer} out of range [0, {transfer.num_layers})"
+    if header.layer in transfer.layers:
+        return f"duplicate layer {header.layer}"
+    if header.dtype != transfer.dtype:
+        return f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {transfer.dtype}"
+    if header.shape != want_shape:
+        return f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
+    if len(header.src_block_ids) != n or sorted(header.dst_block_ids) != sorted(transfer.dst_block_ids):
+        return f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}"
+    return None

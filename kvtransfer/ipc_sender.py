@@ -1,0 +1,210 @@
+"""Prefill side of the ipc transport: check and stage each layer into a lease of its channel's
+pool (`kvtransfer.ipc_send_channel`), whose thread announces it over ZMQ.
+
+See `kvtransfer.ipc_transport` for the protocol, `kvtransfer.ipc_wire` for the messages.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from kvtransfer import ipc_wire as wire
+from kvtransfer.base import KVSender, KVTransferError, SendResult
+from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_ABORT, KIND_COMMIT, KIND_LAYER, check_checksum_algorithm
+from kvtransfer.ipc_pool import MAX_SLOTS
+from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem, Transfer
+from kvtransfer.outgoing import Item, check_open_args
+from kvtransfer.staging import PairPool
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CORRUPT_ENV", "IpcSender"]
+
+_SCHEMES = ("tcp://", "ipc://")
+
+
+class IpcSender(KVSender):
+    """Prefill-side ipc transport (contract: `KVSender`); thread-safe across requests.
+
+    send_timeout_s: bound on every wait (a header send, a free run of slots).
+    slots, slot_bytes: each channel's staging pool (`slots * slot_bytes` bytes of host shared
+      memory, or of device memory for GPU caches). A layer takes a run of consecutive slots
+      holding its K and V; the pool bounds what is staged but not yet read by the receiver.
+    shm_dir: where host pools' files live (default /dev/shm).
+    checksum_algorithm: for host pools, named in every header; GPU pools are not hashed.
+    corrupt_once: test hook (see `kvtransfer.ipc_transport`); None reads TANDEM_KV_CORRUPT_ONCE.
+    """
+
+    def __init__(
+        self,
+        *,
+        send_timeout_s: float = 10.0,
+        slots: int = 64,
+        slot_bytes: int = 4 << 20,
+        shm_dir: str | None = None,
+        checksum_algorithm: str = DEFAULT_CHECKSUM,
+        corrupt_once: bool | None = None,
+        linger_s: float = 1.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
+        if not wire.is_int(slots) or not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots: must be an integer in [1, {MAX_SLOTS}], got {slots!r}")
+        if not wire.is_int(slot_bytes) or slot_bytes <= 0 or slot_bytes % wire.ALIGN:
+            raise ValueError(f"slot_bytes: must be a positive multiple of {wire.ALIGN}, got {slot_bytes!r}")
+        if shm_dir is not None and not os.path.isdir(shm_dir):
+            raise ValueError(f"shm_dir: {shm_dir!r} is not a directory")
+        self.send_timeout_s = float(send_timeout_s)
+        self.slots, self.slot_bytes, self.shm_dir = slots, slot_bytes, shm_dir
+        self.linger_s = float(linger_s)
+        self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
+        self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._id = uuid.uuid4().hex[:12]
+        self._serial = itertools.count()
+        self._lock = threading.Lock()
+        self._requests: dict[str, Transfer] = {}
+        self._channels: dict[str, Channel] = {}
+        self._retired: list[Channel] = []
+        self._stage_pair = PairPool()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        self.bytes_sent = self.frames_sent = 0
+        self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
+        self.send_seconds = 0.0
+
+    def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
+        check_open_args(request_id, peer_address, num_layers, _SCHEMES)
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            if request_id in self._requests:
+                raise ValueError(f"request_id: transfer {request_id!r} is already open")
+            channel = self._channels.get(peer_address)
+            if channel is None or channel.broken is not None:
+                if channel is not None:
+                    channel.close()
+                    self._retired.append(channel)
+                channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
+                self._channels[peer_address] = channel
+            self._requests[request_id] = Transfer(request_id, peer_address, num_layers, channel=channel)
+
+    def _state(self, request_id: str) -> Transfer:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"request_id: no open transfer {request_id!r}")
+        if state.error is not None:
+            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
+        return state
+
+    def send_layer(
+        self, request_id: str, layer: int, src_k: Any, src_v: Any,
+        src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+    ) -> None:
+        state = self._state(request_id)
+        src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
+        channel: Channel = state.channel
+        pool = channel.ensure_pool(src_k)
+        assert state.layout is not None
+        dtype, block_shape = state.layout
+        payload = nbytes // 2
+        lease = None
+        if payload:
+            need = wire.slots_needed(payload, pool.slot_bytes)
+            if need > pool.slots:
+                raise KVTransferError(
+                    f"layer of {nbytes} bytes does not fit the staging pool ({pool.slots} slots of {pool.slot_bytes} "
+                    "bytes); raise the sender's slots or slot_bytes"
+                )
+            lease = pool.acquire(need, self.send_timeout_s, channel.stopped)
+            try:
+                pool.stage(lease, src_k, src_v, src, payload, self._stage_pair)
+            except BaseException:
+                pool.release(lease.lease_id)
+                raise
+        state.layers.add(layer)
+        channel.put(LayerItem(state, KIND_LAYER, layer=layer, src=src, dst=dst, lease=lease, dtype=dtype,
+                               shape=(len(src), *block_shape)))
+
+    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
+        state = self._state(request_id)
+        if len(state.layers) != state.num_layers:
+            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
+        with self._lock:
+            self._requests.pop(request_id, None)
+        state.channel.put(Item(state, KIND_COMMIT, meta=meta))
+        return state.future
+
+    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
+        with self._lock:
+            state = None if self._closed else self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.aborted = True  # the channel thread skips (and frees) this request's queued layers
+        state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
+        return True
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def _take_corruption(self) -> bool:
+        with self._stats_lock:
+            pending, self._corrupt_pending = self._corrupt_pending, False
+        return pending
+
+    def stats(self) -> dict[str, float]:
+        channels = [*self._channels.values(), *self._retired]
+        pools = [c.pool for c in self._channels.values() if c.pool is not None and c.broken is None]
+        return {
+            "bytes_sent": self.bytes_sent,
+            "frames_sent": self.frames_sent,
+            "transfers_committed": self.transfers_committed,
+            "transfers_aborted": self.transfers_aborted,
+            "transfers_failed": self.transfers_failed,
+            "send_seconds": self.send_seconds,
+            "staged_bytes": sum(p.in_use * p.slot_bytes for p in pools),
+            "slots_in_use": sum(p.in_use for p in pools),
+            "pool_waits": sum(c.pool.waits for c in channels if c.pool is not None),
+            "open_transfers": len(self._requests),
+            "broken_channels": sum(c.broken is not None for c in channels),
+        }
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = [*self._channels.values(), *self._retired]
+        for channel in channels:
+            channel.close()
+        end = time.monotonic() + drain_timeout_s
+        for channel in channels:
+            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
+        self._stage_pair.close()
+        if any(c.thread.is_alive() for c in channels):
+            logger.warning("kv ipc sender closed with sends still in flight; leaving its ZMQ context open")
+        elif self._own_ctx:
+            self._ctx.term()
