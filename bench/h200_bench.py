@@ -5,8 +5,9 @@
 Model: Llama-3.1-8B shape with dummy weights in bf16. Ceilings (device copy GB/s, bf16 matmul
 TFLOP/s) are measured in the same run and every fraction is taken against them.
 Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, prefill, offline,
-transformers, ours_on_hf_subset, services (+ offline on the same prompts, with overlapped and with
-synchronous engine steps), fp8_offline. Each is
+transformers, ours_on_hf_subset, services (KV over ZMQ through host memory) and services_cuda_ipc
+(KV through CUDA IPC) with the offline engine on the same prompts (overlapped and synchronous
+steps), fp8_offline. Each is
 timed and guarded; a failure is recorded, not fatal. The services section needs pyzmq, redis and the
 gRPC health/reflection wheels on the device: carry `.whl` (see the device notes) and install first.
 """
@@ -233,7 +234,8 @@ def transformers_offline(model_dir: Path, num_prompts: int, in_len: int, out_len
             "seconds": round(dt, 2), "output_tok_s": round(n_out / dt, 1)}
 
 
-def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_dir: Path, max_running: int = 384) -> dict:
+def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_dir: Path, max_running: int = 384,
+             kv_transport: str = "zmq") -> dict:
     """The offline workload through gateway + prefill + decode processes on the one GPU (ZMQ KV
     transfer through host memory), against the offline engine on the same prompts in this run.
     Each part runs in its own process, as `tandem up` starts them; this process is the client.
@@ -245,7 +247,8 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_d
     from tandem.launcher import free_port, healthy
 
     ctx = in_len + out_len + 16
-    common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache"]
+    common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache",
+              "--kv-transport", kv_transport]
     log_dir.mkdir(parents=True, exist_ok=True)
     p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "4096", "--max-running", "64",
                                        "--max-batched-tokens", "8192"]),
@@ -291,7 +294,7 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_d
             gateway.kill()
         stop_workers([p, d])
     return {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
-            "output_tok_s": round(n / dt, 1), "gateway": "own process"}
+            "output_tok_s": round(n / dt, 1), "gateway": "own process", "kv_transport": kv_transport}
 
 
 def main() -> int:
@@ -348,6 +351,9 @@ def main() -> int:
         section("ours_on_hf_subset", lambda: offline(model_dir, a.hf_prompts, a.in_len, a.hf_out_len))
         section("services", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len,
                                              Path(a.log_dir) if a.log_dir else tmp / "svc-workers"))
+        section("services_cuda_ipc", lambda: services(model_dir, a.services_prompts, a.in_len, a.out_len,
+                                                      (Path(a.log_dir) if a.log_dir else tmp) / "svc-ipc",
+                                                      kv_transport="cuda_ipc"))
         section("offline_services_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len))
         section("offline_sync_subset", lambda: offline(model_dir, a.services_prompts, a.in_len, a.out_len, overlap=False))
         section("fp8_offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, kv="fp8", budget_s=a.offline_budget_s))
@@ -365,6 +371,8 @@ def main() -> int:
     svc = res.get("services", {}).get("output_tok_s")
     off = res.get("offline_services_subset", {}).get("output_tok_s")
     summary["services_vs_offline"] = round(svc / off, 2) if svc and off else None
+    ipc = res.get("services_cuda_ipc", {}).get("output_tok_s")
+    summary["services_cuda_ipc_vs_offline"] = round(ipc / off, 2) if ipc and off else None
     sync = res.get("offline_sync_subset", {}).get("output_tok_s")
     summary["overlap_speedup"] = round(off / sync, 3) if off and sync else None  # same prompts, same run
     res.update(summary)
