@@ -20,7 +20,8 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Modules built inside get `dtype` parameters (torch's default float dtype, restored after)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -41,7 +42,7 @@ def load_model(
     `dummy_draw_device` (default `device`; see init_dummy_weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = CausalLM(config)
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     if load_format == "dummy":

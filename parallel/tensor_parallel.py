@@ -26,7 +26,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model import CausalLM
 from engine.rope import build_cos_sin_cache
-from engine.weights import LOAD_FORMATS, Placement, _default_dtype, stream_checkpoint
+from engine.weights import LOAD_FORMATS, Placement, default_dtype, stream_checkpoint
 from parallel.comm import TPGroup
 from parallel.layers import (
     ColumnParallelLinear,
@@ -145,7 +145,7 @@ def load_tensor_parallel_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), default_dtype(dtype):
         model = CausalLM(config)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     apply_tensor_parallel(model, tp.rank, tp.world_size, tp.group)
