@@ -77,7 +77,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         if not wire.is_int(max_pool_bytes) or max_pool_bytes <= 0:
             raise ValueError(f"max_pool_bytes: must be a positive integer, got {max_pool_bytes!r}")
         self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
         caches = getattr(sink, "k_caches", None)
         try:
             self.device = torch.device(device) if device is not None else (
@@ -85,7 +85,6 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         except (RuntimeError, TypeError):
             raise ValueError(f"device: not a torch device: {device!r}") from None
         self.max_pool_bytes = max_pool_bytes
-        self._on_complete = on_complete
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
@@ -358,42 +357,6 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         self.channels_refused += 1
         logger.warning("kv ipc: refusing channel %r: %s", identity, error)
         self._reply(identity, wire.REFUSE, {"error": error})
-
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            late = [t for t in self._pending.values() if now >= t.deadline]
-        for transfer in late:
-            with transfer.lock:
-                result = None if transfer.done else transfer.expire(now)
-                if result is not None:
-                    result = self._retire(transfer, result)
-            if result is not None:
-                self._deliver(result)
-
-    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
-        """Drop a finished transfer from the pending set; None if it was cancelled meanwhile."""
-        with self._lock:
-            if self._pending.get(transfer.request_id) is not transfer:
-                return None
-            del self._pending[transfer.request_id]
-        if result.ok:
-            self.transfers_ok += 1
-            self.transfer_seconds += result.seconds
-        else:
-            self.transfers_failed += 1
-            self.checksum_failures += transfer.checksum_failed
-        return result
-
-    def _deliver(self, result: TransferResult) -> None:
-        if self._on_complete is not None:
-            try:
-                self._on_complete(result)
-            except Exception:
-                logger.exception("kv on_complete callback failed for %s", result.request_id)
-            return
-        with self._results_cond:
-            self._results.append(result)
-            self._results_cond.notify_all()
 
 
 def device_layer_error(transfer: IncomingTransfer, header: FrameHeader) -> str | None:

@@ -68,7 +68,7 @@ class NcclReceiver(PendingTransfers, KVReceiver):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
         self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
         caches = getattr(sink, "k_caches", None)
         want = torch.device(device) if device is not None else (caches[0].device if caches else torch.device("cpu"))
         self.backend = ng.check_backend(backend or ("nccl" if want.type == "cuda" else "gloo"))
@@ -80,7 +80,6 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         if isinstance(max_inflight_layers, bool) or not isinstance(max_inflight_layers, int) or max_inflight_layers < 1:
             raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
         self.max_inflight_layers = max_inflight_layers
-        self._on_complete = on_complete
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
@@ -220,19 +219,6 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         if channel.broken:
             self._count(channels_broken=1)
 
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            late = [t for t in self._pending.values() if now >= t.deadline]
-        for transfer in late:
-            with transfer.lock:
-                result = None if transfer.done else transfer.expire(now)
-                if result is not None:
-                    result = self._retire(transfer, result)
-            if result is not None:
-                self._deliver(result)
-
-    # -- channel threads: payloads, checks, writes ----------------------------------------------
-
     def _apply(self, header: FrameHeader, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Hand a complete message to its transfer; count it dropped when nobody expects it."""
         with self._lock:
@@ -294,27 +280,11 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         transfer.bytes_received += k.numel() + v.numel()
         return None
 
-    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
-        with self._lock:
-            if self._pending.get(transfer.request_id) is not transfer:
-                return None
-            del self._pending[transfer.request_id]
+    def _tally(self, transfer: IncomingTransfer, result: TransferResult) -> None:
         if result.ok:
             self._count(transfers_ok=1, transfer_seconds=result.seconds)
         else:
             self._count(transfers_failed=1)
-        return result
-
-    def _deliver(self, result: TransferResult) -> None:
-        if self._on_complete is not None:
-            try:
-                self._on_complete(result)
-            except Exception:
-                logger.exception("kv on_complete callback failed for %s", result.request_id)
-            return
-        with self._results_cond:
-            self._results.append(result)
-            self._results_cond.notify_all()
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:

@@ -1,24 +1,30 @@
 """The receiver-side bookkeeping every transport shares: expected transfers, cancel, results.
 
-A receiver class mixes this in, calls `_init_pending(block_shape, dtype)` in its constructor and
-appends finished `TransferResult`s through `_publish_result`; its own thread does the I/O.
+A receiver class mixes this in, calls `_init_pending(block_shape, dtype, on_complete)` in its
+constructor, hands each finished transfer to `_retire` then `_deliver`, and calls `_expire`
+periodically; its own thread does the I/O. `_tally` counts a retired transfer in the
+receiver's stats (transfers_ok, transfer_seconds, transfers_failed, checksum_failures).
 """
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 from collections.abc import Sequence
 
 from kvtransfer.assembly import IncomingTransfer
-from kvtransfer.base import KVTransferError, TransferResult
+from kvtransfer.base import KVTransferError, OnComplete, TransferResult
 from kvtransfer.outgoing import check_request_id
+
+logger = logging.getLogger(__name__)
 
 
 class PendingTransfers:
     """`expect`, `cancel` and `poll_completed` of the KVReceiver contract (kvtransfer/base.py)."""
 
-    def _init_pending(self, block_shape: tuple[int, ...], dtype: str) -> None:
+    def _init_pending(self, block_shape: tuple[int, ...], dtype: str, on_complete: OnComplete | None) -> None:
+        self._on_complete = on_complete
         self._block_shape = tuple(block_shape)
         self._dtype = dtype
         self._lock = threading.Lock()
@@ -63,3 +69,44 @@ class PendingTransfers:
             out = list(self._results)
             self._results.clear()
         return out
+
+    def _expire(self, now: float) -> None:
+        """Fail every transfer whose deadline passed."""
+        with self._lock:
+            late = [t for t in self._pending.values() if now >= t.deadline]
+        for transfer in late:
+            with transfer.lock:
+                result = None if transfer.done else transfer.expire(now)
+                if result is not None:
+                    result = self._retire(transfer, result)
+            if result is not None:
+                self._deliver(result)
+
+    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
+        """Drop a finished transfer from the pending set; None if it was cancelled meanwhile."""
+        with self._lock:
+            if self._pending.get(transfer.request_id) is not transfer:
+                return None
+            del self._pending[transfer.request_id]
+        self._tally(transfer, result)
+        return result
+
+    def _tally(self, transfer: IncomingTransfer, result: TransferResult) -> None:
+        if result.ok:
+            self.transfers_ok += 1
+            self.transfer_seconds += result.seconds
+        else:
+            self.transfers_failed += 1
+            self.checksum_failures += transfer.checksum_failed
+
+    def _deliver(self, result: TransferResult) -> None:
+        """To the on_complete callback, or to `poll_completed`."""
+        if self._on_complete is not None:
+            try:
+                self._on_complete(result)
+            except Exception:
+                logger.exception("kv on_complete callback failed for %s", result.request_id)
+            return
+        with self._results_cond:
+            self._results.append(result)
+            self._results_cond.notify_all()

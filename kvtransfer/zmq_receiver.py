@@ -12,7 +12,6 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
 from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
 from kvtransfer.pending import PendingTransfers
@@ -56,8 +55,7 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
         self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)))
-        self._on_complete = on_complete
+        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
@@ -173,39 +171,3 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
                 result = self._retire(transfer, result)
         if result is not None:
             self._deliver(result)
-
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            late = [t for t in self._pending.values() if now >= t.deadline]
-        for transfer in late:
-            with transfer.lock:
-                result = None if transfer.done else transfer.expire(now)
-                if result is not None:
-                    result = self._retire(transfer, result)
-            if result is not None:
-                self._deliver(result)
-
-    def _retire(self, transfer: IncomingTransfer, result: TransferResult) -> TransferResult | None:
-        """Drop a finished transfer from the pending set; None if it was cancelled meanwhile."""
-        with self._lock:
-            if self._pending.get(transfer.request_id) is not transfer:
-                return None
-            del self._pending[transfer.request_id]
-        if result.ok:
-            self.transfers_ok += 1
-            self.transfer_seconds += result.seconds
-        else:
-            self.transfers_failed += 1
-            self.checksum_failures += transfer.checksum_failed
-        return result
-
-    def _deliver(self, result: TransferResult) -> None:
-        if self._on_complete is not None:
-            try:
-                self._on_complete(result)
-            except Exception:
-                logger.exception("kv on_complete callback failed for %s", result.request_id)
-            return
-        with self._results_cond:
-            self._results.append(result)
-            self._results_cond.notify_all()
