@@ -32,11 +32,6 @@ logger = logging.getLogger(__name__)
 CORRUPT_ENV = "TANDEM_KV_CORRUPT_ONCE"
 
 
-@dataclass(eq=False)
-class Transfer(Outgoing):
-    channel: Any = None  # the Channel it travels on (a broken one is replaced for new opens)
-
-
 @dataclass
 class LayerItem(Item):
     lease: Lease | None = None  # None for a layer without blocks
@@ -271,7 +266,7 @@ class Channel:
         state.bytes_sent += 2 * payload
         s._count(bytes_sent=2 * payload, send_seconds=time.perf_counter() - t0)
 
-    def _send_header(self, sock: zmq.Socket, state: Transfer, header: FrameHeader, *extra: bytes) -> bool:
+    def _send_header(self, sock: zmq.Socket, state: Outgoing, header: FrameHeader, *extra: bytes) -> bool:
         if not self._send(sock, [wire.FRAME, header.encode(), *extra]):
             state.error = state.error or self.stopped()
             return False

@@ -6,24 +6,22 @@ See `kvtransfer.ipc_transport` for the protocol, `kvtransfer.ipc_wire` for the m
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import zmq
 
 from kvtransfer import ipc_wire as wire
-from kvtransfer.base import KVSender, KVTransferError, SendResult
-from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_ABORT, KIND_COMMIT, KIND_LAYER, check_checksum_algorithm
+from kvtransfer.base import KVSender, KVTransferError
+from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_LAYER, check_checksum_algorithm
 from kvtransfer.ipc_pool import MAX_SLOTS
-from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem, Transfer
-from kvtransfer.outgoing import Item, check_open_args
+from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem
+from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers, check_open_args
 from kvtransfer.staging import PairPool
 
 logger = logging.getLogger(__name__)
@@ -33,7 +31,7 @@ __all__ = ["CORRUPT_ENV", "IpcSender"]
 _SCHEMES = ("tcp://", "ipc://")
 
 
-class IpcSender(KVSender):
+class IpcSender(OutgoingTransfers, KVSender):
     """Prefill-side ipc transport (contract: `KVSender`); thread-safe across requests.
 
     send_timeout_s: bound on every wait (a header send, a free run of slots).
@@ -75,7 +73,7 @@ class IpcSender(KVSender):
         self._id = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
         self._lock = threading.Lock()
-        self._requests: dict[str, Transfer] = {}
+        self._requests: dict[str, Outgoing] = {}
         self._channels: dict[str, Channel] = {}
         self._retired: list[Channel] = []
         self._stage_pair = PairPool()
@@ -99,18 +97,7 @@ class IpcSender(KVSender):
                     self._retired.append(channel)
                 channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
                 self._channels[peer_address] = channel
-            self._requests[request_id] = Transfer(request_id, peer_address, num_layers, channel=channel)
-
-    def _state(self, request_id: str) -> Transfer:
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("sender is closed")
-            state = self._requests.get(request_id)
-        if state is None:
-            raise ValueError(f"request_id: no open transfer {request_id!r}")
-        if state.error is not None:
-            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
-        return state
+            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
 
     def send_layer(
         self, request_id: str, layer: int, src_k: Any, src_v: Any,
@@ -140,40 +127,6 @@ class IpcSender(KVSender):
         state.layers.add(layer)
         channel.put(LayerItem(state, KIND_LAYER, layer=layer, src=src, dst=dst, lease=lease, dtype=dtype,
                                shape=(len(src), *block_shape)))
-
-    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
-        state = self._state(request_id)
-        if len(state.layers) != state.num_layers:
-            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
-        if not isinstance(meta, dict):
-            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
-        try:
-            json.dumps(meta)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
-        with self._lock:
-            self._requests.pop(request_id, None)
-        state.channel.put(Item(state, KIND_COMMIT, meta=meta))
-        return state.future
-
-    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
-        with self._lock:
-            state = None if self._closed else self._requests.pop(request_id, None)
-        if state is None:
-            return False
-        state.aborted = True  # the channel thread skips (and frees) this request's queued layers
-        state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
-        return True
-
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def _take_corruption(self) -> bool:
-        with self._stats_lock:
-            pending, self._corrupt_pending = self._corrupt_pending, False
-        return pending
 
     def stats(self) -> dict[str, float]:
         channels = [*self._channels.values(), *self._retired]

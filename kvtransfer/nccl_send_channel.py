@@ -27,11 +27,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Transfer(Outgoing):
-    channel: Any = None  # the Channel this transfer travels on (a broken one is replaced for new opens)
-
-
 @dataclass
 class _Staged:
     """One layer's gathered blocks. CUDA sources stay on the device; `ready` marks the gather."""
@@ -48,7 +43,7 @@ class _Staged:
 class _InFlight:
     """A layer whose payload sends are posted but not yet known to be complete."""
 
-    state: Transfer
+    state: Outgoing
     staged: _Staged
     layer: int
     works: list[Any]
@@ -244,7 +239,7 @@ class Channel:
         target = self._sender.device if self.backend == "nccl" else torch.device("cpu")
         return t if t.device == target else t.to(target)
 
-    def _send_header(self, sock: zmq.Socket, state: Transfer, header: FrameHeader) -> bool:
+    def _send_header(self, sock: zmq.Socket, state: Outgoing, header: FrameHeader) -> bool:
         error = send_parts(sock, [ng.FRAME, header.encode()])
         if error is not None:
             state.error = f"send to {self.peer} {error}"

@@ -7,23 +7,21 @@ See `kvtransfer.nccl_transport` for the protocol and how ranks are assigned.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
 import zmq
 
 from kvtransfer import nccl_group as ng
-from kvtransfer.base import KVSender, KVTransferError, SendResult
-from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER
-from kvtransfer.nccl_send_channel import Channel, Transfer, stage
-from kvtransfer.outgoing import Item, check_open_args
+from kvtransfer.base import KVSender, KVTransferError
+from kvtransfer.frames import KIND_LAYER
+from kvtransfer.nccl_send_channel import Channel, stage
+from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers, check_open_args
 from kvtransfer.staging import PairPool
 
 logger = logging.getLogger(__name__)
@@ -31,7 +29,7 @@ logger = logging.getLogger(__name__)
 _SCHEMES = ("tcp://", "ipc://")
 
 
-class NcclSender(KVSender):
+class NcclSender(OutgoingTransfers, KVSender):
     """Prefill-side NCCL transport (contract: `KVSender`); thread-safe across requests.
 
     send_timeout_s: bound on every wait (handshake, a header send, a payload, backpressure).
@@ -76,7 +74,7 @@ class NcclSender(KVSender):
         self._id = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
         self._lock = threading.Lock()
-        self._requests: dict[str, Transfer] = {}
+        self._requests: dict[str, Outgoing] = {}
         self._channels: dict[str, Channel] = {}
         self._retired: list[Channel] = []
         self._staged_cond = threading.Condition()
@@ -102,18 +100,7 @@ class NcclSender(KVSender):
                     self._retired.append(channel)
                 channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
                 self._channels[peer_address] = channel
-            self._requests[request_id] = Transfer(request_id, peer_address, num_layers, channel=channel)
-
-    def _state(self, request_id: str) -> Transfer:
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("sender is closed")
-            state = self._requests.get(request_id)
-        if state is None:
-            raise ValueError(f"request_id: no open transfer {request_id!r}")
-        if state.error is not None:
-            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
-        return state
+            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
 
     def send_layer(
         self, request_id: str, layer: int, src_k: Any, src_v: Any,
@@ -129,50 +116,6 @@ class NcclSender(KVSender):
             raise
         state.layers.add(layer)
         state.channel.put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
-
-    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
-        state = self._state(request_id)
-        if len(state.layers) != state.num_layers:
-            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
-        if not isinstance(meta, dict):
-            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
-        try:
-            json.dumps(meta)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
-        with self._lock:
-            self._requests.pop(request_id, None)
-        state.channel.put(Item(state, KIND_COMMIT, meta=meta))
-        return state.future
-
-    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
-        with self._lock:
-            state = None if self._closed else self._requests.pop(request_id, None)
-        if state is None:
-            return False
-        state.aborted = True  # the channel thread skips this request's queued layers
-        state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
-        return True
-
-    def _reserve(self, nbytes: int) -> None:
-        with self._staged_cond:
-            ok = self._staged_cond.wait_for(
-                lambda: self.staged_bytes == 0 or self.staged_bytes + nbytes <= self.max_staged_bytes,
-                timeout=self.send_timeout_s,
-            )
-            if not ok:
-                raise KVTransferError(f"send queue full: {self.staged_bytes} bytes staged for {self.send_timeout_s:g}s")
-            self.staged_bytes += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        with self._staged_cond:
-            self.staged_bytes -= nbytes
-            self._staged_cond.notify_all()
-
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
 
     def stats(self) -> dict[str, float]:
         return {

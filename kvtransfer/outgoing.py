@@ -1,12 +1,16 @@
-"""Sender-side pieces every KV transport shares: argument checks and one transfer's state."""
+"""Sender-side pieces every KV transport shares: argument checks, one transfer's state, and the
+caller-side calls of `KVSender` (`OutgoingTransfers`)."""
 from __future__ import annotations
 
+import json
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.base import SendResult
+from kvtransfer.base import KVTransferError, SendResult
+from kvtransfer.frames import KIND_ABORT, KIND_COMMIT
 from kvtransfer.staging import StagedLayer, check_cache_pair
 
 
@@ -50,6 +54,7 @@ class Outgoing:
     bytes_sent: int = 0
     error: str | None = None
     aborted: bool = False
+    channel: Any = None  # what carries it: put(Item) queues work for the transport's own thread
 
     def check_layer(self, layer: Any, src_k: Any, src_v: Any, src_block_ids: Any,
                     dst_block_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -89,3 +94,81 @@ class Item:
     dst: tuple[int, ...] = ()
     meta: dict[str, Any] | None = None
     reason: str = ""
+
+
+class OutgoingTransfers:
+    """The caller-side calls every sender shares: looking up an open transfer, `commit`,
+    `abort`, the staging budget (`_reserve` / `_release`), the stats counters and the
+    corruption test hook.
+
+    A sender sets `_lock`, `_closed`, `_requests` (request id -> Outgoing with its `channel`)
+    and `_stats_lock`; one that stages copies also `_staged_cond`, `staged_bytes`,
+    `max_staged_bytes` and `send_timeout_s`; one with the test hook `_corrupt_pending`.
+    """
+
+    _lock: threading.Lock
+    _closed: bool
+    _requests: dict[str, Outgoing]
+    _stats_lock: threading.Lock
+
+    def _state(self, request_id: str) -> Any:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"request_id: no open transfer {request_id!r}")
+        if state.error is not None:
+            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
+        return state
+
+    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
+        state = self._state(request_id)
+        if len(state.layers) != state.num_layers:
+            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
+        with self._lock:
+            self._requests.pop(request_id, None)
+        state.channel.put(Item(state, KIND_COMMIT, meta=meta))
+        return state.future
+
+    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
+        with self._lock:
+            state = None if self._closed else self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        state.aborted = True  # the channel thread skips (and frees) this request's queued layers
+        state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
+        return True
+
+    def _reserve(self, nbytes: int) -> None:
+        """Wait until `nbytes` more staged bytes fit the budget (one layer always fits)."""
+        with self._staged_cond:
+            ok = self._staged_cond.wait_for(
+                lambda: self.staged_bytes == 0 or self.staged_bytes + nbytes <= self.max_staged_bytes,
+                timeout=self.send_timeout_s,
+            )
+            if not ok:
+                raise KVTransferError(f"send queue full: {self.staged_bytes} bytes staged for {self.send_timeout_s:g}s")
+            self.staged_bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._staged_cond:
+            self.staged_bytes -= nbytes
+            self._staged_cond.notify_all()
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:  # the channel threads update the same counters
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def _take_corruption(self) -> bool:
+        """True once, for the first layer sent after the corruption hook was armed."""
+        with self._stats_lock:
+            pending, self._corrupt_pending = self._corrupt_pending, False
+        return pending

@@ -5,13 +5,11 @@ See `kvtransfer.zmq_transport` for the socket pattern and the test hook.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -26,7 +24,7 @@ from kvtransfer.frames import (
     check_checksum_algorithm,
     checksum,
 )
-from kvtransfer.outgoing import Item, Outgoing, check_open_args
+from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers, check_open_args
 from kvtransfer.staging import PairPool, StagedLayer, stage_layer
 
 logger = logging.getLogger(__name__)
@@ -83,7 +81,7 @@ class _PeerChannel:
             self.pool.close()
 
 
-class ZmqSender(KVSender):
+class ZmqSender(OutgoingTransfers, KVSender):
     """Prefill-side ZMQ transport (contract: `KVSender`).
 
     Thread-safe across requests; the calls for one request come from one thread.
@@ -142,20 +140,10 @@ class ZmqSender(KVSender):
                 raise KVTransferError("sender is closed")
             if request_id in self._requests:
                 raise ValueError(f"request_id: transfer {request_id!r} is already open")
-            if peer_address not in self._channels:
-                self._channels[peer_address] = _PeerChannel(self, peer_address)
-            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers)
-
-    def _state(self, request_id: str) -> Outgoing:
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("sender is closed")
-            state = self._requests.get(request_id)
-        if state is None:
-            raise ValueError(f"request_id: no open transfer {request_id!r}")
-        if state.error is not None:
-            raise KVTransferError(f"request {request_id}: transfer failed: {state.error}")
-        return state
+            channel = self._channels.get(peer_address)
+            if channel is None:
+                channel = self._channels[peer_address] = _PeerChannel(self, peer_address)
+            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
 
     def send_layer(
         self,
@@ -175,48 +163,7 @@ class ZmqSender(KVSender):
             self._release(nbytes)
             raise
         state.layers.add(layer)
-        self._channels[state.peer].put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
-
-    def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
-        state = self._state(request_id)
-        if len(state.layers) != state.num_layers:
-            raise ValueError(f"request_id: {request_id!r} sent {len(state.layers)} of {state.num_layers} layers")
-        if not isinstance(meta, dict):
-            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
-        try:
-            json.dumps(meta)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta: not JSON-serializable ({exc})") from None
-        with self._lock:
-            self._requests.pop(request_id, None)
-        self._channels[state.peer].put(Item(state, KIND_COMMIT, meta=meta))
-        return state.future
-
-    def abort(self, request_id: str, reason: str = "aborted by sender") -> bool:
-        with self._lock:
-            state = None if self._closed else self._requests.pop(request_id, None)
-        if state is None:
-            return False
-        state.aborted = True  # the peer thread skips this request's queued layers
-        self._channels[state.peer].put(Item(state, KIND_ABORT, reason=str(reason)))
-        return True
-
-    def _reserve(self, nbytes: int) -> None:
-        with self._staged_cond:
-            ok = self._staged_cond.wait_for(
-                lambda: self.staged_bytes == 0 or self.staged_bytes + nbytes <= self.max_staged_bytes,
-                timeout=self.send_timeout_s,
-            )
-            if not ok:
-                raise KVTransferError(
-                    f"send queue full: {self.staged_bytes} bytes staged for {self.send_timeout_s:g}s"
-                )
-            self.staged_bytes += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        with self._staged_cond:
-            self.staged_bytes -= nbytes
-            self._staged_cond.notify_all()
+        state.channel.put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
 
     # -- peer threads ---------------------------------------------------------------------------
 
@@ -281,16 +228,6 @@ class ZmqSender(KVSender):
         state.seq += 1
         state.bytes_sent += nbytes
         self._count(bytes_sent=nbytes, frames_sent=1, send_seconds=time.perf_counter() - t0)
-
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:  # several peer threads update the same counters
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def _take_corruption(self) -> bool:
-        with self._stats_lock:
-            pending, self._corrupt_pending = self._corrupt_pending, False
-        return pending
 
     def stats(self) -> dict[str, float]:
         return {
