@@ -267,9 +267,48 @@ def speed(s: Shapes, ceil: dict) -> dict:
     return out
 
 
-def sweep(s: Shapes) -> dict:
-    """Time the attention kernels over alternative configurations (their module constants)."""
+def decode_sweep() -> dict:
+    """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
+    context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
+    [cache, batch, ctx, block_n, stages, warps, swap, opaque_cvt, min_partition, resident, GB/s,
+    max error vs reference]."""
     from kernels import decode_attention as da
+
+    rows: list[list] = []
+    fp8 = torch.float8_e4m3fn
+    grid = list(itertools.product((64, 128), (2, 3), (4,), (False, True), ("", "v", "kv")))
+    grid += [(64, 2, 8, False, "v"), (128, 2, 8, False, "v"), (32, 2, 4, False, "v"), (64, 4, 4, False, "v")]
+    for (batch, ctx) in ((64, 4096), (384, 1024), (1, 1024)):
+        s = Shapes(decode_batch=batch, decode_ctx=ctx)
+        for cache in (torch.bfloat16, fp8):
+            kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda")
+            q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
+            moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
+            check = min(batch, 4)
+            want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
+            tunings = [da.DecodeTuning(bn, st, w, 128, 4, swap, opaque)
+                       for bn, st, w, swap, opaque in grid if cache == fp8 or not opaque]
+            if batch == 1:
+                base = da.default_tuning(cache)
+                tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
+                                            mp, r, base.swap, base.opaque_cvt)
+                            for mp, r in ((64, 4), (32, 4), (64, 8))]
+            for t in tunings:
+                def fn(t=t):
+                    return da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, 0.5, 1.5, tuning=t)
+                try:
+                    err = max_err(fn()[:check], want)
+                    gbps = round(moved / bench_ms(fn, reps=30) / 1e6)
+                except Exception as exc:  # a configuration that does not compile or fit
+                    err, gbps = None, repr(exc)[:80]
+                rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps, t.swap,
+                             t.opaque_cvt, t.min_partition, t.resident, gbps, err])
+            del kc, vc
+    return {"rows [cache, batch, ctx, block_n, stages, warps, swap, opaque_cvt, min_partition, resident, GB/s, err]": rows}
+
+
+def sweep(s: Shapes) -> dict:
+    """Time the attention kernels over alternative configurations."""
     from kernels import extend_attention as ea
 
     def run(fn, amount: float) -> float | str:
@@ -278,29 +317,21 @@ def sweep(s: Shapes) -> dict:
         except Exception as exc:  # a configuration that does not compile or fit
             return repr(exc)[:80]
 
-    found: dict[str, list] = {"decode_bf16 [batch, block_n, stages, resident, splits, GB/s]": [],
-                              "decode_fp8 [f16, block_n, stages, GB/s]": [],
-                              "extend [block_m, block_n, warps, stages, TFLOP/s]": []}
-    saved = (da.BLOCK_N, da.NUM_STAGES, da.RESIDENT, da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES)
-    for batch in (8, 64):
-        fn, moved = decode_case(Shapes(decode_batch=batch), torch.bfloat16)
-        for (bn, stages), resident in itertools.product(((64, 3), (64, 2), (128, 2)), (2, 4, 8)):
-            da.BLOCK_N, da.NUM_STAGES, da.RESIDENT = bn, stages, resident
-            splits = da.choose_splits(batch, s.hk, s.decode_ctx, 132)[0]
-            found["decode_bf16 [batch, block_n, stages, resident, splits, GB/s]"].append(
-                [batch, bn, stages, resident, splits, run(fn, moved)])
-    da.BLOCK_N, da.NUM_STAGES, da.RESIDENT = saved[:3]
-    fn, moved = decode_case(s, torch.float8_e4m3fn)
-    for f16, (bn, stages) in itertools.product((True, False), ((64, 1), (64, 2), (64, 3), (128, 1), (128, 2))):
-        da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES = f16, bn, stages
-        found["decode_fp8 [f16, block_n, stages, GB/s]"].append([f16, bn, stages, run(fn, moved)])
-    da.FP8_F16, da.FP8_BLOCK_N, da.FP8_NUM_STAGES = saved[3:]
+    found: dict[str, list] = {"extend [block_m, block_n, warps, stages, TFLOP/s]": [],
+                              "extend_fp8 [opaque_cvt, TFLOP/s]": []}
     saved = (ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES)
     fn, flops = extend_case(s, s.tokens, 0)
     for cfg in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)):
         ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = cfg
         found["extend [block_m, block_n, warps, stages, TFLOP/s]"].append([*cfg, run(fn, flops / 1e3)])
     ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = saved
+    saved_cvt = ea.FP8_OPAQUE_CVT
+    fn, flops = extend_case(s, s.tokens, 0, torch.float8_e4m3fn)
+    for cvt in ("", "v", "kv"):
+        ea.FP8_OPAQUE_CVT = cvt
+        found["extend_fp8 [opaque_cvt, TFLOP/s]"].append([cvt, run(fn, flops / 1e3)])
+    ea.FP8_OPAQUE_CVT = saved_cvt
+    found["decode"] = decode_sweep()
     return found
 
 
@@ -308,6 +339,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
+    ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     args = ap.parse_args()
     if args.cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -318,6 +350,9 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
+        if args.decode_sweep:
+            print(json.dumps(decode_sweep()))
+            return 0
         s = Shapes()
         result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),
                   "correctness": correctness(s, "cuda")}

@@ -11,24 +11,58 @@ Semantics match kernels.reference.paged_decode_attention; a context_len of 0 giv
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot, next_pow2, num_sms, upcast_dots
+from kernels.triton_common import dot, interpreting, next_pow2, num_sms, upcast_dots, widen
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # KV tokens per iteration: 4 blocks of 16
 NUM_WARPS = 4
-NUM_STAGES = 2
-MIN_PARTITION = 128  # fewest KV tokens a split is given
 MAX_SPLITS = 64
-RESIDENT = 4  # stage-1 programs an SM holds at once (registers bound it at this tile size)
-# FP8 caches: the tile config, and whether the dots run in fp16 rather than q's dtype
-# (e4m3 -> fp16 is one instruction per pair; q is clamped to the fp16 range first).
-FP8_BLOCK_N = 128
-FP8_NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """How stage 1 is launched and shaped; every choice keeps the kernel's semantics.
+
+    block_n: KV tokens per loop iteration.   min_partition: fewest KV tokens a split is given.
+    resident: stage-1 programs per SM that the split count aims to fill.
+    swap: compute scores as K @ q^T and the output as V^T @ p^T (the KV tile is the MMA's wide
+      side, so a 4-head group does not pad to 16 rows; the tiles need no transpose).
+    opaque_cvt: which FP8 tiles ("", "v" or "kv") are widened to fp16 where they are loaded, by
+      inline PTX the compiler keeps in place (see e4m3_to_f16_opaque); the interpreter, which runs
+      no PTX, widens them with a plain cast.
+    """
+
+    block_n: int = 64
+    num_stages: int = 2
+    num_warps: int = NUM_WARPS
+    min_partition: int = 128
+    resident: int = 4
+    swap: bool = False
+    opaque_cvt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.opaque_cvt not in ("", "v", "kv"):
+            raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
+
+
+# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2): at batch 1
+# shorter splits fill more SMs; FP8 caches run at 0.69-0.74 of copy bandwidth with V widened
+# where it is loaded (0.51-0.54 with the compiler's own placement of the cast).
+BF16_TUNING = DecodeTuning(min_partition=64)
+FP8_TUNING = DecodeTuning(block_n=64, num_stages=2, opaque_cvt="v")
+# FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
+# clamped to the fp16 range first).
 FP8_F16 = True
+
+
+@triton.jit
+def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
+    return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
 @triton.jit
@@ -39,7 +73,7 @@ def _decode_stage1(
     qk_scale, v_scale, partition,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr, SWAP: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -53,43 +87,66 @@ def _decode_stage1(
         d = tl.arange(0, D_PAD)
         h_mask = h < GROUP
         d_mask = d < D
-        q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        if SWAP:  # q^T [D_PAD, BLOCK_H]
+            q_offs = b * q_s0 + heads[None, :] * q_s1 + d[:, None]
+            q_mask = h_mask[None, :] & d_mask[:, None]
+        else:  # q [BLOCK_H, D_PAD]
+            q_offs = b * q_s0 + heads[:, None] * q_s1 + d[None, :]
+            q_mask = h_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
         if F16:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+        if SWAP:
+            acc = tl.zeros([D_PAD, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
             blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot_off = offs % BLOCK_SIZE
-            if D == D_PAD:
-                kv_mask = n_mask[:, None]
+            k_rows = blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2
+            v_rows = blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2
+            if SWAP:
+                kv_mask = n_mask[:, None] & d_mask[None, :]
+                k = _load_kv(k_cache_ptr, k_rows[:, None] + d[None, :], q.dtype, OPAQUE_K, kv_mask)
+                s = dot(k, q, PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_H]
+                s = tl.where(n_mask[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                vt = tl.trans(_load_kv(v_cache_ptr, v_rows[:, None] + d[None, :], q.dtype, OPAQUE_V, kv_mask))
+                acc = acc * alpha[None, :] + dot(vt, p.to(q.dtype), PRECISION, UPCAST)
             else:
                 kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
-            s = dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+                k = _load_kv(k_cache_ptr, k_rows[:, None] + d[None, :], q.dtype, OPAQUE_K, kv_mask)
+                s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
+                s = tl.where(n_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = _load_kv(v_cache_ptr, v_rows[:, None] + d[None, :], q.dtype, OPAQUE_V, kv_mask)
+                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
             m_i = m_new
         has = l_i > 0.0
-        out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
-        o_mask = h_mask[:, None] & d_mask[None, :]
-        if DIRECT:
-            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        inv = v_scale / tl.where(has, l_i, 1.0)
+        if SWAP:
+            out = acc * inv[None, :]
+            out_offs = heads[None, :] * o_s1 + d[:, None]
+            o_mask = h_mask[None, :] & d_mask[:, None]
         else:
-            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + split * o_s2 + d[None, :], out, mask=o_mask)
+            out = acc * inv[:, None]
+            out_offs = heads[:, None] * o_s1 + d[None, :]
+            o_mask = h_mask[:, None] & d_mask[None, :]
+        if DIRECT:
+            tl.store(o_ptr + b * o_s0 + out_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptr + b * o_s0 + split * o_s2 + out_offs, out, mask=o_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
 
@@ -118,17 +175,19 @@ def _decode_stage2(
     tl.store(out_ptr + b * out_s0 + head * out_s1 + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int) -> tuple[int, int]:
+def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
+                  tuning: DecodeTuning = BF16_TUNING) -> tuple[int, int]:
     """(num_splits, partition tokens) for a launch; depends on shapes only.
 
     Splits only until (sequence, KV head, split) programs fill one round of resident programs
-    (RESIDENT per SM): more, shorter programs cost more than they balance. Each split gets at
-    least MIN_PARTITION tokens, and the partition is a power of two (a multiple of BLOCK_N).
+    (`tuning.resident` per SM): more, shorter programs cost more than they balance. Each split
+    gets at least `tuning.min_partition` tokens, and the partition is a power of two (a multiple
+    of the tile).
     """
     pairs = max(1, batch * num_kv_heads)
-    wanted = max(1, min(MAX_SPLITS, RESIDENT * sms // pairs))
+    wanted = max(1, min(MAX_SPLITS, tuning.resident * sms // pairs))
     partition = triton.cdiv(max(1, max_context), wanted)
-    partition = max(MIN_PARTITION, next_pow2(partition))
+    partition = max(tuning.min_partition, tuning.block_n, next_pow2(partition))
     splits = triton.cdiv(max(1, max_context), partition)
     while splits > MAX_SPLITS:
         partition *= 2
@@ -164,11 +223,20 @@ def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple
     return 1.0, 1.0
 
 
+def default_tuning(cache_dtype: torch.dtype) -> DecodeTuning:
+    return FP8_TUNING if cache_dtype == torch.float8_e4m3fn else BF16_TUNING
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends to its first context_lens[b] cached tokens; returns [B, Hq, D] in q.dtype."""
+    """q [B, Hq, D] attends to its first context_lens[b] cached tokens; returns [B, Hq, D] in q.dtype.
+
+    tuning: the launch shape (None: the default for the cache dtype); results agree across tunings
+    to rounding.
+    """
     group, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
     bsz, hq, dim = q.shape
     hk = k_cache.shape[2]
@@ -179,22 +247,25 @@ def paged_decode_attention(
     out = torch.empty((bsz, hq, dim), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    tuning = tuning or default_tuning(k_cache.dtype)
     max_context = block_tables.shape[1] * block_size
-    splits, partition = choose_splits(bsz, hk, max_context, num_sms(q.device))
+    splits, partition = choose_splits(bsz, hk, max_context, num_sms(q.device), tuning)
     d_pad = max(16, next_pow2(dim))
     block_h = max(16, next_pow2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
-    qk_scale = float(scale) * k_scale * LOG2E
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
-    block_n, stages = (FP8_BLOCK_N, FP8_NUM_STAGES) if fp8 else (BLOCK_N, NUM_STAGES)
+    opaque = tuning.opaque_cvt if fp8 and f16 and not interpreting() else ""
+    kc, vc = k_cache, v_cache
+    qk_scale = float(scale) * k_scale * LOG2E
+    block_n, stages = tuning.block_n, tuning.num_stages
     if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
         block_n, stages = 64, min(stages, 2)
     common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, BLOCK_SIZE=block_size,
                   PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
-                  num_warps=NUM_WARPS, num_stages=stages)
-    kc, vc = k_cache, v_cache
+                  SWAP=tuning.swap, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
+                  num_warps=tuning.num_warps, num_stages=stages)
     if splits == 1:
         _decode_stage1[(bsz, hk, 1)](
             q, kc, vc, block_tables, context_lens, out, out,

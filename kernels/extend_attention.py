@@ -16,13 +16,14 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from kernels.triton_common import dot, next_pow2, upcast_dots
+from kernels.triton_common import dot, interpreting, next_pow2, upcast_dots, widen
 
 BLOCK_M = 128
 BLOCK_N = 128
 NUM_WARPS = 8  # two warpgroups, 64 query rows each, on wgmma
 NUM_STAGES = 3
 FP8_F16 = True  # FP8 caches: dots in fp16 (see decode_attention.FP8_F16)
+FP8_OPAQUE_CVT = "v"  # FP8 tiles widened where loaded ("", "v", "kv"; see decode_attention.DecodeTuning)
 
 
 @triton.jit
@@ -44,7 +45,7 @@ def _attend_tile(
     q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
 ):
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < kv_end
@@ -55,7 +56,7 @@ def _attend_tile(
     slot_off = offs % BLOCK_SIZE
     k = _load_kv(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
-    s = dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
+    s = dot(q, tl.trans(widen(k, q.dtype, OPAQUE_K)), PRECISION, UPCAST) * qk_scale
     if MASKED:
         s = tl.where((offs[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,7 +67,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
-    acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(q.dtype), widen(v, q.dtype, OPAQUE_V), PRECISION, UPCAST)
     return acc, m_new, l_i
 
 
@@ -77,7 +78,7 @@ def _extend_kernel(
     num_seqs, num_tiles, qk_scale, v_scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
 ):
     head = tl.program_id(0)  # heads vary fastest: a GQA group's programs share K/V through L2
     tile = num_tiles - 1 - tl.program_id(1)  # later query tiles see more keys: start them first
@@ -118,11 +119,13 @@ def _extend_kernel(
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION, UPCAST)
+                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION, UPCAST,
+                                         OPAQUE_K, OPAQUE_V)
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION, UPCAST)
+                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION, UPCAST,
+                                         OPAQUE_K, OPAQUE_V)
         out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head * o_s1 + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -152,6 +155,7 @@ def extend_attention(
     k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
+    opaque = FP8_OPAQUE_CVT if f16 and not interpreting() else ""
     d_pad = max(16, next_pow2(dim))
     # Shared memory holds NUM_STAGES K and V tiles: shrink them past 128 x 16-bit per row.
     block_n, stages = (BLOCK_N, NUM_STAGES) if d_pad * q.element_size() <= 256 else (64, 2)
@@ -164,7 +168,7 @@ def extend_attention(
         float(scale) * k_scale * LOG2E, v_scale,
         GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
+        UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
         num_warps=NUM_WARPS, num_stages=stages,
     )
     return out

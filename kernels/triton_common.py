@@ -87,3 +87,27 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
+
+@triton.jit
+def e4m3_to_f16_opaque(x):
+    """e4m3 bytes -> fp16 through inline PTX the compiler may not move (is_pure=False): it converts
+    in the tile's load layout, and the fp16 tile then reaches the MMA operand layout through shared
+    memory with 16-bit (ldmatrix) reads, instead of byte gathers of a transposed FP8 tile."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def widen(x, DTYPE: tl.constexpr, OPAQUE: tl.constexpr):
+    """A loaded K/V tile in the dots' dtype: FP8 through e4m3_to_f16_opaque when OPAQUE (fp16
+    only), otherwise a plain cast."""
+    if OPAQUE:
+        return e4m3_to_f16_opaque(x.to(tl.uint8, bitcast=True))
+    else:
+        return x.to(DTYPE)

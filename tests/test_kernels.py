@@ -170,6 +170,34 @@ def case_decode() -> None:
         close(got[live], want, dtype, what, scale=2.0)
 
 
+def case_decode_tunings() -> None:
+    """Every launch shape of the decode kernel (scores as q @ K^T or K @ q^T, tile sizes, split
+    lengths) gives the reference's result; GQA 4 with partial blocks and an empty context."""
+    from kernels import decode_attention as da, reference as ref
+
+    for cdt, swap, block_n, min_partition in itertools.product(
+            (torch.bfloat16, FP8), (False, True), (16, 64), (16, 64)):
+        b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
+        what = f"decode tuning cache={cdt} swap={swap} block_n={block_n} min_partition={min_partition}"
+        lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, swap=swap,
+                                 opaque_cvt="v" if cdt == FP8 else "")
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+        assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
+        live = ctx > 0
+        want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, 0.5, 1.5)
+        close(got[live], want, torch.bfloat16, what, scale=2.0)
+    try:
+        da.DecodeTuning(opaque_cvt="k")
+    except ValueError as exc:
+        assert "opaque_cvt" in str(exc)
+    else:
+        raise AssertionError("an unknown opaque_cvt must raise ValueError")
+
+
 def case_extend() -> None:
     from kernels import ops, reference as ref
 
