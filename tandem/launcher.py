@@ -76,6 +76,16 @@ def healthy(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def kv_transport(choice: str) -> str:
+    """The KV transport for `choice`; "auto": every worker of `tandem up` runs on this host, so
+    CUDA IPC where there is a GPU (KV moves GPU to GPU, never through host memory), else ZMQ."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda_ipc" if torch.cuda.is_available() else "zmq"
+
+
 def build_children(a: argparse.Namespace, model: str) -> list[Child]:
     common = ["--model", model, "--load-format", a.load_format]
     if a.dtype:
@@ -87,6 +97,7 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
             common += [flag, str(value)]
     if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
         common += ["--tp", str(a.tp)]
+    disagg = common + ["--kv-transport", kv_transport(a.kv_transport)]
     children: list[Child] = []
     if a.colocated:
         for i in range(a.decode_workers):
@@ -96,12 +107,13 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
     else:
         for i in range(a.prefill_workers):
             port = free_port()
-            children.append(Child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *common], port))
+            children.append(Child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *disagg],
+                                  port))
         for i in range(a.decode_workers):
             port = free_port()
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(Child(f"decode-{i}", "decode", ["--port", str(port), "--worker-id", f"decode-{i}",
-                                                            "--kv-address", kv, *common], port))
+                                                            "--kv-address", kv, *disagg], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port)]
     for c in children:
         gw += {"prefill": ["--prefill"], "decode": ["--decode"], "worker": ["--worker"]}[c.role] + [c.address]
@@ -186,6 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--colocated", action="store_true", help="run --decode-workers role-both workers, no disaggregation")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
+                   help="prefill -> decode KV transport (auto: cuda_ipc on a GPU host, else zmq)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")

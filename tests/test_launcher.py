@@ -119,3 +119,26 @@ def test_up_restarts_a_crashed_worker(tmp_path):
         assert stop(proc) == 0
     rest = proc.stdout.read()
     assert "restarting" in rest
+
+
+def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
+    """`--kv-transport` goes to every prefill and decode worker (both ends must agree); auto picks
+    CUDA IPC on a GPU host and ZMQ elsewhere; colocated workers move no KV and get none."""
+    import torch
+
+    from tandem.launcher import build_children, parse_args
+
+    def transports(*argv: str) -> dict[str, str | None]:
+        children = build_children(parse_args(list(argv)), "/models/m")
+        found = {}
+        for c in children:
+            found[c.name] = c.argv[c.argv.index("--kv-transport") + 1] if "--kv-transport" in c.argv else None
+        return found
+
+    auto = "cuda_ipc" if torch.cuda.is_available() else "zmq"
+    assert transports("--prefill-workers", "2") == {"prefill-0": auto, "prefill-1": auto, "decode-0": auto,
+                                                    "gateway": None}
+    assert set(transports("--kv-transport", "nccl").values()) == {"nccl", None}
+    assert transports("--colocated", "--kv-transport", "zmq") == {"worker-0": None, "gateway": None}
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-transport", "carrier-pigeon"])
