@@ -40,11 +40,13 @@ def _timed(obj, name: str, acc: dict, sync: bool) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None) -> dict:
+def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
+                  kv_cache_dtype: str = "auto") -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
-              max_model_len=ctx + steps * 3 + 64, max_batched_tokens=8192, enable_prefix_cache=False)
+              max_model_len=ctx + steps * 3 + 64, max_batched_tokens=8192, enable_prefix_cache=False,
+              kv_cache_dtype=kv_cache_dtype)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
@@ -91,7 +93,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         eng.abort(s.request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
-    return {"batch": batch, "ctx": ctx, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
+    return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
             "synced_phase_ms": phases, "top_kernels": kernels}
 
 
@@ -104,12 +106,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     a = p.parse_args()
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         for b in map(int, a.batch.split(",")):
-            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None))
+            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None, a.kv_cache_dtype))
             print(json.dumps(res[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -15,6 +17,10 @@ class AttentionMetadata:
     query_start_loc: [B+1] int32, sequence i owns packed rows query_start_loc[i]:query_start_loc[i+1].
     seq_lens: [B] int32, each sequence's context length including this step's tokens.
     is_decode: every sequence contributes exactly one token (enables the decode kernel / graphs).
+    num_decode_seqs: in a batch that is not all decode, how many leading sequences have one query
+      token each (decodes, or a prompt's last token); `attend` runs them through the decode kernel.
+    tail_query_start_loc: [B - num_decode_seqs + 1] int32, query_start_loc of the other sequences
+      counted from their first row (set when num_decode_seqs > 0).
     """
 
     slot_mapping: torch.Tensor
@@ -24,3 +30,25 @@ class AttentionMetadata:
     is_decode: bool
     k_scale: float = 1.0
     v_scale: float = 1.0
+    num_decode_seqs: int = 0
+    tail_query_start_loc: torch.Tensor | None = None
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """Attention of the batch's packed queries q [T, Hq, D] over the paged cache (their own K/V
+    already stored). One-token sequences go through the decode kernel (a KV head's query group
+    shares each K/V tile), the rest through extend attention (tiles of query rows): a decode in a
+    mixed batch would otherwise fill a whole tile of query rows by itself."""
+    if meta.is_decode:
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                          meta.k_scale, meta.v_scale)
+    n = meta.num_decode_seqs
+    if n == 0:
+        return ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                    scale, meta.k_scale, meta.v_scale)
+    head = ops.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                                      meta.k_scale, meta.v_scale)
+    tail = ops.extend_attention(q[n:], k_cache, v_cache, meta.block_tables[n:], meta.tail_query_start_loc,
+                                meta.seq_lens[n:], scale, meta.k_scale, meta.v_scale)
+    return torch.cat([head, tail])

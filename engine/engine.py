@@ -360,7 +360,7 @@ class Engine:
         from tandem.detokenize import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
-        return detok.push(seq.output_token_ids) + detok.flush()
+        return detok.finish(seq.output_token_ids)
 
     # ---- tensor parallelism ------------------------------------------------------------------
     def follow(self) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, attend
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from kernels import ops
@@ -62,15 +62,7 @@ class Attention(nn.Module):
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,
         )
-        if meta.is_decode:
-            out = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.k_scale, meta.v_scale
-            )
-        else:
-            out = ops.extend_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                self.scale, meta.k_scale, meta.v_scale,
-            )
+        out = attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -67,10 +67,13 @@ class ModelRunner:
         max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1)
         tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
         from_prev: list[tuple[int, int]] = []  # (row of this batch, row of prev_tokens)
+        num_single = 0  # leading sequences with one new token each
         for i, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
+            if s.num_new_tokens == 1 and num_single == i:
+                num_single += 1
             if s.num_new_tokens == 1:
                 if start >= seq.num_known_tokens:
                     if prev_tokens is None or seq.num_pending != 1:
@@ -94,16 +97,21 @@ class ModelRunner:
                 sample_rows.append(qsl[-1] - 1)
                 sample_index.append(i)
         rows, src = (list(x) for x in zip(*from_prev)) if from_prev else ([], [])
-        input_ids, pos_t, slots_t, qsl_t, lens_t, sample_t, rows_t, src_t = self._upload(
-            [ids, pos, slots, qsl, seq_lens, sample_rows, rows, src])
+        is_decode = len(ids) == len(scheduled)
+        num_decode = 0 if is_decode else num_single
+        tail_qsl = [q - num_decode for q in qsl[num_decode:]] if num_decode else []
+        input_ids, pos_t, slots_t, qsl_t, lens_t, sample_t, rows_t, src_t, tail_t = self._upload(
+            [ids, pos, slots, qsl, seq_lens, sample_rows, rows, src, tail_qsl])
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             block_tables=self._upload_table(tables),
             query_start_loc=qsl_t.to(torch.int32),
             seq_lens=lens_t.to(torch.int32),
-            is_decode=len(ids) == len(scheduled),
+            is_decode=is_decode,
             k_scale=self.kv_cache.k_scale,
             v_scale=self.kv_cache.v_scale,
+            num_decode_seqs=num_decode,
+            tail_query_start_loc=tail_t.to(torch.int32) if num_decode else None,
         )
         if from_prev:
             input_ids[rows_t] = prev_tokens[src_t]

@@ -64,6 +64,21 @@ class IncrementalDetokenizer:
         """Release text still held back at the end of generation (e.g. a dangling partial character)."""
         return self._step(final=True)
 
+    def finish(self, token_ids: Sequence[int]) -> str:
+        """`push(token_ids) + flush()` for ids that end the generation, in two decodes instead of
+        two per id when the window's text is a prefix of the text with the ids appended (true
+        unless the window ends inside a UTF-8 character); otherwise by pushing them one by one."""
+        ids = [int(i) for i in token_ids]
+        before = self._decode(self._ids[self._prefix_offset:])
+        after = self._decode(self._ids[self._prefix_offset:] + ids)
+        if self._read_offset != len(self._ids) or not after.startswith(before) or before.endswith(_REPLACEMENT_CHAR):
+            return self.push(ids) + self.flush()
+        self._output_ids.extend(ids)
+        self._ids.extend(ids)
+        del self._ids[: len(self._ids) - min(len(ids), PROMPT_CONTEXT_TOKENS)]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return after[len(before):]
+
     def _step(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])

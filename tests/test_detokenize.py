@@ -154,6 +154,22 @@ def test_chunking_does_not_change_the_stream(tokenizer: Tokenizer, text: str, cu
     assert chunked == full[len(prefix):]
 
 
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab c\néé😀日Ж.")), min_size=0, max_size=30),
+       prompt_text=st.sampled_from(["", "Start:", "日本", "😀"]), cut=st.integers(min_value=0, max_value=6),
+       skip=st.booleans())
+def test_finish_equals_pushing_one_by_one(tokenizer: Tokenizer, text: str, prompt_text: str, cut: int,
+                                          skip: bool) -> None:
+    """finish(ids) (two decodes) gives exactly what pushing the ids one by one and flushing gives,
+    also for a prompt whose last tokens end inside a character and for an empty output."""
+    prompt = tokenizer.encode(prompt_text) if prompt_text else []
+    prompt = prompt[: max(0, len(prompt) - cut)] if cut < len(prompt) else prompt
+    output = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    assert detok.finish(output) == "".join(stream(tokenizer, prompt, output, skip))
+    assert detok.output_token_ids == output
+
+
 # ----------------------------------------------------------------- StopMatcher
 
 

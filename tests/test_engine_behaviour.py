@@ -178,3 +178,41 @@ def test_logprobs_match_log_softmax_of_greedy_choice(model_dir):
         assert lp.token_id == tok
         assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6
         assert len(lp.top) == 3 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_mixed_batches_send_one_token_sequences_to_the_decode_kernel(model_dir, monkeypatch):
+    """A step that decodes some sequences while prefilling others runs the decodes through the
+    decode kernel and the chunks through extend attention; the tokens equal those of running
+    the whole mixed batch through extend attention."""
+    import engine.attention as attention
+    from kernels import ops
+
+    prompts = random_prompts(6, [40, 7, 23, 61, 5, 33], seed=5)
+    params = [GREEDY.replace(max_tokens=6 + 3 * i) for i in range(6)]
+
+    def run() -> list[list[int]]:
+        llm = LLM(model_dir, num_kv_blocks=128, max_batched_tokens=24, max_running=6)
+        outs = llm.generate(prompts, params)
+        assert_no_leak(llm)
+        return [o.token_ids for o in outs]
+
+    seen: list[int] = []
+    split_attend = attention.attend
+
+    def recording(q, k_cache, v_cache, meta, scale):
+        if not meta.is_decode:
+            seen.append(meta.num_decode_seqs)
+        return split_attend(q, k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr("engine.model.attend", recording)
+    split = run()
+    assert any(n > 0 for n in seen), "no mixed step had leading one-token sequences"
+
+    def all_extend(q, k_cache, v_cache, meta, scale):
+        if meta.is_decode:
+            return split_attend(q, k_cache, v_cache, meta, scale)
+        return ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                    scale, meta.k_scale, meta.v_scale)
+
+    monkeypatch.setattr("engine.model.attend", all_extend)
+    assert run() == split
