@@ -6,6 +6,7 @@ of the MLP, and `all_reduce` sums their partial outputs after each row-parallel 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 # Newer torch deprecates all_gather_into_tensor (with a warning in every process) for
 # all_gather_single, which takes the same arguments; older torch has only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+WAIT_SPIN_S = 0.002  # await_broadcast: poll without sleeping this long
+WAIT_MAX_PAUSE_S = 0.001  # then sleep up to this long between polls
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,24 @@ class TPGroup:
         """Rank `src`'s `x` on every rank (in place); returns `x`."""
         if self.world_size > 1:
             dist.broadcast(x, group=self.group, group_src=src)
+        return x
+
+    def await_broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`broadcast` for a rank that may wait long (a follower between bursts of work): the
+        result is waited for by polling with short sleeps, not by a device synchronize, which on
+        CUDA spins a core for as long as rank `src` stays idle and holds the GIL meanwhile.
+        The first WAIT_SPIN_S poll without sleeping (back-to-back steps keep their latency),
+        then the sleeps grow to WAIT_MAX_PAUSE_S."""
+        if self.world_size == 1:
+            return x
+        work = dist.broadcast(x, group=self.group, group_src=src, async_op=True)
+        start = time.monotonic()
+        pause = 0.0
+        while not work.is_completed():
+            if time.monotonic() - start > WAIT_SPIN_S:
+                pause = min(WAIT_MAX_PAUSE_S, pause + 0.00005)
+            time.sleep(pause)
+        work.wait()  # surfaces an error, and orders the current stream after the collective
         return x
 
 

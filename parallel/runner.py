@@ -142,7 +142,7 @@ def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
 
 def recv_step(tp: TPGroup, device: torch.device, kv_cache: KVCache) -> Step | None:
     """A follower: the next step from rank 0, or None when rank 0 stopped."""
-    header = tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
+    header = tp.await_broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
     kind, t, b, w, s, is_decode, n_out, n_in, n_words, n_extra = header
     if kind == _STOP:
         return None
