@@ -270,14 +270,14 @@ def speed(s: Shapes, ceil: dict) -> dict:
 def decode_sweep() -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
-    [cache, batch, ctx, block_n, stages, warps, swap, opaque_cvt, min_partition, resident, GB/s,
+    [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s,
     max error vs reference]."""
     from kernels import decode_attention as da
 
     rows: list[list] = []
     fp8 = torch.float8_e4m3fn
-    grid = list(itertools.product((64, 128), (2, 3), (4,), (False, True), ("", "v", "kv")))
-    grid += [(64, 2, 8, False, "v"), (128, 2, 8, False, "v"), (32, 2, 4, False, "v"), (64, 4, 4, False, "v")]
+    grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
+    grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (64, 4, 4, "v")]
     for (batch, ctx) in ((64, 4096), (384, 1024), (1, 1024)):
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
         for cache in (torch.bfloat16, fp8):
@@ -286,12 +286,12 @@ def decode_sweep() -> dict:
             moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
             check = min(batch, 4)
             want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
-            tunings = [da.DecodeTuning(bn, st, w, 128, 4, swap, opaque)
-                       for bn, st, w, swap, opaque in grid if cache == fp8 or not opaque]
+            tunings = [da.DecodeTuning(bn, st, w, 128, 4, opaque)
+                       for bn, st, w, opaque in grid if cache == fp8 or not opaque]
             if batch == 1:
                 base = da.default_tuning(cache)
                 tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
-                                            mp, r, base.swap, base.opaque_cvt)
+                                            mp, r, base.opaque_cvt)
                             for mp, r in ((64, 4), (32, 4), (64, 8))]
             for t in tunings:
                 def fn(t=t):
@@ -301,10 +301,10 @@ def decode_sweep() -> dict:
                     gbps = round(moved / bench_ms(fn, reps=30) / 1e6)
                 except Exception as exc:  # a configuration that does not compile or fit
                     err, gbps = None, repr(exc)[:80]
-                rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps, t.swap,
+                rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
                              t.opaque_cvt, t.min_partition, t.resident, gbps, err])
             del kc, vc
-    return {"rows [cache, batch, ctx, block_n, stages, warps, swap, opaque_cvt, min_partition, resident, GB/s, err]": rows}
+    return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s, err]": rows}
 
 
 def sweep(s: Shapes) -> dict:

@@ -4,7 +4,9 @@ Stage 1: one program per (sequence, KV head, KV split) loads each K/V tile of it
 and scores it against all the query heads of that KV head's group with tl.dot, keeping an
 online softmax in fp32; it writes a normalized partial output and its log-sum-exp (log2 domain).
 Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp.
-With a single split, stage 1 writes the final output directly.
+With a single split, stage 1 writes the final output directly. An FP8 cache's V tile is widened to
+fp16 where it is loaded (DecodeTuning.opaque_cvt), so it reaches the MMA as fp16 through shared
+memory rather than as bytes gathered across rows.
 Every launch decision depends only on tensor shapes (block_tables.shape[1] bounds the context),
 so a captured CUDA graph stays valid for any context lengths.
 Semantics match kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
@@ -30,8 +32,6 @@ class DecodeTuning:
 
     block_n: KV tokens per loop iteration.   min_partition: fewest KV tokens a split is given.
     resident: stage-1 programs per SM that the split count aims to fill.
-    swap: compute scores as K @ q^T and the output as V^T @ p^T (the KV tile is the MMA's wide
-      side, so a 4-head group does not pad to 16 rows; the tiles need no transpose).
     opaque_cvt: which FP8 tiles ("", "v" or "kv") are widened to fp16 where they are loaded, by
       inline PTX the compiler keeps in place (see e4m3_to_f16_opaque); the interpreter, which runs
       no PTX, widens them with a plain cast.
@@ -42,7 +42,6 @@ class DecodeTuning:
     num_warps: int = NUM_WARPS
     min_partition: int = 128
     resident: int = 4
-    swap: bool = False
     opaque_cvt: str = ""
 
     def __post_init__(self) -> None:
@@ -73,7 +72,7 @@ def _decode_stage1(
     qk_scale, v_scale, partition,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr, SWAP: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -87,66 +86,40 @@ def _decode_stage1(
         d = tl.arange(0, D_PAD)
         h_mask = h < GROUP
         d_mask = d < D
-        if SWAP:  # q^T [D_PAD, BLOCK_H]
-            q_offs = b * q_s0 + heads[None, :] * q_s1 + d[:, None]
-            q_mask = h_mask[None, :] & d_mask[:, None]
-        else:  # q [BLOCK_H, D_PAD]
-            q_offs = b * q_s0 + heads[:, None] * q_s1 + d[None, :]
-            q_mask = h_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+        q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         if F16:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        if SWAP:
-            acc = tl.zeros([D_PAD, BLOCK_H], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
             blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
             slot_off = offs % BLOCK_SIZE
-            k_rows = blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2
-            v_rows = blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2
-            if SWAP:
-                kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = _load_kv(k_cache_ptr, k_rows[:, None] + d[None, :], q.dtype, OPAQUE_K, kv_mask)
-                s = dot(k, q, PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_H]
-                s = tl.where(n_mask[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 0))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, 0)
-                vt = tl.trans(_load_kv(v_cache_ptr, v_rows[:, None] + d[None, :], q.dtype, OPAQUE_V, kv_mask))
-                acc = acc * alpha[None, :] + dot(vt, p.to(q.dtype), PRECISION, UPCAST)
-            else:
-                kv_mask = n_mask[:, None] & d_mask[None, :]
-                k = _load_kv(k_cache_ptr, k_rows[:, None] + d[None, :], q.dtype, OPAQUE_K, kv_mask)
-                s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_H, BLOCK_N]
-                s = tl.where(n_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = _load_kv(v_cache_ptr, v_rows[:, None] + d[None, :], q.dtype, OPAQUE_V, kv_mask)
-                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
+                         q.dtype, OPAQUE_K, kv_mask)
+            s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                         q.dtype, OPAQUE_V, kv_mask)
+            acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
             m_i = m_new
         has = l_i > 0.0
-        inv = v_scale / tl.where(has, l_i, 1.0)
-        if SWAP:
-            out = acc * inv[None, :]
-            out_offs = heads[None, :] * o_s1 + d[:, None]
-            o_mask = h_mask[None, :] & d_mask[:, None]
-        else:
-            out = acc * inv[:, None]
-            out_offs = heads[:, None] * o_s1 + d[None, :]
-            o_mask = h_mask[:, None] & d_mask[None, :]
+        out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
+        o_mask = h_mask[:, None] & d_mask[None, :]
         if DIRECT:
-            tl.store(o_ptr + b * o_s0 + out_offs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
         else:
-            tl.store(o_ptr + b * o_s0 + split * o_s2 + out_offs, out, mask=o_mask)
+            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + split * o_s2 + d[None, :], out, mask=o_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
 
@@ -264,7 +237,7 @@ def paged_decode_attention(
         block_n, stages = 64, min(stages, 2)
     common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, BLOCK_SIZE=block_size,
                   PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
-                  SWAP=tuning.swap, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
+                  OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   num_warps=tuning.num_warps, num_stages=stages)
     if splits == 1:
         _decode_stage1[(bsz, hk, 1)](

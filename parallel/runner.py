@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _STOP, _STEP = 0, 1
 # kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words, extra bytes
-_HEADER = 10
+_HEADER = 11
 Swaps = list[tuple[list[int], list[int]]]
 # Rank 0: the extras of a step (b"" for none). Followers: the after-layer hook for a step's extras.
 StepExtras = Callable[[SchedulerOutput], bytes]
@@ -131,7 +131,7 @@ def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
     t, (b, w), s = step.input_ids.numel(), tuple(m.block_tables.shape), step.sample_rows.numel()
     swaps = _swap_words(step.swap_out) + _swap_words(step.swap_in)
     header = [_STEP, t, b, w, s, int(m.is_decode), len(step.swap_out), len(step.swap_in), len(swaps),
-              len(step.extras)]
+              len(step.extras), m.num_decode_seqs]
     tp.broadcast(torch.tensor(header, dtype=torch.int64, device=device))
     parts = [step.input_ids, step.positions, m.slot_mapping, m.block_tables.reshape(-1), m.query_start_loc,
              m.seq_lens, step.sample_rows, torch.tensor(swaps, dtype=torch.int64)]
@@ -143,7 +143,7 @@ def send_step(tp: TPGroup, step: Step | None, device: torch.device) -> None:
 def recv_step(tp: TPGroup, device: torch.device, kv_cache: KVCache) -> Step | None:
     """A follower: the next step from rank 0, or None when rank 0 stopped."""
     header = tp.await_broadcast(torch.empty(_HEADER, dtype=torch.int64, device=device)).tolist()
-    kind, t, b, w, s, is_decode, n_out, n_in, n_words, n_extra = header
+    kind, t, b, w, s, is_decode, n_out, n_in, n_words, n_extra, n_decode = header
     if kind == _STOP:
         return None
     extra_words = -(-n_extra // 8)
@@ -157,6 +157,7 @@ def recv_step(tp: TPGroup, device: torch.device, kv_cache: KVCache) -> Step | No
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=tables.view(b, w).to(torch.int32), query_start_loc=qsl.to(torch.int32),
         seq_lens=lens.to(torch.int32), is_decode=bool(is_decode), k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
+        num_decode_seqs=n_decode, tail_query_start_loc=(qsl[n_decode:] - n_decode).to(torch.int32) if n_decode else None,
     )
     return Step(ids, pos, meta, rows, swap_out, swap_in, extras)
 

@@ -171,20 +171,19 @@ def case_decode() -> None:
 
 
 def case_decode_tunings() -> None:
-    """Every launch shape of the decode kernel (scores as q @ K^T or K @ q^T, tile sizes, split
-    lengths) gives the reference's result; GQA 4 with partial blocks and an empty context."""
+    """Every launch shape of the decode kernel (tile sizes, split lengths, where FP8 is widened)
+    gives the reference's result; GQA 4 with partial blocks and an empty context."""
     from kernels import decode_attention as da, reference as ref
 
-    for cdt, swap, block_n, min_partition in itertools.product(
-            (torch.bfloat16, FP8), (False, True), (16, 64), (16, 64)):
+    for cdt, cvt, block_n, min_partition in itertools.product(
+            (torch.bfloat16, FP8), ("", "v", "kv"), (16, 64), (16, 64)):
         b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
-        what = f"decode tuning cache={cdt} swap={swap} block_n={block_n} min_partition={min_partition}"
+        what = f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition}"
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
-        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, swap=swap,
-                                 opaque_cvt="v" if cdt == FP8 else "")
+        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt)
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
