@@ -4,7 +4,8 @@
 
 Model: Llama-3.1-8B shape with dummy weights in bf16. Ceilings (device copy GB/s, bf16 matmul
 TFLOP/s) are measured in the same run and every fraction is taken against them.
-Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, prefill, offline,
+Sections: ceilings, kernels (bench/kernel_bench.py), gpu_parity, decode_b1, decode_b1_fused (with
+the fused decode GEMVs), prefill, offline,
 transformers (one static batch per size in --hf-batches), ours_on_hf_subset, services (KV through
 CUDA IPC, as `tandem up` runs on a GPU host) and services_zmq (KV over ZMQ through host memory)
 with the offline engine on the same prompts (overlapped and synchronous steps), fp8_offline.
@@ -91,7 +92,8 @@ def weight_bytes(cfg) -> int:
 
 
 def gpu_parity(tmp: Path, families: list[str]) -> dict:
-    """Greedy tokens of our engine (Triton kernels, CUDA graphs) vs transformers, fp32, random tiny models."""
+    """Greedy tokens of our engine (Triton kernels, CUDA graphs) vs transformers, fp32, random tiny
+    models; and of the engine with the fused decode GEMVs vs the same engine without."""
     import transformers
 
     from engine import LLM, SamplingParams
@@ -114,15 +116,22 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
             same += ref == o.token_ids
         res[fam] = f"{same}/{len(prompts)} identical"
         del llm, hf
+        fused = LLM(str(d), num_kv_blocks=256, max_running=8, fused_decode_gemv=True)
+        got = fused.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        res[f"{fam}_fused_decode_vs_unfused"] = (
+            f"{sum(a.token_ids == b.token_ids for a, b in zip(got, outs))}/{len(prompts)} identical")
+        del fused
         torch.cuda.empty_cache()
     return res
 
 
-def decode_b1(model_dir: Path, cfg: dict, ceil: dict) -> dict:
+def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> dict:
+    """Batch-1 decode time per token against the weight-read floor; `fused`: with the fused
+    decode GEMVs (EngineConfig.fused_decode_gemv)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=1, max_model_len=4096,
-              num_kv_blocks=512)
+              num_kv_blocks=512, fused_decode_gemv=fused)
     eng = llm.engine
     eng.add_request(list(range(100, 228)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
     eng.step()  # prefill
@@ -356,6 +365,7 @@ def main() -> int:
             timeout=a.kernel_timeout_s).stdout))
         section("gpu_parity", lambda: gpu_parity(tmp, a.parity_families.split(",")))
         section("decode_b1", lambda: decode_b1(model_dir, LLAMA31_8B, ceil))
+        section("decode_b1_fused", lambda: decode_b1(model_dir, LLAMA31_8B, ceil, fused=True))
         section("prefill", lambda: prefill(model_dir, LLAMA31_8B, ceil))
         section("offline", lambda: offline(model_dir, a.num_prompts, a.in_len, a.out_len, budget_s=a.offline_budget_s))
         section("transformers", lambda: transformers_offline(model_dir, a.in_len, a.hf_out_len,
@@ -373,6 +383,7 @@ def main() -> int:
     summary = {
         "decode_b1_roofline_fraction": res.get("decode_b1", {}).get("decode_b1_roofline_fraction"),
         "decode_attention_bw_fraction": res.get("kernels", {}).get("speed", {}).get("decode_attention_bf16", {}).get("frac_of_copy"),
+        "decode_b1_fused_roofline_fraction": res.get("decode_b1_fused", {}).get("decode_b1_roofline_fraction"),
         "prefill_mfu": res.get("prefill", {}).get("prefill_mfu"),
         "offline_output_tok_s": res.get("offline", {}).get("output_tok_s"),
         "fp8_kv_offline_output_tok_s": res.get("fp8_offline", {}).get("output_tok_s"),

@@ -307,6 +307,50 @@ def decode_sweep() -> dict:
     return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s, err]": rows}
 
 
+def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
+    """The fused decode GEMV (kernels.gemv) against what it replaces (cuBLAS through F.linear plus
+    the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights, each timed from a
+    CUDA graph. Rows: [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error];
+    the "unfused" row of each weight has block_n = block_k = warps = 0."""
+    from kernels import gemv as gm
+    from kernels import ops
+
+    h, inter = 4096, 14336
+    cases = {"qkv (norm in front)": (6144, h, True, False), "o_proj": (h, h, False, False),
+             "gate_up (norm in front, silu behind)": (2 * inter, h, True, True), "down": (h, inter, False, False)}
+    saved = (gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE)
+    rows_out: list[list] = []
+    for name, (n, k, norm, silu) in cases.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            kw = dict(residual=res if norm else None, norm_weight=nw if norm else None, eps=1e-5, silu_pair=silu)
+
+            def unfused():
+                a = ops.fused_add_rms_norm(x, res, nw, 1e-5)[0] if norm else x
+                y = torch.nn.functional.linear(a, w)
+                return ops.silu_and_mul(y) if silu else y
+
+            want = ref.gemv(x, w, None, **kw)[0].float()
+            moved = w.numel() * 2
+            ms = bench_ms(unfused)
+            rows_out.append([name, m, 0, 0, 0, False, round(ms * 1e3, 1), round(moved / ms / 1e6), 0.0])
+            for bn, bk, warps, late in itertools.product((8, 16, 32), (256, 512), (4, 8), (False, True)):
+                gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE = bn, bk, warps, late
+                try:
+                    got = gm.gemv(x, w, **kw)[0].float()
+                    err = ((got - want).abs() / (1 + want.abs())).max().item()
+                    ms = bench_ms(lambda: gm.gemv(x, w, **kw), reps=30)
+                    rows_out.append([name, m, bn, bk, warps, late, round(ms * 1e3, 1), round(moved / ms / 1e6), err])
+                except Exception as exc:  # a configuration that does not compile or fit
+                    rows_out.append([name, m, bn, bk, warps, late, repr(exc)[:80], None, None])
+        del w
+    gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE = saved
+    return {"rows [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error]": rows_out}
+
+
 def sweep(s: Shapes) -> dict:
     """Time the attention kernels over alternative configurations."""
     from kernels import extend_attention as ea
@@ -340,6 +384,7 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
+    ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
     args = ap.parse_args()
     if args.cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -350,8 +395,9 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        if args.decode_sweep:
-            print(json.dumps(decode_sweep()))
+        if args.decode_sweep or args.gemv_sweep:
+            print(json.dumps({**(decode_sweep() if args.decode_sweep else {}),
+                              **(gemv_sweep() if args.gemv_sweep else {})}))
             return 0
         s = Shapes()
         result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),

@@ -54,6 +54,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     seed: int | None = None
     cuda_graphs: bool = True  # capture decode graphs on CUDA devices
+    # Decode steps of at most kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
+    # enable_fused_decode). Off by default until measured against cuBLAS on the device.
+    fused_decode_gemv: bool = False
     # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).
     # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
     # tensor parallelism.
@@ -103,6 +106,11 @@ class Engine:
             kv_config = shard_config(self.model_config, self.tp.world_size)  # ValueError before any loading
             self.model = load_tensor_parallel_model(path, self.model_config, dtype, device, self.tp, config.load_format)
 
+        if config.fused_decode_gemv:
+            enabled = [layer.enable_fused_decode() for layer in self.model.layers]
+            if not all(enabled):
+                logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",
+                            sum(enabled), len(enabled))
         kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}.get(config.kv_cache_dtype)
         if kv_dtype is None:
             raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {config.kv_cache_dtype!r}")

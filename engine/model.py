@@ -14,6 +14,7 @@ from engine.attention import AttentionMetadata, attend
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from kernels import ops
+from kernels.ops import GEMV_MAX_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +50,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.core(positions, self.qkv_proj(x), kv_cache, meta, cos_sin_cache))
+
+    def core(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention between the projections: qkv [T, q + 2 kv] -> [T, q_size], K/V stored."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # q: [tokens, heads, head_dim]
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -62,8 +73,7 @@ class Attention(nn.Module):
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,
         )
-        out = attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return attend(q, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -87,8 +97,21 @@ class DecoderLayer(nn.Module):
         # GLM-4 normalizes each sublayer's output before it joins the residual stream.
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
+        self.fused_decode = False  # see enable_fused_decode
+
+    def enable_fused_decode(self) -> bool:
+        """Run decode steps of at most GEMV_MAX_ROWS tokens as four fused GEMVs (kernels.ops.gemv:
+        the norms in front of qkv and gate_up, SiLU-and-multiply behind gate_up). Projections a
+        tensor-parallel rewrite replaced (their forward carries a collective) keep the unfused
+        path. Returns whether it is on."""
+        plain = all(type(m) is nn.Linear for m in (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                                                   self.mlp.gate_up_proj, self.mlp.down_proj))
+        self.fused_decode = plain
+        return plain
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
+        if self.fused_decode and meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS:
+            return self._fused_decode(positions, x, residual, kv_cache, meta, cos_sin_cache)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -99,6 +122,24 @@ class DecoderLayer(nn.Module):
             x = self.post_self_attn_layernorm(x)
         x, residual = self.post_attention_layernorm(x, residual)
         x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        return x, residual
+
+
+    def _fused_decode(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
+        attn, mlp = self.self_attn, self.mlp
+        eps = self.input_layernorm.eps
+        qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
+                                     norm_weight=self.input_layernorm.weight, eps=eps)
+        residual = x if residual is None else new_residual
+        o, _ = ops.gemv(attn.core(positions, qkv, kv_cache, meta, cos_sin_cache), attn.o_proj.weight)
+        if self.post_self_attn_layernorm is not None:
+            o = self.post_self_attn_layernorm(o)
+        act, residual = ops.gemv(o, mlp.gate_up_proj.weight, residual=residual,
+                                 norm_weight=self.post_attention_layernorm.weight,
+                                 eps=self.post_attention_layernorm.eps, silu_pair=True)
+        x, _ = ops.gemv(act, mlp.down_proj.weight)
         if self.post_mlp_layernorm is not None:
             x = self.post_mlp_layernorm(x)
         return x, residual

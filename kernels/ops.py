@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "TANDEM_KERNELS"
 _MODES = ("auto", "reference", "triton")
 
+GEMV_MAX_ROWS = 8  # rows of x a fused decode GEMV (gemv) takes; larger batches belong to the GEMM
+
 # Reference functions with no Triton version: plain re-exports.
 rope_cos_sin_cache = reference.rope_cos_sin_cache
 gather_kv = reference.gather_kv
@@ -92,6 +94,20 @@ def fused_add_rms_norm(
     if _use_triton(x):
         return _triton("norm", "fused_add_rms_norm")(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    silu_pair: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows)."""
+    if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
+    kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair)
+    if _use_triton(x):
+        return _triton("gemv", "gemv")(x, weight, bias, **kw)
+    return reference.gemv(x, weight, bias, **kw)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,26 @@ def fused_add_rms_norm(
     return rms_norm(summed, weight, eps), summed
 
 
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    silu_pair: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode GEMV with its neighbours: returns (y, x + residual or None).
+
+    a = rms_norm(x + residual) (fused_add_rms_norm) with `residual`, rms_norm(x) with only
+    `norm_weight`, else x; y = a @ weight.T + bias; with silu_pair, y = silu_and_mul(y) (gate rows
+    first, then up rows). Each step rounds to x.dtype as the unfused ops do.
+    """
+    new_residual = None
+    if norm_weight is not None and residual is not None:
+        x, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    elif norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    return (silu_and_mul(y) if silu_pair else y), new_residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
     gate, up = x.chunk(2, dim=-1)

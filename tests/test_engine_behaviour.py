@@ -216,3 +216,19 @@ def test_mixed_batches_send_one_token_sequences_to_the_decode_kernel(model_dir, 
 
     monkeypatch.setattr("engine.model.attend", all_extend)
     assert run() == split
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "glm4"])
+def test_fused_decode_gemvs_keep_the_tokens(tiny_models, family):
+    """With fused_decode_gemv, decode steps of a few tokens run each layer as four fused GEMVs
+    (norms and SiLU folded in); tokens equal the unfused engine's (q/k norms, qkv bias and
+    sandwich norms included)."""
+    prompts = random_prompts(3, [9, 30, 17], seed=7)
+    plain = LLM(tiny_models[family], num_kv_blocks=64)
+    fused = LLM(tiny_models[family], num_kv_blocks=64, fused_decode_gemv=True)
+    layers = fused.engine.model.layers
+    assert all(layer.fused_decode for layer in layers)
+    for n in (1, 3):  # a batch of one and a batch of three
+        want = [o.token_ids for o in plain.generate(prompts[:n], GREEDY)]
+        assert [o.token_ids for o in fused.generate(prompts[:n], GREEDY)] == want
+    assert_no_leak(fused)

@@ -170,6 +170,65 @@ def case_decode() -> None:
         close(got[live], want, dtype, what, scale=2.0)
 
 
+def case_gemv() -> None:
+    """The decode GEMV alone, with a bias, with the norm in front (with and without the residual
+    sum), and with SiLU-and-multiply behind; odd sizes, 1 to MAX_ROWS rows."""
+    from kernels import gemv as gm, ops, reference as ref
+    from kernels.gemv import MAX_ROWS
+
+    cases = [
+        (torch.float32, 1, (37, 100), False, False, False, False),
+        (torch.float32, 3, (50, 513), True, True, False, False),
+        (torch.bfloat16, 1, (64, 1100), True, True, False, False),
+        (torch.bfloat16, 2, (48, 300), True, False, True, False),
+        (torch.bfloat16, 1, (2 * 40, 257), True, True, False, True),
+        (torch.float16, MAX_ROWS, (2 * 24, 96), True, True, False, True),
+        (torch.bfloat16, 5, (33, 64), False, False, True, False),
+    ]
+    for late, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product((False, True), cases):
+        gm.LATE_REDUCE = late
+        what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} late={late}"
+        x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
+        kw = dict(residual=rand(rows, k, dtype=dtype) if res else None,
+                  norm_weight=(torch.rand(k) + 0.5).to(dtype) if norm else None, eps=1e-5, silu_pair=silu)
+        b = rand(n, dtype=dtype) if bias else None
+        got, got_res = ops.gemv(x, w, b, **kw)
+        want, want_res = ref.gemv(x, w, b, **kw)
+        assert got.shape == want.shape and got.dtype == dtype, what
+        close(got, want, dtype, what)
+        if res:
+            close(got_res, want_res, dtype, what + " residual")
+        else:
+            assert got_res is None, what
+    try:
+        ops.gemv(rand(MAX_ROWS + 1, 8, dtype=torch.float32), rand(4, 8, dtype=torch.float32))
+    except ValueError as exc:
+        assert "rows" in str(exc)
+    else:
+        raise AssertionError("more than MAX_ROWS rows must raise ValueError")
+
+
+def case_fused_decode_engine() -> None:
+    """The engine with fused decode GEMVs gives the unfused engine's greedy tokens, every kernel
+    in Triton (interpreted), for a plain layer (llama) and one with qkv bias (qwen2)."""
+    import tempfile
+    from pathlib import Path
+
+    from engine import LLM, SamplingParams
+    from engine.demo import make_random_model
+
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (7, 19)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("llama", "qwen2"):
+            path = make_random_model(Path(tmp) / family, family, seed=1)
+            want = [o.token_ids for o in LLM(path, num_kv_blocks=32).generate(prompts, params)]
+            fused = LLM(path, num_kv_blocks=32, fused_decode_gemv=True)
+            assert all(layer.fused_decode for layer in fused.engine.model.layers)
+            got = [o.token_ids for o in fused.generate(prompts, params)]
+            assert got == want, f"{family}: fused {got} != unfused {want}"
+
+
 def case_decode_tunings() -> None:
     """Every launch shape of the decode kernel (tile sizes, split lengths, where FP8 is widened)
     gives the reference's result; GQA 4 with partial blocks and an empty context."""

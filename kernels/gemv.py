@@ -1,0 +1,147 @@
+"""Triton matrix-vector products for decode at small batch, with their neighbours fused in.
+
+At batch 1 a decoder layer is a handful of weight-streaming GEMVs separated by small kernels
+(the RMSNorm over x + residual before qkv and gate_up, SiLU-and-multiply after gate_up, the
+split-K reductions cuBLAS adds), each costing a launch and a round trip through memory for a few
+KB of activations. `gemv` does one GEMV with the norm as its prologue (every program re-reads the
+few rows of x, which stay in L2) and SiLU-and-multiply as its epilogue (a program owns matching
+gate and up rows), so a layer needs four weight kernels and nothing between them.
+
+Semantics equal kernels.reference.gemv: the unfused ops in sequence, with the same roundings
+(the normalized activations and the GEMV outputs are rounded to x.dtype where the unfused path
+stores them), up to the order of the fp32 accumulation.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.ops import GEMV_MAX_ROWS as MAX_ROWS
+from kernels.triton_common import next_pow2
+
+BLOCK_N = 16
+BLOCK_K = 512
+NUM_WARPS = 4
+LATE_REDUCE = False
+
+
+@triton.jit
+def _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv,
+                  NORM: tl.constexpr, ADD_RES: tl.constexpr):
+    """Rows `m`, columns `k` of the activations the GEMV multiplies (x, plus the residual when
+    ADD_RES, normalized by `inv` and the norm weight when NORM; each rounded to x's dtype), in fp32."""
+    x = tl.load(x_ptr + m[:, None] * x_s0 + k[None, :], mask=mask, other=0.0)
+    if ADD_RES:
+        r = tl.load(res_ptr + m[:, None] * res_s0 + k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if NORM:
+        w = tl.load(nw_ptr + k, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) * inv[:, None] * w[None, :].to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
+    M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+    ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, LATE_REDUCE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_mask = rows < N_OUT
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:  # rsqrt(mean(s^2) + eps) of each row s = x (+ residual), s rounded as the unfused sum is
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < K
+            mask = m_mask[:, None] & k_mask[None, :]
+            s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, ADD_RES)
+            ss += tl.sum(s * s, 1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+    # LATE_REDUCE: keep per-lane partial sums over the K tile and reduce across lanes once at the
+    # end (more registers, no shuffles in the loop); else reduce every tile.
+    if LATE_REDUCE:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        mask = m_mask[:, None] & k_mask[None, :]
+        a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
+        if ADD_RES:
+            if pid == 0:  # one program writes the new residual stream x + residual
+                s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, True)
+                tl.store(new_res_ptr + m[:, None] * nres_s0 + k[None, :], s.to(new_res_ptr.dtype.element_ty), mask=mask)
+        w_mask = r_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * w_s0 + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if LATE_REDUCE:
+            acc += a[:, None, :] * w[None, :, :]
+        else:
+            acc += tl.sum(a[:, None, :] * w[None, :, :], 2)
+        if SILU_PAIR:
+            wu = tl.load(w_ptr + (rows[:, None] + up_offset).to(tl.int64) * w_s0 + k[None, :], mask=w_mask,
+                         other=0.0).to(tl.float32)
+            if LATE_REDUCE:
+                acc_up += a[:, None, :] * wu[None, :, :]
+            else:
+                acc_up += tl.sum(a[:, None, :] * wu[None, :, :], 2)
+    if LATE_REDUCE:
+        acc2 = tl.sum(acc, 2)
+        up2 = tl.sum(acc_up, 2)
+    else:
+        acc2 = acc
+        up2 = acc_up
+    if BIAS:
+        acc2 += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    y = acc2.to(out_ty)
+    if SILU_PAIR:  # silu_and_mul of the rounded gate and up outputs, as the unfused path does
+        g = y.to(tl.float32)
+        u = up2.to(out_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ty)
+    tl.store(out_ptr + m[:, None] * out_s0 + rows[None, :], y, mask=m_mask[:, None] & r_mask[None, :])
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    silu_pair: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K]."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m_rows, k_dim = x.shape
+    if m_rows > MAX_ROWS:
+        raise ValueError(f"x: at most {MAX_ROWS} rows, got {m_rows}")
+    if residual is not None and (norm_weight is None or residual.shape != x.shape):
+        raise ValueError("residual needs norm_weight and the shape of x")
+    if silu_pair and weight.shape[0] % 2:
+        raise ValueError(f"silu_pair: weight needs an even number of rows, got {weight.shape[0]}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    n_out = weight.shape[0] // 2 if silu_pair else weight.shape[0]
+    out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(x) if residual is not None else None
+    if m_rows == 0:
+        return out, new_res
+    res = residual.contiguous() if residual is not None else x
+    block_m = max(1, next_pow2(m_rows))
+    block_k = max(16, min(BLOCK_K // block_m, next_pow2(k_dim)))
+    _gemv_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+        x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
+        weight, bias if bias is not None else x, out,
+        m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
+        weight.stride(0), out.stride(0), n_out, float(eps),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, NORM=norm_weight is not None,
+        ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair, LATE_REDUCE=LATE_REDUCE,
+        num_warps=NUM_WARPS,
+    )
+    return out, new_res
