@@ -8,6 +8,7 @@ receiver's stats (transfers_ok, transfer_seconds, transfers_failed, checksum_fai
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import threading
@@ -100,7 +101,15 @@ class PendingTransfers:
             self.checksum_failures += transfer.checksum_failed
 
     def _deliver(self, result: TransferResult) -> None:
-        """To the on_complete callback, or to `poll_completed`."""
+        """To the on_complete callback, or to `poll_completed`; a completed transfer only once
+        the sink's asynchronous writes have landed (`wait_written`, where the sink has one)."""
+        wait_written = getattr(getattr(self, "_sink", None), "wait_written", None)
+        if result.ok and wait_written is not None:
+            try:
+                wait_written()
+            except Exception as exc:  # a failed upload fails the transfer
+                logger.exception("kv sink upload failed for %s", result.request_id)
+                result = dataclasses.replace(result, ok=False, error=f"sink upload failed: {exc!r}")
         if self._on_complete is not None:
             try:
                 self._on_complete(result)

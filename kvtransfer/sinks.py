@@ -19,8 +19,12 @@ class TensorKVSink:
 
     k_caches, v_caches: one tensor per layer (a list), or one stacked tensor
     [num_layers, num_blocks, ...]; CPU or CUDA, all of the same dtype and block shape.
-    A CUDA write queues its copies on the caller's current stream; source tensors in host memory
-    are copied before `write` returns, so a network buffer may be released then.
+    CUDA caches: a source on the device is copied on the caller's current stream (where the
+    transport made it ready, and which its next use of the buffer follows). A source in host
+    memory is first copied into pinned memory, so the network buffer may be released when `write`
+    returns, then uploaded on the sink's own stream: a pageable upload, or one queued on the
+    stream the decode loop computes on, would wait for the loop's queued steps. `wait_written`
+    blocks until those uploads have landed; receivers call it before reporting a transfer done.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class TensorKVSink:
         self.block_shape: tuple[int, int, int] = tuple(int(d) for d in first.shape[1:])  # type: ignore[assignment]
         self.dtype = dtype_name(first.dtype)
         self._pool = PairPool()
+        self._upload_stream: torch.cuda.Stream | None = None
 
     def write(self, layer: int, dst_block_ids: Sequence[int], k: Any, v: Any) -> None:
         if not 0 <= layer < self.num_layers:
@@ -66,12 +71,30 @@ class TensorKVSink:
 
             self._pool.run(put, (k_cache, k), (v_cache, v), nbytes)
             return
-        # Device caches: both copies are queued on the caller's stream, where the index is made
-        # too. (A helper thread would run on another stream and could read the index, or reuse its
-        # memory, before this stream wrote it.) The copies are asynchronous already.
-        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long).to(k_cache.device, non_blocking=True)
-        k_cache.index_copy_(0, idx, k.to(k_cache.device))
-        v_cache.index_copy_(0, idx, v.to(v_cache.device))
+        dev = k_cache.device
+        if k.device.type == "cpu":
+            if self._upload_stream is None:
+                self._upload_stream = torch.cuda.Stream(dev)
+            with torch.cuda.stream(self._upload_stream):  # index, uploads and writes on one stream
+                self._index_copy(k_cache, v_cache, dst_block_ids, k.pin_memory(), v.pin_memory())
+            return
+        # Device sources: both copies on the caller's stream, where the index is made too. (A
+        # helper thread would run on another stream and could read the index, or reuse its
+        # memory, before this stream wrote it.)
+        self._index_copy(k_cache, v_cache, dst_block_ids, k, v)
+
+    @staticmethod
+    def _index_copy(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_block_ids: Sequence[int], k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        dev = k_cache.device
+        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long).pin_memory().to(dev, non_blocking=True)
+        k_cache.index_copy_(0, idx, k.to(dev, non_blocking=True))
+        v_cache.index_copy_(0, idx, v.to(dev, non_blocking=True))
+
+    def wait_written(self) -> None:
+        """Block until every upload from host memory queued so far has reached the cache."""
+        if self._upload_stream is not None:
+            self._upload_stream.synchronize()
 
     def close(self) -> None:
         """Stop the helper thread (it also ends with the process)."""

@@ -111,6 +111,30 @@ def test_tensor_sink_writes_only_the_named_blocks(stacked: bool) -> None:
         sink.write(0, [blocks], new_k[:1], new_v[:1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sink_uploads_host_sources_off_the_compute_stream() -> None:
+    """Host sources land in a CUDA cache through the sink's own stream, also while the default
+    stream is busy; wait_written waits for them; a source buffer may be reused after write."""
+    layers, blocks = 3, 64
+    k_cache = torch.zeros(layers, blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    sink = TensorKVSink(k_cache, v_cache)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # queue work on the compute stream
+        busy = busy @ busy / 64
+    src = torch.randn(layers, 5, 16, 8, 128).to(torch.bfloat16)
+    want = src.clone()
+    ids = [60, 3, 17, 9, 41]
+    for layer in range(layers):
+        sink.write(layer, ids, src[layer], src[layer] * 2)
+    src.zero_()  # the transport reuses its buffer
+    sink.wait_written()
+    for layer in range(layers):
+        assert torch.equal(k_cache[layer, ids].cpu(), want[layer])
+        assert torch.equal(v_cache[layer, ids].cpu(), want[layer] * 2)
+    assert k_cache[:, [0, 1, 2]].abs().sum().item() == 0
+
+
 def test_registry_resolves_zmq_and_rejects_unknown_names() -> None:
     transport = get_transport("zmq")
     assert transport.name == "zmq" and transport.sender_cls is ZmqSender and transport.receiver_cls is ZmqReceiver
