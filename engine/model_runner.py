@@ -67,13 +67,18 @@ class ModelRunner:
         max_blocks = max((len(s.seq.block_table) for s in scheduled), default=1)
         tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
         from_prev: list[tuple[int, int]] = []  # (row of this batch, row of prev_tokens)
-        num_single = 0  # leading sequences with one new token each
-        for i, s in enumerate(scheduled):
+        # One-token sequences are packed first, so that attention can send them to the decode
+        # kernel (AttentionMetadata.num_decode_seqs); sample_index keeps the scheduled order's ids.
+        single = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
+        if 0 < len(single) < len(scheduled):
+            order = single + [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]
+        else:
+            order = range(len(scheduled))
+        for row, i in enumerate(order):
+            s = scheduled[i]
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             table = seq.block_table
-            if s.num_new_tokens == 1 and num_single == i:
-                num_single += 1
             if s.num_new_tokens == 1:
                 if start >= seq.num_known_tokens:
                     if prev_tokens is None or seq.num_pending != 1:
@@ -92,13 +97,13 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
-            tables[i, : len(table)] = _table_row(seq)
+            tables[row, : len(table)] = _table_row(seq)
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
                 sample_index.append(i)
         rows, src = (list(x) for x in zip(*from_prev)) if from_prev else ([], [])
         is_decode = len(ids) == len(scheduled)
-        num_decode = 0 if is_decode else num_single
+        num_decode = 0 if is_decode else len(single)
         tail_qsl = [q - num_decode for q in qsl[num_decode:]] if num_decode else []
         input_ids, pos_t, slots_t, qsl_t, lens_t, sample_t, rows_t, src_t, tail_t = self._upload(
             [ids, pos, slots, qsl, seq_lens, sample_rows, rows, src, tail_qsl])
