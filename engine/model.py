@@ -102,10 +102,11 @@ class DecoderLayer(nn.Module):
     def enable_fused_decode(self) -> bool:
         """Run decode steps of at most GEMV_MAX_ROWS tokens as four fused GEMVs (kernels.ops.gemv:
         the norms in front of qkv and gate_up, SiLU-and-multiply behind gate_up). Projections a
-        tensor-parallel rewrite replaced (their forward carries a collective) keep the unfused
-        path. Returns whether it is on."""
-        plain = all(type(m) is nn.Linear for m in (self.self_attn.qkv_proj, self.self_attn.o_proj,
-                                                   self.mlp.gate_up_proj, self.mlp.down_proj))
+        tensor-parallel rewrite replaced (their forward carries a collective), and biases other
+        than qkv's, keep the unfused path. Returns whether it is on."""
+        attn, mlp = self.self_attn, self.mlp
+        plain = (all(type(m) is nn.Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+                 and all(m.bias is None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
         self.fused_decode = plain
         return plain
 

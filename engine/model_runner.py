@@ -68,7 +68,8 @@ class ModelRunner:
         tables = np.zeros((len(scheduled), max(max_blocks, 1)), dtype=np.int32)
         from_prev: list[tuple[int, int]] = []  # (row of this batch, row of prev_tokens)
         # One-token sequences are packed first, so that attention can send them to the decode
-        # kernel (AttentionMetadata.num_decode_seqs); sample_index keeps the scheduled order's ids.
+        # kernel (AttentionMetadata.num_decode_seqs). sample_index holds each sampled row's index
+        # into `scheduled`, in packed order.
         single = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1]
         if 0 < len(single) < len(scheduled):
             order = single + [i for i, s in enumerate(scheduled) if s.num_new_tokens != 1]

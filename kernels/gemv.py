@@ -101,6 +101,8 @@ def _gemv_kernel(
         up2 = acc_up
     if BIAS:
         acc2 += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        if SILU_PAIR:
+            up2 += tl.load(b_ptr + rows + up_offset, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     y = acc2.to(out_ty)
     if SILU_PAIR:  # silu_and_mul of the rounded gate and up outputs, as the unfused path does

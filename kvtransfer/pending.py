@@ -61,7 +61,16 @@ class PendingTransfers:
             return False
         with transfer.lock:  # waits for a write in progress; none follows
             transfer.done = True
+        self._wait_written()  # the caller may free the blocks now: no upload may land after
         return True
+
+    def _wait_written(self) -> None:
+        """Block until the sink's asynchronous writes so far have landed (a CUDA sink uploads
+        host memory on its own stream; see TensorKVSink.wait_written). Every transfer that ends,
+        done or not, passes here before its blocks may be read or freed."""
+        wait_written = getattr(getattr(self, "_sink", None), "wait_written", None)
+        if wait_written is not None:
+            wait_written()
 
     def poll_completed(self, timeout_s: float = 0.0) -> list[TransferResult]:
         with self._results_cond:
@@ -101,14 +110,13 @@ class PendingTransfers:
             self.checksum_failures += transfer.checksum_failed
 
     def _deliver(self, result: TransferResult) -> None:
-        """To the on_complete callback, or to `poll_completed`; a completed transfer only once
-        the sink's asynchronous writes have landed (`wait_written`, where the sink has one)."""
-        wait_written = getattr(getattr(self, "_sink", None), "wait_written", None)
-        if result.ok and wait_written is not None:
-            try:
-                wait_written()
-            except Exception as exc:  # a failed upload fails the transfer
-                logger.exception("kv sink upload failed for %s", result.request_id)
+        """To the on_complete callback, or to `poll_completed`, once the sink's asynchronous
+        writes have landed (for a failed transfer too: its blocks are freed next)."""
+        try:
+            self._wait_written()
+        except Exception as exc:  # a failed upload fails the transfer
+            logger.exception("kv sink upload failed for %s", result.request_id)
+            if result.ok:
                 result = dataclasses.replace(result, ok=False, error=f"sink upload failed: {exc!r}")
         if self._on_complete is not None:
             try:

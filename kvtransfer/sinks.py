@@ -76,7 +76,7 @@ class TensorKVSink:
             if self._upload_stream is None:
                 self._upload_stream = torch.cuda.Stream(dev)
             with torch.cuda.stream(self._upload_stream):  # index, uploads and writes on one stream
-                self._index_copy(k_cache, v_cache, dst_block_ids, k.pin_memory(), v.pin_memory())
+                self._index_copy(k_cache, v_cache, dst_block_ids, _pinned_copy(k), _pinned_copy(v))
             return
         # Device sources: both copies on the caller's stream, where the index is made too. (A
         # helper thread would run on another stream and could read the index, or reuse its
@@ -99,3 +99,11 @@ class TensorKVSink:
     def close(self) -> None:
         """Stop the helper thread (it also ends with the process)."""
         self._pool.close()
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of host tensor `t` in pinned memory (a new one even when `t` is pinned: the caller's
+    buffer may be reused as soon as `write` returns, before the upload has read it)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out

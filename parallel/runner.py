@@ -34,7 +34,8 @@ from parallel.comm import TPGroup
 logger = logging.getLogger(__name__)
 
 _STOP, _STEP = 0, 1
-# kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words, extra bytes
+# kind, tokens, seqs, block-table width, sampled rows, is_decode, swaps out, swaps in, swap words, extra bytes,
+# leading one-token sequences (AttentionMetadata.num_decode_seqs)
 _HEADER = 11
 Swaps = list[tuple[list[int], list[int]]]
 # Rank 0: the extras of a step (b"" for none). Followers: the after-layer hook for a step's extras.

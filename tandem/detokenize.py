@@ -65,19 +65,21 @@ class IncrementalDetokenizer:
         return self._step(final=True)
 
     def finish(self, token_ids: Sequence[int]) -> str:
-        """`push(token_ids) + flush()` for ids that end the generation, in two decodes instead of
-        two per id when the window's text is a prefix of the text with the ids appended (true
-        unless the window ends inside a UTF-8 character); otherwise by pushing them one by one."""
+        """`push(token_ids) + flush()` for ids that end the generation: in two decodes when the
+        window's text extends to the text with the ids appended and no replacement character is
+        involved (an unfinished UTF-8 sequence, which byte-fallback tokens can leave anywhere,
+        decodes differently in one piece than step by step); otherwise by pushing them one by one."""
         ids = [int(i) for i in token_ids]
-        before = self._decode(self._ids[self._prefix_offset:])
-        after = self._decode(self._ids[self._prefix_offset:] + ids)
-        if self._read_offset != len(self._ids) or not after.startswith(before) or before.endswith(_REPLACEMENT_CHAR):
-            return self.push(ids) + self.flush()
-        self._output_ids.extend(ids)
-        self._ids.extend(ids)
-        del self._ids[: len(self._ids) - min(len(ids), PROMPT_CONTEXT_TOKENS)]
-        self._prefix_offset, self._read_offset = 0, len(self._ids)
-        return after[len(before):]
+        if self._read_offset == len(self._ids):  # no text held back
+            window = self._ids[self._prefix_offset:]
+            before = self._decode(window)
+            after = self._decode(window + ids)
+            if after.startswith(before) and _REPLACEMENT_CHAR not in after:
+                self._output_ids.extend(ids)
+                self._ids = (window + ids)[-PROMPT_CONTEXT_TOKENS:]
+                self._prefix_offset, self._read_offset = 0, len(self._ids)
+                return after[len(before):]
+        return self.push(ids) + self.flush()
 
     def _step(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

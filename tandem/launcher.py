@@ -81,8 +81,10 @@ def kv_transport(choice: str) -> str:
     CUDA IPC where there is a GPU (KV moves GPU to GPU, never through host memory), else ZMQ."""
     if choice != "auto":
         return choice
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        return "zmq"
     return "cuda_ipc" if torch.cuda.is_available() else "zmq"
 
 

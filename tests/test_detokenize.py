@@ -170,6 +170,16 @@ def test_finish_equals_pushing_one_by_one(tokenizer: Tokenizer, text: str, promp
     assert detok.output_token_ids == output
 
 
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(min_value=0, max_value=299), max_size=12),
+       prompt_text=st.sampled_from(["", "Hello world", "日本"]))
+def test_finish_equals_pushing_one_by_one_for_any_ids(tokenizer: Tokenizer, ids: list[int], prompt_text: str) -> None:
+    """Arbitrary ids, as a model may sample them: byte-fallback tokens that never form valid
+    UTF-8, special tokens, a character cut off at the end."""
+    prompt = tokenizer.encode(prompt_text) if prompt_text else []
+    assert IncrementalDetokenizer(tokenizer, prompt).finish(ids) == "".join(stream(tokenizer, prompt, ids))
+
+
 # ----------------------------------------------------------------- StopMatcher
 
 

@@ -184,6 +184,7 @@ def case_gemv() -> None:
         (torch.bfloat16, 1, (2 * 40, 257), True, True, False, True),
         (torch.float16, MAX_ROWS, (2 * 24, 96), True, True, False, True),
         (torch.bfloat16, 5, (33, 64), False, False, True, False),
+        (torch.float32, 2, (2 * 20, 70), True, True, True, True),
     ]
     for late, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product((False, True), cases):
         gm.LATE_REDUCE = late
