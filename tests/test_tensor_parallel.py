@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import time
 from pathlib import Path
@@ -96,6 +97,16 @@ def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any
             out.put((name, rank, result))
     finally:
         torch.distributed.destroy_process_group()
+    _exit_cleanly(out)
+
+
+def _exit_cleanly(out: Any) -> None:
+    """End a spawned rank that finished its work: flush its results to the parent, then exit 0
+    without the interpreter's teardown, where torch's gloo threads have been seen to abort the
+    process ("terminate called without an active exception") after everything was done."""
+    out.close()
+    out.join_thread()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

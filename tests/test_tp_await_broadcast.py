@@ -3,6 +3,7 @@ and still gets rank 0's tensor (two real gloo processes)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 from pathlib import Path
@@ -23,12 +24,15 @@ def _rank_main(rank: int, init_method: str, out) -> None:
             time.sleep(IDLE_S)
             tp.broadcast(x)
             out.put((0, None, None, None))
-            return
-        wall, cpu = time.monotonic(), time.process_time()
-        got = tp.await_broadcast(x)
-        out.put((1, got.tolist(), time.monotonic() - wall, time.process_time() - cpu))
+        else:
+            wall, cpu = time.monotonic(), time.process_time()
+            got = tp.await_broadcast(x)
+            out.put((1, got.tolist(), time.monotonic() - wall, time.process_time() - cpu))
     finally:
         torch.distributed.destroy_process_group()
+    out.close()
+    out.join_thread()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it after the work is done
 
 
 def test_follower_sleeps_while_rank0_is_idle_and_gets_its_tensor(tmp_path: Path) -> None:

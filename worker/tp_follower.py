@@ -118,4 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Past the interpreter's teardown, where torch's collective threads have been seen to abort a
+    # rank that had finished cleanly ("terminate called without an active exception").
+    os._exit(code)
