@@ -21,7 +21,7 @@ from kvtransfer.base import KVSender, KVTransferError
 from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_LAYER, check_checksum_algorithm
 from kvtransfer.ipc_pool import MAX_SLOTS
 from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem
-from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers, check_open_args
+from kvtransfer.outgoing import Outgoing, OutgoingTransfers
 from kvtransfer.staging import PairPool
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ class IpcSender(OutgoingTransfers, KVSender):
     checksum_algorithm: for host pools, named in every header; GPU pools are not hashed.
     corrupt_once: test hook (see `kvtransfer.ipc_transport`); None reads TANDEM_KV_CORRUPT_ONCE.
     """
+
+    schemes = _SCHEMES
 
     def __init__(
         self,
@@ -83,21 +85,15 @@ class IpcSender(OutgoingTransfers, KVSender):
         self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
         self.send_seconds = 0.0
 
-    def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
-        check_open_args(request_id, peer_address, num_layers, _SCHEMES)
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("sender is closed")
-            if request_id in self._requests:
-                raise ValueError(f"request_id: transfer {request_id!r} is already open")
-            channel = self._channels.get(peer_address)
-            if channel is None or channel.broken is not None:
-                if channel is not None:
-                    channel.close()
-                    self._retired.append(channel)
-                channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
-                self._channels[peer_address] = channel
-            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
+    def _channel_for(self, peer_address: str) -> Channel:
+        channel = self._channels.get(peer_address)
+        if channel is None or channel.broken is not None:  # a broken channel is retired, not reused
+            if channel is not None:
+                channel.close()
+                self._retired.append(channel)
+            channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
+            self._channels[peer_address] = channel
+        return channel
 
     def send_layer(
         self, request_id: str, layer: int, src_k: Any, src_v: Any,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,13 +97,14 @@ class Item:
     reason: str = ""
 
 
-class OutgoingTransfers:
+class OutgoingTransfers(ABC):
     """The caller-side calls every sender shares: looking up an open transfer, `commit`,
     `abort`, the staging budget (`_reserve` / `_release`), the stats counters and the
     corruption test hook.
 
     A sender sets `_lock`, `_closed`, `_requests` (request id -> Outgoing with its `channel`)
-    and `_stats_lock`; one that stages copies also `_staged_cond`, `staged_bytes`,
+    and `_stats_lock`, names the address schemes it accepts (`schemes`) and implements
+    `_channel_for`; one that stages copies also sets `_staged_cond`, `staged_bytes`,
     `max_staged_bytes` and `send_timeout_s`; one with the test hook `_corrupt_pending`.
     """
 
@@ -110,6 +112,21 @@ class OutgoingTransfers:
     _closed: bool
     _requests: dict[str, Outgoing]
     _stats_lock: threading.Lock
+    schemes: tuple[str, ...]
+
+    def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
+        check_open_args(request_id, peer_address, num_layers, self.schemes)
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            if request_id in self._requests:
+                raise ValueError(f"request_id: transfer {request_id!r} is already open")
+            channel = self._channel_for(peer_address)
+            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
+
+    @abstractmethod
+    def _channel_for(self, peer_address: str) -> Any:
+        """The channel a new transfer to `peer_address` goes through (called under `_lock`)."""
 
     def _state(self, request_id: str) -> Any:
         with self._lock:

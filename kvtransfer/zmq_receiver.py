@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
+from kvtransfer.base import KVReceiver, KVSink, OnComplete
 from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
 from kvtransfer.pending import PendingTransfers
 from kvtransfer.staging import PairPool

@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.base import KVSender, KVTransferError, SendResult
+from kvtransfer.base import KVSender, SendResult
 from kvtransfer.frames import (
     DEFAULT_CHECKSUM,
     KIND_ABORT,
@@ -24,7 +24,7 @@ from kvtransfer.frames import (
     check_checksum_algorithm,
     checksum,
 )
-from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers, check_open_args
+from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers
 from kvtransfer.staging import PairPool, StagedLayer, stage_layer
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class ZmqSender(OutgoingTransfers, KVSender):
     corrupt_once: test hook (see `kvtransfer.zmq_transport`); None reads TANDEM_KV_CORRUPT_ONCE.
     """
 
+    schemes = _SCHEMES
+
     def __init__(
         self,
         *,
@@ -133,17 +135,11 @@ class ZmqSender(OutgoingTransfers, KVSender):
 
     # -- caller side --------------------------------------------------------------------------
 
-    def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
-        check_open_args(request_id, peer_address, num_layers, _SCHEMES)
-        with self._lock:
-            if self._closed:
-                raise KVTransferError("sender is closed")
-            if request_id in self._requests:
-                raise ValueError(f"request_id: transfer {request_id!r} is already open")
-            channel = self._channels.get(peer_address)
-            if channel is None:
-                channel = self._channels[peer_address] = _PeerChannel(self, peer_address)
-            self._requests[request_id] = Outgoing(request_id, peer_address, num_layers, channel=channel)
+    def _channel_for(self, peer_address: str) -> _PeerChannel:
+        channel = self._channels.get(peer_address)
+        if channel is None:
+            channel = self._channels[peer_address] = _PeerChannel(self, peer_address)
+        return channel
 
     def send_layer(
         self,
