@@ -117,27 +117,15 @@ class IpcReceiver(PendingTransfers, KVReceiver):
 
     def stats(self) -> dict[str, float]:
         return {
-            "bytes_received": self.bytes_received,
-            "frames_received": self.frames_received,
-            "frames_dropped": self.frames_dropped,
-            "transfers_ok": self.transfers_ok,
-            "transfers_failed": self.transfers_failed,
+            **self._transfer_stats(),
             "checksum_failures": self.checksum_failures,
-            "transfer_seconds": self.transfer_seconds,
             "channels": len(self._peers),
             "channels_opened": self.channels_opened,
             "channels_refused": self.channels_refused,
-            "pending": len(self._pending),
         }
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        with self._lock:
-            self._stop.set()
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():
-            logger.warning("kv ipc receiver thread did not stop; leaving its ZMQ context open")
+        if not self._stop_thread(self._thread):  # closed already, or stuck: keep its ZMQ context
             return
         self._pair.close()
         if self._own_ctx:

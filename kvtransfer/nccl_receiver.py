@@ -118,24 +118,16 @@ class NcclReceiver(PendingTransfers, KVReceiver):
 
     def stats(self) -> dict[str, float]:
         return {
-            "bytes_received": self.bytes_received,
-            "frames_received": self.frames_received,
-            "frames_dropped": self.frames_dropped,
-            "transfers_ok": self.transfers_ok,
-            "transfers_failed": self.transfers_failed,
-            "transfer_seconds": self.transfer_seconds,
+            **self._transfer_stats(),
             "channels_opened": self.channels_opened,
             "channels_broken": self.channels_broken,
             "channels": len(self._channels),
-            "pending": len(self._pending),
         }
 
     def close(self) -> None:
         if self._stop.is_set():
             return
-        with self._lock:
-            self._stop.set()
-        self._thread.join(timeout=10.0)
+        self._stop_thread(self._thread)  # the channels below are closed even if it is stuck
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:

@@ -34,6 +34,31 @@ class PendingTransfers:
         self._results_cond = threading.Condition()
         self._stop = threading.Event()
 
+    def _transfer_stats(self) -> dict[str, float]:
+        """The counters every receiver reports (a receiver adds its own to them)."""
+        return {
+            "bytes_received": self.bytes_received,
+            "frames_received": self.frames_received,
+            "frames_dropped": self.frames_dropped,
+            "transfers_ok": self.transfers_ok,
+            "transfers_failed": self.transfers_failed,
+            "transfer_seconds": self.transfer_seconds,
+            "pending": len(self._pending),
+        }
+
+    def _stop_thread(self, thread: threading.Thread, timeout_s: float = 10.0) -> bool:
+        """Tell the receiver thread to stop and wait for it; False (logged) if it did not stop,
+        or if the receiver was closed already."""
+        if self._stop.is_set():
+            return False
+        with self._lock:
+            self._stop.set()
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            logger.warning("kv receiver thread %s did not stop within %gs", thread.name, timeout_s)
+            return False
+        return True
+
     def expect(self, request_id: str, dst_block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
         check_request_id(request_id)
         try:

@@ -92,25 +92,10 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         return len(self._pending)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "bytes_received": self.bytes_received,
-            "frames_received": self.frames_received,
-            "frames_dropped": self.frames_dropped,
-            "transfers_ok": self.transfers_ok,
-            "transfers_failed": self.transfers_failed,
-            "checksum_failures": self.checksum_failures,
-            "transfer_seconds": self.transfer_seconds,
-            "pending": self.num_pending,
-        }
+        return {**self._transfer_stats(), "checksum_failures": self.checksum_failures}
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        with self._lock:
-            self._stop.set()
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():
-            logger.warning("kv receiver thread did not stop; leaving its ZMQ context open")
+        if not self._stop_thread(self._thread):  # closed already, or stuck: keep its ZMQ context
             return
         self._pool.close()
         if self._own_ctx:
