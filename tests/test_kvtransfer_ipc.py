@@ -28,6 +28,7 @@ from kvtransfer import ipc_wire as wire
 from kvtransfer.frames import KIND_LAYER, FrameHeader, checksum
 from kvtransfer.ipc_transport import IpcReceiver, IpcSender
 from kvtransfer.sinks import TensorKVSink
+from spawned_prefill import Prefill
 
 LAYERS = 3
 SRC_BLOCKS, DST_BLOCKS = 40, 32
@@ -165,26 +166,8 @@ def _sender_main(commands: Any, replies: Any, options: dict[str, Any]) -> None:
         sender.close(drain_timeout_s=2.0)
 
 
-class Prefill:
-    def __init__(self, **options: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_sender_main, args=(self.commands, self.replies, options), daemon=True)
-        self.proc.start()
-
-    def __call__(self, op: str, **kw: Any) -> Any:
-        self.commands.put((op, kw))
-        status, value = self.replies.get(timeout=120.0)  # the first call waits for torch to import
-        assert status == "ok", value
-        return value
-
-    def close(self) -> int | None:
-        self.commands.put(None)
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        return self.proc.exitcode
+def start_prefill(**options: Any) -> Prefill:
+    return Prefill(_sender_main, options)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +177,7 @@ def shm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prefill(shm_dir: Path) -> Iterator[Prefill]:
-    p = Prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0, shm_dir=str(shm_dir))
+    p = start_prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0, shm_dir=str(shm_dir))
     yield p
     assert p.close() == 0
     assert os.listdir(shm_dir) == []  # every pool file is gone once the sender closed
@@ -668,7 +651,7 @@ def test_disaggregated_workers_over_the_ipc_transport_match_the_offline_engine(t
 def test_gpu_pool_between_processes_lands_bit_exact(dtype: str) -> None:
     """The real thing: a GPU cache in the prefill process, CUDA IPC pool and events, a GPU cache
     here (the same GPU, and a second one when there is one)."""
-    gpu = Prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0)
+    gpu = start_prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0)
     try:
         for device in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
             dest = Dest(getattr(torch, dtype), device=device)

@@ -6,7 +6,6 @@ boundary through torch.distributed point-to-point, with its header over ZMQ.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -19,6 +18,7 @@ import torch
 from kvtransfer import TransferResult, get_transport
 from kvtransfer.nccl_transport import NcclReceiver, NcclSender
 from kvtransfer.sinks import TensorKVSink
+from spawned_prefill import Prefill
 
 LAYERS = 4
 SRC_BLOCKS, DST_BLOCKS = 41, 33
@@ -96,31 +96,13 @@ def _sender_main(commands: Any, replies: Any, backend: str, device: str | None) 
         sender.close(drain_timeout_s=2.0)
 
 
-class Prefill:
-    def __init__(self, backend: str = "gloo", device: str | None = None) -> None:
-        ctx = mp.get_context("spawn")
-        self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_sender_main, args=(self.commands, self.replies, backend, device), daemon=True)
-        self.proc.start()
-
-    def __call__(self, op: str, **kw: Any) -> Any:
-        self.commands.put((op, kw))
-        status, value = self.replies.get(timeout=120.0)  # the first call waits for torch to import
-        assert status == "ok", value
-        return value
-
-    def close(self) -> int | None:
-        self.commands.put(None)
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        return self.proc.exitcode
+def start_prefill(backend: str = "gloo", device: str | None = None) -> Prefill:
+    return Prefill(_sender_main, backend, device)
 
 
 @pytest.fixture(scope="module")
 def prefill() -> Iterator[Prefill]:
-    p = Prefill()
+    p = start_prefill()
     yield p
     assert p.close() == 0
 
@@ -306,7 +288,7 @@ def test_disaggregated_workers_over_the_nccl_transport_match_the_offline_engine(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_nccl_between_two_gpus_lands_bit_exact(dtype: str) -> None:
     """The real thing: cuda:0 (prefill process) to cuda:1 (this process) through NCCL."""
-    gpu = Prefill(backend="nccl", device="cuda:0")
+    gpu = start_prefill(backend="nccl", device="cuda:0")
     try:
         dest = Dest(getattr(torch, dtype), device="cuda:1")
         with get_transport("nccl").create_receiver(dest.sink, bind="tcp://127.0.0.1:*") as receiver:
