@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import ipc_wire as wire
 from kvtransfer.base import KVTransferError, SendResult
-from kvtransfer.frames import DTYPE_ITEMSIZE, KIND_ABORT, KIND_COMMIT, KIND_LAYER, FrameHeader, checksum
+from kvtransfer.frames import DTYPE_ITEMSIZE, KIND_COMMIT, KIND_LAYER, FrameHeader, checksum
 from kvtransfer.ipc_pool import CUDA, Lease, SendPool
 from kvtransfer.outgoing import Item, Outgoing
 from kvtransfer.staging import PairPool
@@ -228,17 +228,8 @@ class Channel:
                 self._send_layer(sock, item)
             else:
                 self._finish(item)
-        elif item.kind == KIND_COMMIT:
-            if state.error is None:
-                self._send_header(sock, state, FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {}))
-            ok = state.error is None
-            s._count(transfers_committed=int(ok), transfers_failed=int(not ok))
-            state.future.set_result(
-                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
-            )
-        elif state.error is None:  # abort; after a failure the receiver times out on its own
-            self._send_header(sock, state, FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason))
-            s._count(transfers_aborted=1)
+        else:
+            s._end_transfer(item, lambda header: self._send_header(sock, state, header))
 
     def _send_layer(self, sock: zmq.Socket, item: LayerItem) -> None:
         s, state, lease, pool = self._sender, item.state, item.lease, self.pool

@@ -16,8 +16,8 @@ import torch
 import zmq
 
 from kvtransfer import nccl_group as ng
-from kvtransfer.base import KVTransferError, SendResult
-from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, KIND_LAYER, FrameHeader
+from kvtransfer.base import KVTransferError
+from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
 from kvtransfer.outgoing import Item, Outgoing
 
@@ -172,19 +172,10 @@ class Channel:
                 self._send_layer(sock, item, staged)  # the staging is released once its sends complete
             else:
                 sender._release(staged.nbytes)
-        elif item.kind == KIND_COMMIT:
-            self._settle(0)  # the result reports payloads that completed, not just posted
-            if state.error is None:
-                header = FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {})
-                self._send_header(sock, state, header)
-            ok = state.error is None
-            sender._count(transfers_committed=int(ok), transfers_failed=int(not ok))
-            state.future.set_result(
-                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
-            )
-        elif state.error is None:  # abort; after a failure the receiver times out on its own
-            self._send_header(sock, state, FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason))
-            sender._count(transfers_aborted=1)
+        else:
+            if item.kind == KIND_COMMIT:
+                self._settle(0)  # the result reports payloads that completed, not just posted
+            sender._end_transfer(item, lambda header: self._send_header(sock, state, header))
 
     def _send_layer(self, sock: zmq.Socket, item: Item, staged: _Staged) -> None:
         sender, state = self._sender, item.state

@@ -6,12 +6,13 @@ import json
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer.base import KVTransferError, SendResult
-from kvtransfer.frames import KIND_ABORT, KIND_COMMIT
+from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, FrameHeader
 from kvtransfer.staging import StagedLayer, check_cache_pair
 
 
@@ -162,6 +163,23 @@ class OutgoingTransfers(ABC):
         state.aborted = True  # the channel thread skips (and frees) this request's queued layers
         state.channel.put(Item(state, KIND_ABORT, reason=str(reason)))
         return True
+
+    def _end_transfer(self, item: Item, send_header: Callable[[FrameHeader], object]) -> None:
+        """A worker thread's handling of a commit or abort item: a commit sends its header (unless
+        the transfer failed) and reports the result; an abort sends its header, except after a
+        failure (the receiver then times out on its own)."""
+        state = item.state
+        if item.kind == KIND_COMMIT:
+            if state.error is None:
+                send_header(FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {}))
+            ok = state.error is None
+            self._count(transfers_committed=int(ok), transfers_failed=int(not ok))
+            state.future.set_result(
+                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
+            )
+        elif state.error is None:
+            send_header(FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason))
+            self._count(transfers_aborted=1)
 
     def _reserve(self, nbytes: int) -> None:
         """Wait until `nbytes` more staged bytes fit the budget (one layer always fits)."""

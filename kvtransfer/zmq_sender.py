@@ -14,11 +14,9 @@ from typing import Any
 
 import zmq
 
-from kvtransfer.base import KVSender, SendResult
+from kvtransfer.base import KVSender
 from kvtransfer.frames import (
     DEFAULT_CHECKSUM,
-    KIND_ABORT,
-    KIND_COMMIT,
     KIND_LAYER,
     FrameHeader,
     check_checksum_algorithm,
@@ -172,19 +170,8 @@ class ZmqSender(OutgoingTransfers, KVSender):
                     self._send_layer(sock, item, item.staged, pool)
             finally:
                 self._release(item.staged.nbytes)
-        elif item.kind == KIND_COMMIT:
-            if state.error is None:
-                header = FrameHeader(KIND_COMMIT, state.request_id, state.seq, meta=item.meta or {})
-                self._send(sock, state, [header.encode()])
-            ok = state.error is None
-            self._count(transfers_committed=int(ok), transfers_failed=int(not ok))
-            state.future.set_result(
-                SendResult(state.request_id, ok, state.error, state.bytes_sent, time.monotonic() - state.started)
-            )
-        elif state.error is None:  # abort; after a failed send the receiver times out on its own
-            header = FrameHeader(KIND_ABORT, state.request_id, state.seq, reason=item.reason)
-            self._send(sock, state, [header.encode()])
-            self._count(transfers_aborted=1)
+        else:
+            self._end_transfer(item, lambda header: self._send(sock, state, [header.encode()]))
 
     def _send_layer(self, sock: zmq.Socket, item: Item, staged: StagedLayer, pool: PairPool) -> None:
         staged.wait()
