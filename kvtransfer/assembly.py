@@ -89,6 +89,36 @@ class IncomingTransfer:
         self.bytes_received += len(k_buf) + len(v_buf)
         return None
 
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """The shape of one layer's K (or V) payload: [len(dst_block_ids), *block_shape]."""
+        return (len(self.dst_block_ids), *self.block_shape)
+
+    def header_error(self, header: FrameHeader) -> str | None:
+        """Why a layer header does not fit this transfer (layer index, repeat, dtype, shape,
+        destination blocks), or None."""
+        if not 0 <= header.layer < self.num_layers:
+            return f"layer {header.layer} out of range [0, {self.num_layers})"
+        if header.layer in self.layers:
+            return f"duplicate layer {header.layer}"
+        if header.dtype != self.dtype:
+            return f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {self.dtype}"
+        want_shape = self.layer_shape
+        if header.shape != want_shape:
+            return f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
+        if len(header.src_block_ids) != want_shape[0] or sorted(header.dst_block_ids) != self._dst_sorted:
+            return f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}"
+        return None
+
+    def device_layer_error(self, header: FrameHeader) -> str | None:
+        """Why a layer that arrived in device memory must not be written, or None: the checks of
+        `on_message` bar the payload's size and checksum (device memory never crossed a wire, and
+        hashing it would need a host copy). Advances the sequence like `on_message`."""
+        if header.seq != self.next_seq:
+            return f"sequence gap: expected seq {self.next_seq}, got {header.seq} (a message was lost)"
+        self.next_seq += 1
+        return self.header_error(header)
+
     def _check_layer(
         self,
         header: FrameHeader,
@@ -99,18 +129,9 @@ class IncomingTransfer:
         """Why this layer message must not be written, or None when it is sound."""
         if k_buf is None or v_buf is None:
             return "malformed layer message: missing K or V payload"
-        if not 0 <= header.layer < self.num_layers:
-            return f"layer {header.layer} out of range [0, {self.num_layers})"
-        if header.layer in self.layers:
-            return f"duplicate layer {header.layer}"
-        if header.dtype != self.dtype:
-            return f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {self.dtype}"
-        n = len(self.dst_block_ids)
-        want_shape = (n, *self.block_shape)
-        if header.shape != want_shape:
-            return f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
-        if len(header.src_block_ids) != n or sorted(header.dst_block_ids) != self._dst_sorted:
-            return f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}"
+        error = self.header_error(header)
+        if error is not None:
+            return error
         if len(k_buf) != header.payload_nbytes or len(v_buf) != header.payload_nbytes:
             return (
                 f"payload size mismatch in layer {header.layer}: got {len(k_buf)}/{len(v_buf)} bytes, "

@@ -297,7 +297,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
     def _write_device(self, transfer: IncomingTransfer, header: FrameHeader, k: torch.Tensor,
                       v: torch.Tensor) -> TransferResult | None:
         """Check a layer in GPU memory and queue its copy into the sink on this receiver's stream."""
-        error = device_layer_error(transfer, header)
+        error = transfer.device_layer_error(header)
         if error is not None:
             return transfer.fail(error)
         dtype = getattr(torch, header.dtype)
@@ -345,25 +345,3 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         self.channels_refused += 1
         logger.warning("kv ipc: refusing channel %r: %s", identity, error)
         self._reply(identity, wire.REFUSE, {"error": error})
-
-
-def device_layer_error(transfer: IncomingTransfer, header: FrameHeader) -> str | None:
-    """Why a layer in GPU memory must not be written, or None: the checks `IncomingTransfer`
-    makes, bar the checksum (device memory never crossed a wire, and hashing it would need a
-    host copy). Advances the transfer's sequence like `IncomingTransfer.on_message`."""
-    if header.seq != transfer.next_seq:
-        return f"sequence gap: expected seq {transfer.next_seq}, got {header.seq} (a message was lost)"
-    transfer.next_seq += 1
-    n = len(transfer.dst_block_ids)
-    want_shape = (n, *transfer.block_shape)
-    if not 0 <= header.layer < transfer.num_layers:
-        return f"layer {header.layer} out of range [0, {transfer.num_layers})"
-    if header.layer in transfer.layers:
-        return f"duplicate layer {header.layer}"
-    if header.dtype != transfer.dtype:
-        return f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {transfer.dtype}"
-    if header.shape != want_shape:
-        return f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
-    if len(header.src_block_ids) != n or sorted(header.dst_block_ids) != sorted(transfer.dst_block_ids):
-        return f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}"
-    return None

@@ -235,23 +235,10 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         self, transfer: IncomingTransfer, header: FrameHeader, k: torch.Tensor, v: torch.Tensor
     ) -> TransferResult | None:
         """The layer checks of `IncomingTransfer` minus checksums (caller holds the lock)."""
-        if header.seq != transfer.next_seq:
-            return transfer.fail(f"sequence gap: expected seq {transfer.next_seq}, got {header.seq} (a message was lost)")
-        transfer.next_seq += 1
-        n = len(transfer.dst_block_ids)
-        want_shape = (n, *transfer.block_shape)
-        if not 0 <= header.layer < transfer.num_layers:
-            return transfer.fail(f"layer {header.layer} out of range [0, {transfer.num_layers})")
-        if header.layer in transfer.layers:
-            return transfer.fail(f"duplicate layer {header.layer}")
-        if header.dtype != transfer.dtype:
-            return transfer.fail(f"dtype mismatch in layer {header.layer}: got {header.dtype}, cache is {transfer.dtype}")
-        if header.shape != want_shape:
-            return transfer.fail(
-                f"shape mismatch in layer {header.layer}: got {list(header.shape)}, expected {list(want_shape)}"
-            )
-        if len(header.src_block_ids) != n or sorted(header.dst_block_ids) != sorted(transfer.dst_block_ids):
-            return transfer.fail(f"destination blocks mismatch in layer {header.layer}: got {list(header.dst_block_ids)}")
+        error = transfer.device_layer_error(header)
+        if error is not None:
+            return transfer.fail(error)
+        want_shape = transfer.layer_shape
         dtype = getattr(torch, header.dtype)
         try:
             self._sink.write(header.layer, list(header.dst_block_ids), k.view(dtype).view(want_shape),
