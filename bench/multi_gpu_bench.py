@@ -112,8 +112,8 @@ def _cache(a: argparse.Namespace, device: str, seed: int | None) -> list:
     dtype = getattr(torch, a.dtype)
     if seed is None:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(a.layers)]
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(a.layers)]
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: GBs of noise in seconds
+    return [torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(a.layers)]
 
 
 def _transport_receiver(a: argparse.Namespace, transport: str, options: dict, ctrl: Any, done: Any) -> None:
@@ -129,11 +129,30 @@ def _transport_receiver(a: argparse.Namespace, transport: str, options: dict, ct
     receiver = get_transport(transport).create_receiver(sink, bind="tcp://127.0.0.1:*", **options)
     done.put(receiver.address)
     while (cmd := ctrl.get()) is not None:
-        receiver.expect(cmd[0], cmd[1], a.layers, deadline_s=120.0)
+        rid, dst_ids, trace = cmd
+        prof = _profiler(trace)
+        receiver.expect(rid, dst_ids, a.layers, deadline_s=120.0)
         done.put("ready")
         results = receiver.poll_completed(timeout_s=120.0)
         done.put((time.monotonic(), bool(results) and results[0].ok))
+        if prof is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(trace)
     receiver.close()
+
+
+def _profiler(trace: str | None):
+    """A started torch profiler (CPU ops and the device timeline) when `trace` names a file."""
+    if not trace:
+        return None
+    import torch
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
 
 
 def transport_bandwidth(a: argparse.Namespace, transport: str, sender_options: dict,
@@ -161,12 +180,15 @@ def transport_bandwidth(a: argparse.Namespace, transport: str, sender_options: d
     times = []
     sender = get_transport(transport).create_sender(**sender_options)
     try:
-        for it in range(a.iters + 1):
+        last = a.iters + (1 if a.trace_dir else 0)  # a warm-up, the timed ones, then the traced one
+        for it in range(last + 1):
             rid = f"bench-{transport}-{it}"
-            ctrl.put((rid, dst_ids))
+            trace = f"{a.trace_dir}/{transport}-%s.json" if a.trace_dir and it == last else None
+            ctrl.put((rid, dst_ids, trace and trace % "receiver"))
             done.get(timeout=60)
             if a.src.startswith("cuda"):
                 torch.cuda.synchronize()
+            prof = _profiler(trace and trace % "sender")
             t0 = time.monotonic()
             sender.open(rid, address, a.layers)
             for layer in range(a.layers):
@@ -175,7 +197,10 @@ def transport_bandwidth(a: argparse.Namespace, transport: str, sender_options: d
             t_done, ok = done.get(timeout=180)
             if not ok:
                 raise RuntimeError(f"transfer {rid} failed")
-            if it:
+            if prof is not None:  # the traced transfer is left out of the figures
+                prof.__exit__(None, None, None)
+                prof.export_chrome_trace(trace % "sender")
+            elif it:
                 times.append(t_done - t0)
     finally:
         ctrl.put(None)
@@ -192,8 +217,12 @@ def run_kv(a: argparse.Namespace) -> dict[str, Any]:
         "layers", "blocks", "block_size", "kv_heads", "head_dim", "dtype", "backend", "src", "dst")}}
 
     def part(name: str, fn) -> None:
-        """Measure one part; the result so far is written after each (a killed run keeps them)."""
-        out[name] = fn()
+        """Measure one part; the result so far is written after each (a killed run keeps them).
+        A part that fails is recorded with its error and the rest still run."""
+        try:
+            out[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one broken path must not hide the others
+            out[name] = {"error": repr(exc)}
         print(f"{name}: {json.dumps(out[name])[:300]}", flush=True)
         if a.out:
             Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -201,14 +230,24 @@ def run_kv(a: argparse.Namespace) -> dict[str, Any]:
     if a.backend == "nccl":
         part("copy_ceiling", lambda: copy_ceiling(nbytes, a.iters))
     part("raw_p2p", lambda: raw_p2p(nbytes, a.iters, a.backend, a.src, a.dst))
+    if a.trace_dir:
+        Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
     part("nccl_transport", lambda: transport_bandwidth(
         a, "nccl", {"backend": a.backend, "device": a.src if a.backend == "nccl" else None}, {"backend": a.backend}))
     if a.with_zmq:
         part("zmq_transport", lambda: transport_bandwidth(a, "zmq", {}, {}))
+    if a.with_ipc and a.backend == "nccl":
+        part("cuda_ipc_transport", lambda: transport_bandwidth(a, "cuda_ipc", {}, {"device": a.dst}))
     ceiling = out.get("copy_ceiling", {}).get("0->1", {}).get("gbps_median")
-    if ceiling:
-        out["transport_vs_copy"] = round(out["nccl_transport"]["gbps_median"] / ceiling, 3)
-    out["transport_vs_raw"] = round(out["nccl_transport"]["gbps_median"] / out["raw_p2p"]["gbps_median"], 3)
+    raw = out.get("raw_p2p", {}).get("gbps_median")
+    for name in ("nccl_transport", "cuda_ipc_transport"):
+        rate = out.get(name, {}).get("gbps_median")
+        if rate and ceiling:
+            out[f"{name.removesuffix('_transport')}_vs_copy"] = round(rate / ceiling, 3)
+    if out.get("nccl_vs_copy") is not None:
+        out["transport_vs_copy"] = out["nccl_vs_copy"]
+    if raw and out.get("nccl_transport", {}).get("gbps_median"):
+        out["transport_vs_raw"] = round(out["nccl_transport"]["gbps_median"] / raw, 3)
     return out
 
 
@@ -385,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--src", default=None, help="prefill cache device (default cuda:0, cpu for gloo)")
     kv.add_argument("--dst", default=None, help="decode cache device (default cuda:1, cpu for gloo)")
     kv.add_argument("--with-zmq", action="store_true", help="also the ZMQ transport (via pinned host memory)")
+    kv.add_argument("--trace-dir", default=None,
+                    help="write a torch profiler trace of one more transfer per transport (sender and receiver)")
+    kv.add_argument("--with-ipc", action="store_true",
+                    help="also the cuda_ipc transport (the decode side reads the prefill GPU's staging by peer access)")
     gp = sub.add_parser("goodput", help="1 prefill + 1 decode vs 2 colocated workers, DistServe goodput")
     gp.add_argument("--model", default=None, help="model directory, or 'demo' (default: --shape)")
     gp.add_argument("--shape", default="llama3-8b", choices=["llama3-8b"], help="dummy weights at this shape")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class EngineConfig:
     # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
     # tensor parallelism.
     overlap_schedule: bool | None = None
+    # Run a few synthetic steps at start-up on CUDA devices (`Engine.warm_up`), so that Triton's
+    # compiles land before the first request rather than in its latency.
+    warm_up: bool = True
 
 
 @dataclass
@@ -150,9 +154,40 @@ class Engine:
         self.overlap = self.tp is None and bool(overlap)
         self._inflight: _InFlight | None = None  # a launched step whose samples are not yet processed
         self._ready: list[StepOutput] = []  # outputs of a step resolved outside step(), returned by the next
+        if config.warm_up and device.type == "cuda" and self.tp is None:
+            self.warm_up()
         rank = "" if self.tp is None else f" (tensor parallel rank {self.tp.rank} of {self.tp.world_size})"
         logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", rank, self.identity, device, dtype, num_blocks,
                     config.block_size, ", overlapped steps" if self.overlap else "")
+
+    def warm_up(self) -> float:
+        """Run the kinds of step a server meets (one prefill, a prefill of several sequences next
+        to running decodes, a prefill behind a cached prefix, plain decodes) on synthetic
+        prompts, so their kernels are compiled before the first request. Leaves no request
+        behind. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        # Prompts fit the context and, all four at once, a quarter of the cache.
+        room = max(4, min(self.max_model_len - 8, 320, self.allocator.num_total * self.config.block_size // 4 - 16))
+        long = room - room // 8
+
+        def prompt(n: int, salt: int) -> list[int]:
+            return [(salt + i * 7919) % (vocab - 1) + 1 for i in range(max(1, n))]
+
+        params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+        ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(4)]
+        self.add_request(prompt(min(37, long), 1), params, ids[0])
+        self.step()  # one sequence's prefill; its decodes follow
+        self.add_request(prompt(long, 2), params, ids[1])
+        self.add_request(prompt(min(17, long), 3), params, ids[2])
+        while self.has_unfinished():  # several prefills beside a decode, then decodes
+            self.step()
+        self.add_request(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
+        while self.has_unfinished():
+            self.step()
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up steps ran in %.1f s", seconds)
+        return seconds
 
     def _derive_num_blocks(self, block_bytes: int) -> int:
         if self.device.type == "cuda":

@@ -57,6 +57,11 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=2, opaque_cvt="v")
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
+# Integer arguments that change from step to step (block-table width, split count and length).
+# Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
+# which a server first meets while serving; these stay generic, so the variants are fixed by
+# the model and a warm-up covers them.
+_PER_STEP_ARGS = ["bt_s0", "o_s0", "o_s1", "lse_s0", "lse_s1", "partition"]
 
 
 @triton.jit
@@ -64,7 +69,7 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_ARGS)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
@@ -124,7 +129,7 @@ def _decode_stage1(
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_ARGS[1:])
 def _decode_stage2(
     o_ptr, lse_ptr, ctx_ptr, out_ptr,
     o_s0, o_s1, o_s2, lse_s0, lse_s1, out_s0, out_s1, partition,

@@ -41,7 +41,7 @@ def _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv,
     return x.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,

@@ -15,7 +15,7 @@ MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel 
 ELEMS_PER_WARP = 512  # tile elements per warp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, rows_inner, x_s0, x_s1, r_s0, r_s1, n_cols, eps,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvtransfer.ipc_wire import is_int
+from kvtransfer.staging import device_index
 
 # Handles this process exported: CUDA cannot open an IPC handle in the process that made it, so
 # a receiver in the same process (tests) uses the original buffer and events instead.
@@ -119,7 +120,7 @@ def gather(src_k: torch.Tensor, src_v: torch.Tensor, src_block_ids: Sequence[int
     Both run on the caller's current stream, after the compute that wrote the layer; the
     caller does not wait for them.
     """
-    idx = torch.as_tensor(list(src_block_ids), dtype=torch.long).to(src_k.device, non_blocking=True)
+    idx = device_index(src_block_ids, src_k.device)
     torch.index_select(src_k, 0, idx, out=k_out)
     torch.index_select(src_v, 0, idx, out=v_out)
     event.record(torch.cuda.current_stream(src_k.device))

@@ -30,7 +30,7 @@ class ChannelBroken(Exception):
 
 @dataclass
 class _Posted:
-    """A layer header whose K and V receives are posted, in header order."""
+    """A layer header whose payload receive (K's bytes, then V's) is posted, in header order."""
 
     header: FrameHeader
     k: torch.Tensor
@@ -98,26 +98,25 @@ class RecvChannel:
         return header
 
     def _post(self, header: FrameHeader) -> _Posted:
-        """Post the receives of a layer's K and V, whatever becomes of the layer (the sender
-        sends them regardless, and the pair's stream must stay matched)."""
+        """Post the receive of a layer's payload (K and V in one message), whatever becomes of
+        the layer (the sender sends it regardless, and the pair's stream must stay matched)."""
         r = self._receiver
         nbytes = header.payload_nbytes
         if nbytes > r.max_frame_bytes:
             raise ChannelBroken(f"layer of {nbytes} bytes exceeds max_frame_bytes={r.max_frame_bytes}")
-        k = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
-        v = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
+        payload = torch.empty(2 * nbytes, dtype=torch.uint8, device=r.device)
         works = []
         if nbytes:
-            tag = 2 * (self.payloads % (1 << 29))
+            tag = self.payloads % (1 << 30)
             self.payloads += 1
-            works = [self.group.recv([t], ng.SENDER_RANK, tag + i) for i, t in enumerate((k, v))]
-        return _Posted(header, k, v, works)
+            works = [self.group.recv([payload], ng.SENDER_RANK, tag)]
+        return _Posted(header, payload[:nbytes], payload[nbytes:], works)
 
     def _complete(self, posted: _Posted) -> None:
         r = self._receiver
         try:
-            for name, work in zip("KV", posted.works, strict=True):
-                ng.wait_work(work, r.backend, r.recv_timeout_s, f"{name} of layer {posted.header.layer}")
+            for work in posted.works:
+                ng.wait_work(work, r.backend, r.recv_timeout_s, f"payload of layer {posted.header.layer}")
         except KVTransferError as exc:
             raise ChannelBroken(str(exc)) from None
         r._count(bytes_received=posted.k.numel() + posted.v.numel())

@@ -18,7 +18,7 @@ import zmq
 from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
-from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
+from kvtransfer.staging import PairPool, check_cache_pair, device_index, stage_layer
 from kvtransfer.outgoing import Item, Outgoing
 
 if TYPE_CHECKING:
@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Staged:
-    """One layer's gathered blocks. CUDA sources stay on the device; `ready` marks the gather."""
+    """One layer's gathered blocks as one payload: K's bytes, then V's. CUDA sources stay on the
+    device; `ready` marks the gather."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    payload: torch.Tensor  # flat uint8, K then V (one point-to-point message per layer)
     dtype: str
     shape: tuple[int, ...]
     nbytes: int  # K plus V
@@ -41,7 +41,7 @@ class _Staged:
 
 @dataclass
 class _InFlight:
-    """A layer whose payload sends are posted but not yet known to be complete."""
+    """A layer whose payload send is posted but not yet known to be complete."""
 
     state: Outgoing
     staged: _Staged
@@ -54,14 +54,17 @@ def stage(src_k: Any, src_v: Any, src: tuple[int, ...], pool: PairPool) -> _Stag
     dtype, shape = check_cache_pair(src_k, src_v)
     out_shape = (len(src), *shape[1:])
     if isinstance(src_k, torch.Tensor) and src_k.device.type == "cuda":
-        idx = torch.as_tensor(src, dtype=torch.long).to(src_k.device, non_blocking=True)
-        k, v = src_k.index_select(0, idx), src_v.index_select(0, idx)
+        idx = device_index(src, src_k.device)
+        pair = torch.empty((2, *out_shape), dtype=src_k.dtype, device=src_k.device)
+        torch.index_select(src_k, 0, idx, out=pair[0])
+        torch.index_select(src_v, 0, idx, out=pair[1])
         ready = torch.cuda.Event()
         ready.record()
-        return _Staged(k, v, dtype, out_shape, 2 * k.numel() * k.element_size(), ready)
+        payload = ng.as_bytes(pair)
+        return _Staged(payload, dtype, out_shape, payload.numel(), ready)
     host = stage_layer(src_k, src_v, src, pool)  # byte rows, one memcpy per block
-    k, v = torch.from_numpy(host.k_bytes()), torch.from_numpy(host.v_bytes())
-    return _Staged(k, v, dtype, out_shape, 2 * k.numel())
+    payload = torch.cat([torch.from_numpy(host.k_bytes()).view(-1), torch.from_numpy(host.v_bytes()).view(-1)])
+    return _Staged(payload, dtype, out_shape, payload.numel())
 
 
 class Channel:
@@ -180,7 +183,7 @@ class Channel:
     def _send_layer(self, sock: zmq.Socket, item: Item, staged: _Staged) -> None:
         sender, state = self._sender, item.state
         try:
-            k, v = self._on_backend_device(staged.k, staged.ready), self._on_backend_device(staged.v, None)
+            payload = self._on_backend_device(staged.payload, staged.ready)
             header = FrameHeader(
                 KIND_LAYER, state.request_id, state.seq, layer=item.layer, src_block_ids=item.src,
                 dst_block_ids=item.dst, dtype=staged.dtype, shape=staged.shape,
@@ -195,10 +198,10 @@ class Channel:
             return
         works = []
         if staged.nbytes:
-            tag = 2 * (self._payloads % (1 << 29))
+            tag = self._payloads % (1 << 30)
             self._payloads += 1
-            works = [self._group.send([ng.as_bytes(t)], ng.RECEIVER_RANK, tag + i) for i, t in enumerate((k, v))]
-        self._inflight.append(_InFlight(state, _Staged(k, v, staged.dtype, staged.shape, staged.nbytes), item.layer,
+            works = [self._group.send([payload], ng.RECEIVER_RANK, tag)]
+        self._inflight.append(_InFlight(state, _Staged(payload, staged.dtype, staged.shape, staged.nbytes), item.layer,
                                         works, t0))
         self._settle(sender.max_inflight_layers)
 
@@ -210,8 +213,8 @@ class Channel:
             entry = self._inflight.popleft()
             try:
                 if self.broken is None:
-                    for name, work in zip("KV", entry.works):
-                        ng.wait_work(work, self.backend, sender.send_timeout_s, f"{name} of layer {entry.layer}")
+                    for work in entry.works:
+                        ng.wait_work(work, self.backend, sender.send_timeout_s, f"payload of layer {entry.layer}")
                     entry.state.bytes_sent += entry.staged.nbytes
                     sender._count(bytes_sent=entry.staged.nbytes, send_seconds=time.perf_counter() - entry.t0)
             except KVTransferError as exc:

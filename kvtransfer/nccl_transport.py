@@ -3,8 +3,9 @@
 Same contract as every transport (`kvtransfer.base`); what differs is where the bytes go. Each
 layer message is a `FrameHeader` (request id, layer, source/destination block ids, dtype,
 shape, sequence number; checksums left 0, since NCCL and TCP deliver intact bytes and hashing
-device memory would need a host copy) sent over ZMQ, followed by the K and then the V payload
-through `send`/`recv` of a two-rank process group. Commit and abort are headers only. The
+device memory would need a host copy) sent over ZMQ, followed by one payload, K's bytes then V's
+(gathered into one buffer, so one message per layer), through `send`/`recv` of a two-rank
+process group. Commit and abort are headers only. The
 receiver checks each header (sequence, layer, dtype, shape, destination blocks) before writing
 the received payload into the sink; a payload whose header fails the checks is still received
 (into a scratch buffer, then dropped), so the pair's stream of sends stays matched.

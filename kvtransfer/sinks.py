@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvtransfer.frames import dtype_name
-from kvtransfer.staging import PairPool, block_rows
+from kvtransfer.staging import PairPool, block_rows, device_index
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class TensorKVSink:
     def _index_copy(k_cache: torch.Tensor, v_cache: torch.Tensor, dst_block_ids: Sequence[int], k: torch.Tensor,
                     v: torch.Tensor) -> None:
         dev = k_cache.device
-        idx = torch.as_tensor(list(dst_block_ids), dtype=torch.long).pin_memory().to(dev, non_blocking=True)
+        idx = device_index(dst_block_ids, dev)
         k_cache.index_copy_(0, idx, k.to(dev, non_blocking=True))
         v_cache.index_copy_(0, idx, v.to(dev, non_blocking=True))
 

@@ -137,10 +137,9 @@ def stage_layer(
             return StagedLayer(take(k_rows), take(v_rows), name, out_shape)
         k, v = pool.run(take, k_rows, v_rows, len(idx) * k_rows.shape[1])
         return StagedLayer(k, v, name, out_shape)
-    idx = torch.as_tensor(list(src_block_ids), dtype=torch.long)
     if src_k.device.type != "cuda":
         raise ValueError(f"src_k: device {src_k.device} is not supported (cpu or cuda)")
-    idx = idx.to(src_k.device, non_blocking=True)
+    idx = device_index(src_block_ids, src_k.device)
     # torch's caching host allocator recycles pinned buffers once they are freed, so a
     # steady stream of layers does not pay cudaHostAlloc each time.
     host_k = torch.empty(out_shape, dtype=src_k.dtype, pin_memory=True)
@@ -150,6 +149,16 @@ def stage_layer(
     ready = torch.cuda.Event()
     ready.record()
     return StagedLayer(host_k, host_v, name, out_shape, ready)
+
+
+def device_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`block_ids` as an int64 tensor on `device`, queued on the current stream.
+
+    The ids go up from pinned memory: a copy from pageable memory makes the host wait for
+    everything already queued on the stream (on the prefill side, the layer being computed),
+    which would take the launch queue away from the engine at every pushed layer.
+    """
+    return torch.tensor(list(block_ids), dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def tensor_from_buffer(buf: memoryview | bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
