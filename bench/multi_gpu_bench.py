@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ATTAINMENT = 0.9
+GIL_SWITCH_INTERVAL_S = 0.0005  # worker.server's: KV transfer threads get the GIL within 0.5 ms
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> dict[str, Any]:
@@ -119,6 +120,8 @@ def _cache(a: argparse.Namespace, device: str, seed: int | None) -> list:
 def _transport_receiver(a: argparse.Namespace, transport: str, options: dict, ctrl: Any, done: Any) -> None:
     """Spawned: the decode side, a cache on `a.dst` and a receiver of `transport`."""
     import torch
+
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     from kvtransfer import get_transport
     from kvtransfer.sinks import TensorKVSink
@@ -211,6 +214,7 @@ def transport_bandwidth(a: argparse.Namespace, transport: str, sender_options: d
 
 def run_kv(a: argparse.Namespace) -> dict[str, Any]:
     os.environ.update(NVLS_OFF)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as the workers run (worker.server)
     layer_bytes = 2 * a.blocks * a.block_size * a.kv_heads * a.head_dim * {"float32": 4}.get(a.dtype, 2)
     nbytes = a.layers * layer_bytes
     out: dict[str, Any] = {"config": {k: getattr(a, k) for k in (

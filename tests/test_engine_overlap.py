@@ -158,3 +158,11 @@ def test_warm_up_runs_its_steps_and_leaves_no_trace(model_dir, overlap):
     assert_clean(warmed)
     assert warmed.engine.num_free_blocks_after_reset() == free_before
     assert summary(warmed.generate(ps, params)) == summary(fresh.generate(ps, params))
+
+
+def test_workers_warm_up_unless_told_not_to():
+    from worker.config import build_parser, config_from_args
+
+    for argv, want in (([], True), (["--no-warm-up"], False)):
+        args = build_parser("decode").parse_args(["--model", "m", *argv])
+        assert config_from_args(args, "decode").engine_config().warm_up is want

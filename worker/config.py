@@ -41,6 +41,7 @@ class WorkerConfig:
     gpu_memory_fraction: float = 0.90
     swap_space_gb: float = 1.0  # host memory for preempted requests' KV (per rank)
     cuda_graphs: bool = True  # decode graphs on CUDA; never captured for role prefill (it never decodes)
+    warm_up: bool = True  # synthetic steps at start-up on CUDA (Engine.warm_up), before reporting ready
     kv_transport: str = "zmq"
     kv_address: str | None = None  # decode: bind endpoint; None: tcp://{host}:* (a free port)
     kv_timeout_s: float = 30.0  # transfer deadline / reservation lifetime when timeout_ms is 0
@@ -165,6 +166,7 @@ class WorkerConfig:
             gpu_memory_fraction=self.gpu_memory_fraction,
             swap_space_gb=self.swap_space_gb,
             cuda_graphs=self.cuda_graphs and self.role != "prefill",
+            warm_up=self.warm_up,
         )
 
     def with_port(self, port: int) -> WorkerConfig:
@@ -196,6 +198,9 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--swap-space", type=float, default=1.0, dest="swap_space_gb",
                    help="GiB of host memory (per rank) for the KV of preempted requests")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip the synthetic steps that compile the GPU kernels before the worker reports ready "
+                        "(faster start; the first requests then wait for the compiles)")
     p.add_argument("--kv-transport", default="zmq", help="KV transfer transport: zmq, nccl, or cuda_ipc (one host)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: this process is rank 0 and starts the others (one GPU each "
@@ -247,6 +252,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         gpu_memory_fraction=args.gpu_memory_fraction,
         swap_space_gb=args.swap_space_gb,
         cuda_graphs=not args.no_cuda_graphs,
+        warm_up=not args.no_warm_up,
         kv_transport=args.kv_transport,
         kv_address=args.kv_address,
         kv_timeout_s=args.kv_timeout_s,
