@@ -7,8 +7,9 @@ goodput of 1 prefill + 1 decode worker against 2 colocated workers (DistServe's 
 
 kv: one transfer = layers x (K, V) x blocks of [block_size, kv_heads, head_dim]. Reported: the
 device copy cuda:0 -> cuda:1 (torch copy_, the ceiling), raw NCCL send/recv of the same bytes
-between two processes, and the NCCL transport end to end (gather on cuda:0, headers over ZMQ,
-payload through NCCL, scatter into the cache on cuda:1), each in GB/s.
+between two processes, and each transport of --transports end to end (nccl: gather on cuda:0,
+headers over ZMQ, payload through NCCL, scatter into the cache on cuda:1), each in GB/s.
+--trace-dir adds one more transfer per transport under the torch profiler, both sides.
 
 goodput: for each mode a cluster is started with one worker per GPU (CUDA_VISIBLE_DEVICES),
 `tandem bench` offers a sharegpt-like Poisson load at each rate, and a rate passes when >= 90%
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ATTAINMENT = 0.9
+KV_TRANSPORTS = ("nccl", "zmq", "cuda_ipc")
 GIL_SWITCH_INTERVAL_S = 0.0005  # worker.server's: KV transfer threads get the GIL within 0.5 ms
 
 
@@ -236,12 +238,16 @@ def run_kv(a: argparse.Namespace) -> dict[str, Any]:
     part("raw_p2p", lambda: raw_p2p(nbytes, a.iters, a.backend, a.src, a.dst))
     if a.trace_dir:
         Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
-    part("nccl_transport", lambda: transport_bandwidth(
-        a, "nccl", {"backend": a.backend, "device": a.src if a.backend == "nccl" else None}, {"backend": a.backend}))
-    if a.with_zmq:
-        part("zmq_transport", lambda: transport_bandwidth(a, "zmq", {}, {}))
-    if a.with_ipc and a.backend == "nccl":
-        part("cuda_ipc_transport", lambda: transport_bandwidth(a, "cuda_ipc", {}, {"device": a.dst}))
+    transports = list(a.transports) + ["zmq"] * a.with_zmq + ["cuda_ipc"] * a.with_ipc
+    options = {  # (sender, receiver) options of each transport
+        "nccl": ({"backend": a.backend, "device": a.src if a.backend == "nccl" else None}, {"backend": a.backend}),
+        "zmq": ({}, {}),
+        "cuda_ipc": ({}, {"device": a.dst}),
+    }
+    for transport in dict.fromkeys(transports):  # in order, once each
+        if transport == "cuda_ipc" and a.backend != "nccl":
+            continue  # GPU caches only
+        part(f"{transport}_transport", lambda t=transport: transport_bandwidth(a, t, *options[t]))
     ceiling = out.get("copy_ceiling", {}).get("0->1", {}).get("gbps_median")
     raw = out.get("raw_p2p", {}).get("gbps_median")
     for name in ("nccl_transport", "cuda_ipc_transport"):
@@ -427,11 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU caches (a smoke run)")
     kv.add_argument("--src", default=None, help="prefill cache device (default cuda:0, cpu for gloo)")
     kv.add_argument("--dst", default=None, help="decode cache device (default cuda:1, cpu for gloo)")
-    kv.add_argument("--with-zmq", action="store_true", help="also the ZMQ transport (via pinned host memory)")
+    kv.add_argument("--transports", type=lambda s: [t for t in s.split(",") if t], default=["nccl"],
+                    help="transports to time, in order: nccl, zmq (through pinned host memory), cuda_ipc "
+                         "(the decode side reads the prefill GPU's staging by peer access)")
+    kv.add_argument("--with-zmq", action="store_true", help="also the ZMQ transport (same as adding zmq to --transports)")
     kv.add_argument("--trace-dir", default=None,
                     help="write a torch profiler trace of one more transfer per transport (sender and receiver)")
-    kv.add_argument("--with-ipc", action="store_true",
-                    help="also the cuda_ipc transport (the decode side reads the prefill GPU's staging by peer access)")
+    kv.add_argument("--with-ipc", action="store_true", help="also the cuda_ipc transport (same as adding cuda_ipc)")
     gp = sub.add_parser("goodput", help="1 prefill + 1 decode vs 2 colocated workers, DistServe goodput")
     gp.add_argument("--model", default=None, help="model directory, or 'demo' (default: --shape)")
     gp.add_argument("--shape", default="llama3-8b", choices=["llama3-8b"], help="dummy weights at this shape")
@@ -460,8 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     if a.cmd == "kv":
+        unknown = [t for t in a.transports if t not in KV_TRANSPORTS]
+        if unknown:
+            parser.error(f"--transports: unknown {unknown}; choose from {', '.join(KV_TRANSPORTS)}")
         cpu = a.backend == "gloo"
         a.src = a.src or ("cpu" if cpu else "cuda:0")
         a.dst = a.dst or ("cpu" if cpu else "cuda:1")
