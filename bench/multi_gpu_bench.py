@@ -41,7 +41,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005  # worker.server's: KV transfer threads get the G
 def _gbps(nbytes: int, seconds: list[float]) -> dict[str, Any]:
     rates = [nbytes / s / 1e9 for s in seconds]
     return {"gbps_median": round(statistics.median(rates), 2), "gbps_best": round(max(rates), 2),
-            "runs": [round(r, 2) for r in rates]}
+            "ms_median": round(statistics.median(seconds) * 1e3, 3), "runs": [round(r, 2) for r in rates]}
 
 
 # -- kv: bandwidth -----------------------------------------------------------------------------

@@ -113,14 +113,15 @@ def _hex(value: Any, field_name: str) -> bytes:
         raise ValueError(f"{field_name}: expected a hex string") from None
 
 
-def gather(src_k: torch.Tensor, src_v: torch.Tensor, src_block_ids: Sequence[int], k_out: torch.Tensor,
-           v_out: torch.Tensor, event: torch.cuda.Event) -> None:
-    """Copy blocks `src_block_ids` of K and V into the slot views, then record the slot's event.
+def gather(src_k: torch.Tensor, src_v: torch.Tensor, src_block_ids: Sequence[int] | torch.Tensor,
+           k_out: torch.Tensor, v_out: torch.Tensor, event: torch.cuda.Event) -> None:
+    """Copy blocks `src_block_ids` (ids, or already an int64 tensor on src_k's device) of K and
+    V into the slot views, then record the slot's event.
 
     Both run on the caller's current stream, after the compute that wrote the layer; the
     caller does not wait for them.
     """
-    idx = device_index(src_block_ids, src_k.device)
+    idx = src_block_ids if isinstance(src_block_ids, torch.Tensor) else device_index(src_block_ids, src_k.device)
     torch.index_select(src_k, 0, idx, out=k_out)
     torch.index_select(src_v, 0, idx, out=v_out)
     event.record(torch.cuda.current_stream(src_k.device))

@@ -19,7 +19,7 @@ import zmq
 from kvtransfer import ipc_wire as wire
 from kvtransfer.base import KVSender, KVTransferError
 from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_LAYER, check_checksum_algorithm
-from kvtransfer.ipc_pool import MAX_SLOTS
+from kvtransfer.ipc_pool import CUDA, MAX_SLOTS
 from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem
 from kvtransfer.outgoing import Outgoing, OutgoingTransfers
 from kvtransfer.staging import PairPool
@@ -116,7 +116,8 @@ class IpcSender(OutgoingTransfers, KVSender):
                 )
             lease = pool.acquire(need, self.send_timeout_s, channel.stopped)
             try:
-                pool.stage(lease, src_k, src_v, src, payload, self._stage_pair)
+                ids = state.src_index(src, src_k.device) if pool.kind == CUDA else src
+                pool.stage(lease, src_k, src_v, ids, payload, self._stage_pair)
             except BaseException:
                 pool.release(lease.lease_id)
                 raise

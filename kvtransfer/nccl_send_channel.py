@@ -18,7 +18,7 @@ import zmq
 from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
-from kvtransfer.staging import PairPool, check_cache_pair, device_index, stage_layer
+from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
 from kvtransfer.outgoing import Item, Outgoing
 
 if TYPE_CHECKING:
@@ -50,11 +50,11 @@ class _InFlight:
     t0: float
 
 
-def stage(src_k: Any, src_v: Any, src: tuple[int, ...], pool: PairPool) -> _Staged:
+def stage(src_k: Any, src_v: Any, src: tuple[int, ...], pool: PairPool, state: Outgoing) -> _Staged:
     dtype, shape = check_cache_pair(src_k, src_v)
     out_shape = (len(src), *shape[1:])
     if isinstance(src_k, torch.Tensor) and src_k.device.type == "cuda":
-        idx = device_index(src, src_k.device)
+        idx = state.src_index(src, src_k.device)
         pair = torch.empty((2, *out_shape), dtype=src_k.dtype, device=src_k.device)
         torch.index_select(src_k, 0, idx, out=pair[0])
         torch.index_select(src_v, 0, idx, out=pair[1])

@@ -106,7 +106,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
         self._reserve(nbytes)
         try:
-            staged = stage(src_k, src_v, src, self._stage_pool)
+            staged = stage(src_k, src_v, src, self._stage_pool, state)
         except BaseException:
             self._release(nbytes)
             raise

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvtransfer.base import KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, FrameHeader
-from kvtransfer.staging import StagedLayer, check_cache_pair
+from kvtransfer.staging import StagedLayer, check_cache_pair, device_index
 
 
 def check_open_args(request_id: Any, peer_address: Any, num_layers: Any, schemes: tuple[str, ...]) -> None:
@@ -57,6 +57,10 @@ class Outgoing:
     error: str | None = None
     aborted: bool = False
     channel: Any = None  # what carries it: put(Item) queues work for the transport's own thread
+    # The last layer's block ids as given and as checked, and the source ids on a device: the
+    # layers of a transfer carry the same ids, so they are validated (and uploaded) once.
+    _checked: tuple[tuple, tuple, int, tuple[int, ...], tuple[int, ...]] | None = None
+    _index: tuple[tuple[int, ...], Any, Any] | None = None
 
     def check_layer(self, layer: Any, src_k: Any, src_v: Any, src_block_ids: Any,
                     dst_block_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -67,23 +71,44 @@ class Outgoing:
         if layer in self.layers:
             raise ValueError(f"layer: layer {layer} of {self.request_id!r} was already sent")
         dtype, shape = check_cache_pair(src_k, src_v)
+        layout = (dtype, shape[1:])
+        if self.layout is not None and layout != self.layout:
+            raise ValueError(f"src_k: dtype/block shape {layout} differs from earlier layers {self.layout}")
+        try:
+            given = (tuple(src_block_ids), tuple(dst_block_ids), shape[0])
+        except TypeError:
+            given = None  # not sequences: parse_block_ids names the field
+        if given is not None and self._checked is not None and self._checked[:3] == given:
+            src, dst = self._checked[3], self._checked[4]  # the same ids as the layer before
+        else:
+            src, dst = self._check_ids(src_block_ids, dst_block_ids, shape[0])
+            if given is not None:
+                self._checked = (*given, src, dst)
+        if self.layout is None:
+            self.layout, self.dst_sorted = layout, sorted(dst)
+        block_bytes = src_k[:1].nbytes if shape[0] else 0  # bytes of one block, numpy or torch
+        return src, dst, 2 * len(src) * block_bytes
+
+    def _check_ids(self, src_block_ids: Any, dst_block_ids: Any,
+                   num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         src = parse_block_ids(src_block_ids, "src_block_ids")
         dst = parse_block_ids(dst_block_ids, "dst_block_ids")
         if len(src) != len(dst):
             raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
         if len(set(dst)) != len(dst):
             raise ValueError("dst_block_ids: ids must be distinct")
-        if any(i >= shape[0] for i in src):
-            raise ValueError(f"src_block_ids: ids must be below num_blocks={shape[0]}")
-        layout = (dtype, shape[1:])
-        if self.layout is None:
-            self.layout, self.dst_sorted = layout, sorted(dst)
-        elif layout != self.layout:
-            raise ValueError(f"src_k: dtype/block shape {layout} differs from earlier layers {self.layout}")
-        elif sorted(dst) != self.dst_sorted:
+        if any(i >= num_blocks for i in src):
+            raise ValueError(f"src_block_ids: ids must be below num_blocks={num_blocks}")
+        if self.dst_sorted is not None and sorted(dst) != self.dst_sorted:
             raise ValueError("dst_block_ids: every layer must carry the same destination blocks")
-        block_bytes = src_k[:1].nbytes if shape[0] else 0  # bytes of one block, numpy or torch
-        return src, dst, 2 * len(src) * block_bytes
+        return src, dst
+
+    def src_index(self, src: tuple[int, ...], device: Any) -> Any:
+        """`src` (as `check_layer` returned it) as an int64 tensor on `device`, uploaded once for
+        as long as the layers carry the same source blocks."""
+        if self._index is None or self._index[0] is not src or self._index[1] != device:
+            self._index = (src, device, device_index(src, device))
+        return self._index[2]
 
 
 @dataclass

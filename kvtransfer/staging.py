@@ -158,6 +158,8 @@ def device_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor
     everything already queued on the stream (on the prefill side, the layer being computed),
     which would take the launch queue away from the engine at every pushed layer.
     """
+    if torch.device(device).type == "cpu":
+        return torch.tensor(list(block_ids), dtype=torch.long)
     return torch.tensor(list(block_ids), dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 

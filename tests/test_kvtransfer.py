@@ -209,3 +209,24 @@ def test_sender_rejects_bad_arguments() -> None:
             sender.commit("r", {"x": object()})
         assert sender.abort("r") is True
         assert sender.abort("r") is False
+
+
+def test_layers_with_the_ids_of_the_layer_before_are_checked_once_and_changes_are_still_caught() -> None:
+    from kvtransfer.outgoing import Outgoing
+
+    k = torch.randn(8, 4, 2, 8)
+    state = Outgoing("r", "tcp://127.0.0.1:1", 4)
+    src_ids, dst_ids = [1, 2, 5], [3, 4, 0]
+    src, dst, nbytes = state.check_layer(0, k, k, src_ids, dst_ids)
+    assert (src, dst, nbytes) == ((1, 2, 5), (3, 4, 0), 2 * 3 * k[0].nbytes)
+    again = state.check_layer(1, k, k, list(src_ids), list(dst_ids))
+    assert again[0] is src and again[1] is dst  # the checked ids are reused, not re-parsed
+    src_ids[2] = 8  # the caller's list changed in place: out of range now
+    with pytest.raises(ValueError, match="^src_block_ids:"):
+        state.check_layer(2, k, k, src_ids, dst_ids)
+    with pytest.raises(ValueError, match="^dst_block_ids: every layer"):
+        state.check_layer(2, k, k, [1, 2, 5], [3, 4, 7])
+    with pytest.raises(ValueError, match="^src_k:"):
+        state.check_layer(2, k.half(), k.half(), [1, 2, 5], [3, 4, 0])
+    assert state.check_layer(2, k, k, [2, 1, 5], [4, 3, 0])[:2] == ((2, 1, 5), (4, 3, 0))
+    assert state.src_index((2, 1, 5), torch.device("cpu")).tolist() == [2, 1, 5]
