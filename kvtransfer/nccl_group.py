@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 HELLO = b"hello"  # sender -> receiver: {"v", "channel", "backend"}
 WELCOME = b"welcome"  # receiver -> sender: {"store", "prefix", "backend"}
 REFUSE = b"refuse"  # receiver -> sender: {"error"}
-FRAME = b"frame"  # sender -> receiver: FrameHeader bytes; a layer's K and V follow through the group
+FRAME = b"frame"  # sender -> receiver: FrameHeader bytes, one part each; layers' K and V follow through the group as one payload
 BYE = b"bye"  # sender -> receiver: the channel is closed, tear its group down
 
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2  # 2: a FRAME message may carry several layers sharing one payload
 NCCL_WATCHDOG_MIN_S = 600.0
 SENDER_RANK, RECEIVER_RANK = 0, 1
 BACKENDS = ("nccl", "gloo")

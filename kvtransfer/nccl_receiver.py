@@ -38,7 +38,8 @@ class NcclReceiver(PendingTransfers, KVReceiver):
     recv_timeout_s: bound on a channel's rendezvous and on each payload after its header.
     max_frame_bytes: a header announcing more than this breaks the channel (its payload
       cannot be received, so the rest of the stream could not be matched).
-    max_inflight_layers: layers of one channel whose receives may be posted ahead.
+    max_inflight_layers: messages (each of one or more layers) of one channel whose receives
+      may be posted ahead.
     """
 
     def __init__(
@@ -165,17 +166,17 @@ class NcclReceiver(PendingTransfers, KVReceiver):
             self._sock.close(linger=0)
 
     def _on_control(self, parts: list[bytes]) -> None:
-        if len(parts) != 3:
+        if len(parts) < 3 or (len(parts) > 3 and parts[1] != ng.FRAME):
             logger.warning("dropping malformed kv control message of %d parts", len(parts))
             return
-        identity, tag, body = parts
+        identity, tag, body = parts[0], parts[1], parts[2]
         with self._lock:
             channel = self._channels.get(identity)
-        if tag == ng.FRAME:
+        if tag == ng.FRAME:  # one header, or several layers' headers sharing one payload
             if channel is None:
-                self._count(frames_dropped=1)  # a channel this receiver never saw, or already closed
+                self._count(frames_dropped=len(parts) - 2)  # a channel this receiver never saw, or already closed
             else:
-                channel.headers.put(body)
+                channel.headers.put(parts[2:])
         elif tag == ng.HELLO:
             self._hello(identity, body)
         elif tag == ng.BYE and channel is not None:

@@ -30,11 +30,10 @@ class ChannelBroken(Exception):
 
 @dataclass
 class _Posted:
-    """A layer header whose payload receive (K's bytes, then V's) is posted, in header order."""
+    """A message of layer headers whose payload receive is posted, in header order: the payload
+    holds each layer's K bytes then V bytes, in the order of the headers."""
 
-    header: FrameHeader
-    k: torch.Tensor
-    v: torch.Tensor
+    layers: list[tuple[FrameHeader, torch.Tensor, torch.Tensor]]
     works: list[Any]
 
 
@@ -50,7 +49,7 @@ class RecvChannel:
         self.group: Any = None
         self.broken = False
         self.payloads = 0  # layers whose receives were posted; numbers the point-to-point tags
-        self.headers: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.headers: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()  # a FRAME message's header parts
         self._receiver = receiver
         self.thread = threading.Thread(target=self._run, name=f"kv-nccl-recv {channel_id}", daemon=True)
         self.thread.start()
@@ -71,15 +70,16 @@ class RecvChannel:
                     continue
                 if data is None:
                     break
-                header = self._decode(data)
-                if header.kind == KIND_LAYER:
-                    inflight.append(self._post(header))
+                headers = [self._decode(part) for part in data]
+                if headers[0].kind == KIND_LAYER:
+                    inflight.append(self._post(headers))
                     while len(inflight) > r.max_inflight_layers:
                         self._complete(inflight.popleft())
                 else:
                     while inflight:
                         self._complete(inflight.popleft())
-                    r._apply(header, None, None)
+                    for header in headers:
+                        r._apply(header, None, None)
             while inflight:
                 self._complete(inflight.popleft())
         except Exception as exc:  # ChannelBroken, a failed rendezvous, a payload timeout
@@ -97,27 +97,35 @@ class RecvChannel:
         self._receiver._count(frames_received=1)
         return header
 
-    def _post(self, header: FrameHeader) -> _Posted:
-        """Post the receive of a layer's payload (K and V in one message), whatever becomes of
-        the layer (the sender sends it regardless, and the pair's stream must stay matched)."""
+    def _post(self, headers: list[FrameHeader]) -> _Posted:
+        """Post the receive of the layers' one payload (each layer's K then V), whatever becomes
+        of the layers (the sender sends it regardless, and the pair's stream must stay matched)."""
         r = self._receiver
-        nbytes = header.payload_nbytes
-        if nbytes > r.max_frame_bytes:
-            raise ChannelBroken(f"layer of {nbytes} bytes exceeds max_frame_bytes={r.max_frame_bytes}")
-        payload = torch.empty(2 * nbytes, dtype=torch.uint8, device=r.device)
+        if any(h.kind != KIND_LAYER for h in headers):
+            raise ChannelBroken("a message of layers holds a header of another kind")
+        sizes = [h.payload_nbytes for h in headers]
+        if max(sizes) > r.max_frame_bytes:
+            raise ChannelBroken(f"layer of {max(sizes)} bytes exceeds max_frame_bytes={r.max_frame_bytes}")
+        payload = torch.empty(2 * sum(sizes), dtype=torch.uint8, device=r.device)
+        layers, offset = [], 0
+        for header, n in zip(headers, sizes):
+            layers.append((header, payload[offset:offset + n], payload[offset + n:offset + 2 * n]))
+            offset += 2 * n
         works = []
-        if nbytes:
+        if offset:
             tag = self.payloads % (1 << 30)
             self.payloads += 1
             works = [self.group.recv([payload], ng.SENDER_RANK, tag)]
-        return _Posted(header, payload[:nbytes], payload[nbytes:], works)
+        return _Posted(layers, works)
 
     def _complete(self, posted: _Posted) -> None:
         r = self._receiver
         try:
             for work in posted.works:
-                ng.wait_work(work, r.backend, r.recv_timeout_s, f"payload of layer {posted.header.layer}")
+                ng.wait_work(work, r.backend, r.recv_timeout_s,
+                             f"payload of layers {[h.layer for h, _, _ in posted.layers]}")
         except KVTransferError as exc:
             raise ChannelBroken(str(exc)) from None
-        r._count(bytes_received=posted.k.numel() + posted.v.numel())
-        r._apply(posted.header, posted.k, posted.v)
+        r._count(bytes_received=sum(k.numel() + v.numel() for _, k, v in posted.layers))
+        for header, k, v in posted.layers:
+            r._apply(header, k, v)

@@ -37,8 +37,9 @@ class NcclSender(OutgoingTransfers, KVSender):
       `send_layer` waits.
     backend: "nccl" or "gloo" to insist on one; None takes what the receiver announces.
     device: the CUDA device NCCL payloads leave from (default: the current device).
-    max_inflight_layers: layers whose payloads may be posted before the oldest is waited for,
-      so one layer's completion wait overlaps the next layers' transfers.
+    max_inflight_layers: messages (each of one or more layers: layers already queued together
+      travel as one, `nccl_send_channel.COALESCE_MAX_BYTES`) whose payloads may be posted before
+      the oldest is waited for, so one completion wait overlaps the next transfers.
     """
 
     schemes = _SCHEMES
@@ -84,7 +85,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         self._stats_lock = threading.Lock()
         self._closed = False
         self.staged_bytes = 0
-        self.bytes_sent = self.frames_sent = 0
+        self.bytes_sent = self.frames_sent = self.payload_messages = 0
         self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
         self.send_seconds = 0.0
 
@@ -117,6 +118,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         return {
             "bytes_sent": self.bytes_sent,
             "frames_sent": self.frames_sent,
+            "payload_messages": self.payload_messages,  # layers queued together share one
             "transfers_committed": self.transfers_committed,
             "transfers_aborted": self.transfers_aborted,
             "transfers_failed": self.transfers_failed,

@@ -4,8 +4,11 @@ Same contract as every transport (`kvtransfer.base`); what differs is where the 
 layer message is a `FrameHeader` (request id, layer, source/destination block ids, dtype,
 shape, sequence number; checksums left 0, since NCCL and TCP deliver intact bytes and hashing
 device memory would need a host copy) sent over ZMQ, followed by one payload, K's bytes then V's
-(gathered into one buffer, so one message per layer), through `send`/`recv` of a two-rank
-process group. Commit and abort are headers only. The
+(gathered into one buffer), through `send`/`recv` of a two-rank process group. Layers of one
+transfer that are already queued when the sender's channel thread gets to them travel together:
+one FRAME message with a header part per layer, one payload holding each layer's K and V in
+header order (up to `nccl_send_channel.COALESCE_MAX_BYTES`), so a burst of layers costs one
+message's host work instead of one per layer. Commit and abort are headers only. The
 receiver checks each header (sequence, layer, dtype, shape, destination blocks) before writing
 the received payload into the sink; a payload whose header fails the checks is still received
 (into a scratch buffer, then dropped), so the pair's stream of sends stays matched.

@@ -144,6 +144,46 @@ def test_layers_cross_processes_bit_exact_into_odd_blocks(prefill: Prefill, dtyp
     assert stats["transfers_ok"] == 1 and stats["channels_opened"] == 1
 
 
+def test_layers_queued_together_travel_as_one_message_and_land_bit_exact(prefill: Prefill) -> None:
+    """A new channel's handshake holds the first layers back, so they queue and share a payload."""
+    dest = Dest()
+    before = prefill("stats")["payload_messages"]
+    with receiver_for(dest) as receiver:
+        receiver.expect("batched", DST_IDS, LAYERS, deadline_s=WAIT_S)
+        sent = prefill("transfer", rid="batched", address=receiver.address, seed=5, layers=[2, 0, 3, 1])
+        result = wait_one(receiver)
+    messages = prefill("stats")["payload_messages"] - before
+    assert sent["ok"] and result.ok and result.layers_received == LAYERS
+    assert dest.holds(5, torch.float32) and dest.untouched(OTHERS)
+    assert 1 <= messages < LAYERS
+
+
+def test_take_batch_joins_only_queued_layers_of_one_transfer_within_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    from kvtransfer import nccl_send_channel as sc
+    from kvtransfer.frames import KIND_COMMIT, KIND_LAYER
+    from kvtransfer.outgoing import Item, Outgoing
+
+    a, b = Outgoing("a", "tcp://x:1", 8), Outgoing("b", "tcp://x:1", 8)
+
+    def layer(state: Outgoing, i: int, nbytes: int = 100) -> Item:
+        return Item(state, KIND_LAYER, layer=i, staged=sc._Staged(torch.empty(0), "float32", (1,), nbytes))
+
+    items = collections.deque([layer(a, 0), layer(a, 1), layer(b, 0), layer(a, 2), Item(a, KIND_COMMIT), layer(a, 3)])
+    assert [(it.state.request_id, it.layer) for it in sc.take_batch(items)] == [("a", 0), ("a", 1)]
+    assert [(it.state.request_id, it.layer) for it in sc.take_batch(items)] == [("b", 0)]
+    assert [it.layer for it in sc.take_batch(items)] == [2]  # a commit is never joined
+    assert [it.kind for it in sc.take_batch(items)] == [KIND_COMMIT]
+    assert [it.layer for it in sc.take_batch(items)] == [3] and sc.take_batch(items) == []
+    monkeypatch.setattr(sc, "COALESCE_MAX_BYTES", 250)
+    monkeypatch.setattr(sc, "COALESCE_MAX_LAYERS", 3)
+    items = collections.deque([layer(a, i) for i in range(4)] + [layer(a, 9, nbytes=300)])
+    assert [it.layer for it in sc.take_batch(items)] == [0, 1]  # a third would make 300 bytes, past 250
+    items = collections.deque([layer(a, i, nbytes=1) for i in range(5)])
+    assert [it.layer for it in sc.take_batch(items)] == [0, 1, 2]  # at most 3 layers
+
+
 def test_abort_fails_at_once_and_the_channel_keeps_working(prefill: Prefill) -> None:
     dest = Dest()
     with receiver_for(dest) as receiver:
