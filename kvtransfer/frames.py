@@ -10,18 +10,24 @@ read here on its own. A transfer is a stream of messages for one request id:
 `seq` numbers the messages of one request 0, 1, 2, ... in sending order, so a receiver sees a
 lost message as a gap. K and V bytes are the blocks' raw little-endian elements in
 [n, block_size, num_kv_heads, head_dim] order, with a checksum of each in the header (xxh64
-by default; `alg` names it).
+by default; `alg` names it). A header is a JSON object; a layer's source and destination
+block ids travel in it as base64 of little-endian uint32 arrays (`src`, `dst`), which encode
+and parse several times faster than JSON lists of numbers.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: block ids as base64 uint32 arrays
+MAX_BLOCK_ID = 2**32 - 1  # block ids travel as uint32
 DEFAULT_CHECKSUM = "xxh64"
 # Receivers verify with whichever algorithm the header names. xxh3_64 hashes about twice as
 # fast as xxh64, which matters when the checksum is on the critical path of a busy host.
@@ -69,6 +75,22 @@ def check_checksum_algorithm(algorithm: str) -> str:
     return algorithm
 
 
+def encode_block_ids(ids: tuple[int, ...]) -> str:
+    """Block ids (each in [0, MAX_BLOCK_ID]) as base64 of a little-endian uint32 array."""
+    return base64.b64encode(np.asarray(ids, dtype="<u4").tobytes()).decode("ascii")
+
+
+def decode_block_ids(value: Any, field_name: str) -> tuple[int, ...]:
+    """The inverse of `encode_block_ids`; FrameError naming the field otherwise."""
+    try:
+        raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None or len(raw) % 4:
+        raise FrameError(f"{field_name}: expected base64 of little-endian uint32 block ids")
+    return tuple(np.frombuffer(raw, dtype="<u4").tolist())
+
+
 def _int_tuple(value: Any, field_name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         raise FrameError(f"{field_name}: expected a list of integers")
@@ -103,8 +125,8 @@ class FrameHeader:
         if self.kind == KIND_LAYER:
             doc.update(
                 layer=self.layer,
-                src=list(self.src_block_ids),
-                dst=list(self.dst_block_ids),
+                src=encode_block_ids(self.src_block_ids),
+                dst=encode_block_ids(self.dst_block_ids),
                 dtype=self.dtype,
                 shape=list(self.shape),
                 alg=self.checksum_alg,
@@ -162,8 +184,8 @@ class FrameHeader:
             request_id=rid,
             seq=seq,
             layer=layer,
-            src_block_ids=_int_tuple(doc.get("src"), "src"),
-            dst_block_ids=_int_tuple(doc.get("dst"), "dst"),
+            src_block_ids=decode_block_ids(doc.get("src"), "src"),
+            dst_block_ids=decode_block_ids(doc.get("dst"), "dst"),
             dtype=dtype,
             shape=shape,
             checksum_k=ck,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer.base import KVTransferError, SendResult
-from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, FrameHeader
+from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, MAX_BLOCK_ID, FrameHeader
 from kvtransfer.staging import StagedLayer, check_cache_pair, device_index
 
 
@@ -35,8 +35,8 @@ def parse_block_ids(value: Any, field_name: str) -> tuple[int, ...]:
         ids = tuple(int(x) for x in value)
     except (TypeError, ValueError):
         raise ValueError(f"{field_name}: expected a sequence of integers") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"{field_name}: block ids must be non-negative")
+    if any(not 0 <= i <= MAX_BLOCK_ID for i in ids):
+        raise ValueError(f"{field_name}: block ids must be in [0, {MAX_BLOCK_ID}]")
     return ids
 
 

@@ -11,6 +11,8 @@ from kvtransfer import Transport, available_transports, get_transport, register_
 from kvtransfer.frames import (
     KIND_COMMIT,
     KIND_LAYER,
+    MAX_BLOCK_ID,
+    PROTOCOL_VERSION,
     FrameError,
     FrameHeader,
     checksum,
@@ -30,10 +32,27 @@ def test_layer_header_roundtrip_keeps_every_field() -> None:
     assert header.payload_nbytes == 2 * 16 * 2 * 8 * 2
 
 
+def test_block_ids_roundtrip_across_the_uint32_range() -> None:
+    gen = torch.Generator().manual_seed(7)
+    ids = (0, MAX_BLOCK_ID, *torch.randint(0, 2**31 - 1, (200,), generator=gen).tolist())
+    for src, dst in ((ids, ids[::-1]), ((), ())):
+        header = FrameHeader(KIND_LAYER, "r", 0, layer=1, src_block_ids=src, dst_block_ids=dst, dtype="float32",
+                             shape=(len(src), 16, 2, 8))
+        decoded = FrameHeader.decode(header.encode())
+        assert decoded.src_block_ids == src and decoded.dst_block_ids == dst
+        assert all(type(i) is int for i in decoded.src_block_ids)
+
+
 def test_commit_header_carries_meta() -> None:
     meta = {"first_token_id": 42, "logprobs": {"42": -0.25}, "num_tokens": 17}
     decoded = FrameHeader.decode(FrameHeader(KIND_COMMIT, "r", 5, meta=meta).encode())
     assert decoded.kind == KIND_COMMIT and decoded.meta == meta and decoded.seq == 5
+
+
+def _layer_doc(**changes) -> bytes:
+    doc = json.loads(FrameHeader(KIND_LAYER, "r", 0, layer=0, src_block_ids=(1, 2), dst_block_ids=(3, 4),
+                                 dtype="float32", shape=(2, 16, 2, 8)).encode())
+    return json.dumps({**doc, **changes}).encode()
 
 
 @pytest.mark.parametrize(
@@ -41,14 +60,14 @@ def test_commit_header_carries_meta() -> None:
     [
         (b"not json", "header"),
         (json.dumps({"v": 99, "kind": "layer", "rid": "r", "seq": 0}).encode(), "v"),
-        (json.dumps({"v": 1, "kind": "bogus", "rid": "r", "seq": 0}).encode(), "kind"),
-        (json.dumps({"v": 1, "kind": "commit", "rid": "", "seq": 0, "meta": {}}).encode(), "rid"),
-        (json.dumps({"v": 1, "kind": "commit", "rid": "r", "seq": -1, "meta": {}}).encode(), "seq"),
-        (json.dumps({"v": 1, "kind": "commit", "rid": "r", "seq": 0, "meta": []}).encode(), "meta"),
-        (
-            json.dumps({"v": 1, "kind": "layer", "rid": "r", "seq": 0, "layer": 0, "dtype": "complex64"}).encode(),
-            "dtype",
-        ),
+        (json.dumps({"v": PROTOCOL_VERSION, "kind": "bogus", "rid": "r", "seq": 0}).encode(), "kind"),
+        (json.dumps({"v": PROTOCOL_VERSION, "kind": "commit", "rid": "", "seq": 0, "meta": {}}).encode(), "rid"),
+        (json.dumps({"v": PROTOCOL_VERSION, "kind": "commit", "rid": "r", "seq": -1, "meta": {}}).encode(), "seq"),
+        (json.dumps({"v": PROTOCOL_VERSION, "kind": "commit", "rid": "r", "seq": 0, "meta": []}).encode(), "meta"),
+        (_layer_doc(dtype="complex64"), "dtype"),
+        (_layer_doc(src=[1, 2]), "src"),  # the version-1 form: a list of numbers
+        (_layer_doc(src="not base64!"), "src"),
+        (_layer_doc(dst="AAAA"), "dst"),  # 3 bytes: not whole uint32s
     ],
 )
 def test_malformed_headers_are_rejected_naming_the_field(doc: bytes, field: str) -> None:
@@ -193,6 +212,8 @@ def test_sender_rejects_bad_arguments() -> None:
             sender.send_layer("r", 0, k, k, [0, 1], [3, 3])
         with pytest.raises(ValueError, match="^src_block_ids:"):
             sender.send_layer("r", 0, k, k, [8], [0])
+        with pytest.raises(ValueError, match="^dst_block_ids:"):
+            sender.send_layer("r", 0, k, k, [0], [MAX_BLOCK_ID + 1])
         with pytest.raises(ValueError, match="^src_v:"):
             sender.send_layer("r", 0, k, k[:4], [0], [0])
         with pytest.raises(ValueError, match="^src_k:"):
