@@ -277,7 +277,7 @@ def _model_dir(a: argparse.Namespace, tmp: Path) -> tuple[str, str]:
 
 
 class Cluster:
-    """One gateway and two workers, each worker alone on its device (CUDA_VISIBLE_DEVICES)."""
+    """One gateway and two workers, each computing on its own GPU (CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, mode: str, a: argparse.Namespace, model: str, load_format: str, log_dir: Path) -> None:
         from tandem.launcher import free_port
@@ -301,7 +301,7 @@ class Cluster:
         for gpu, (role, extra) in enumerate(workers):
             port = free_port()
             self._start(f"{role}-{gpu}", [role, "--port", str(port), "--worker-id", f"{role}-{gpu}", *common, *extra],
-                        {"CUDA_VISIBLE_DEVICES": str(gpu)} if a.device.startswith("cuda") else {})
+                        {"CUDA_VISIBLE_DEVICES": self.visible_devices(gpu, mode, a)} if a.device.startswith("cuda") else {})
             gateway += [{"prefill": "--prefill", "decode": "--decode", "worker": "--worker"}[role], f"127.0.0.1:{port}"]
             self.addresses.append(f"127.0.0.1:{port}")
         self.target = f"127.0.0.1:{free_port()}"
@@ -310,6 +310,15 @@ class Cluster:
                                 str(self.metrics_port), *gateway], {})
         self.addresses.append(self.target)
         self.num_workers = len(workers)
+
+    @staticmethod
+    def visible_devices(gpu: int, mode: str, a: argparse.Namespace) -> str:
+        """What worker `gpu` may see: its own GPU, and for cuda_ipc between disaggregated
+        workers the other one after it (the decode side reads the prefill GPU's staging pool by
+        peer access; each worker still computes on its own GPU, its cuda:0)."""
+        if mode == "disagg" and a.kv_transport == "cuda_ipc":
+            return f"{gpu},{1 - gpu}"
+        return str(gpu)
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
