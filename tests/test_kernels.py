@@ -24,9 +24,11 @@ FP8 = torch.float8_e4m3fn
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0,
+          rscale: float = 1.0) -> None:
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.float(), want.float(), atol=atol * scale, rtol=rtol * rscale,
+                               msg=lambda m: f"{what}: {m}")
 
 
 def fp8_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -196,7 +198,10 @@ def case_gemv() -> None:
         got, got_res = ops.gemv(x, w, b, **kw)
         want, want_res = ref.gemv(x, w, b, **kw)
         assert got.shape == want.shape and got.dtype == dtype, what
-        close(got, want, dtype, what)
+        # SiLU(gate) * up multiplies two GEMV outputs, each rounded (by truncation in the
+        # interpreter) from inputs rounded the same way: twice the error of one output. Over 120
+        # seeds of the bf16 case the error reached 1.1x the one-output bound, 0.55x this one.
+        close(got, want, dtype, what, scale=2.0 if silu else 1.0, rscale=2.0 if silu else 1.0)
         if res:
             close(got_res, want_res, dtype, what + " residual")
         else:
