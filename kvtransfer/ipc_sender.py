@@ -9,7 +9,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +43,7 @@ class IpcSender(OutgoingTransfers, KVSender):
     """
 
     schemes = _SCHEMES
+    transport_name = "cuda_ipc"
 
     def __init__(
         self,
@@ -78,7 +78,7 @@ class IpcSender(OutgoingTransfers, KVSender):
         self._requests: dict[str, Outgoing] = {}
         self._channels: dict[str, Channel] = {}
         self._retired: list[Channel] = []
-        self._stage_pair = PairPool()
+        self._pair_pool = PairPool()
         self._stats_lock = threading.Lock()
         self._closed = False
         self.bytes_sent = self.frames_sent = 0
@@ -86,14 +86,7 @@ class IpcSender(OutgoingTransfers, KVSender):
         self.send_seconds = 0.0
 
     def _channel_for(self, peer_address: str) -> Channel:
-        channel = self._channels.get(peer_address)
-        if channel is None or channel.broken is not None:  # a broken channel is retired, not reused
-            if channel is not None:
-                channel.close()
-                self._retired.append(channel)
-            channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
-            self._channels[peer_address] = channel
-        return channel
+        return self._retiring_channel_for(peer_address, Channel)
 
     def send_layer(
         self, request_id: str, layer: int, src_k: Any, src_v: Any,
@@ -117,7 +110,7 @@ class IpcSender(OutgoingTransfers, KVSender):
             lease = pool.acquire(need, self.send_timeout_s, channel.stopped)
             try:
                 ids = state.src_index(src, src_k.device) if pool.kind == CUDA else src
-                pool.stage(lease, src_k, src_v, ids, payload, self._stage_pair)
+                pool.stage(lease, src_k, src_v, ids, payload, self._pair_pool)
             except BaseException:
                 pool.release(lease.lease_id)
                 raise
@@ -141,20 +134,3 @@ class IpcSender(OutgoingTransfers, KVSender):
             "open_transfers": len(self._requests),
             "broken_channels": sum(c.broken is not None for c in channels),
         }
-
-    def close(self, drain_timeout_s: float = 5.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            channels = [*self._channels.values(), *self._retired]
-        for channel in channels:
-            channel.close()
-        end = time.monotonic() + drain_timeout_s
-        for channel in channels:
-            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
-        self._stage_pair.close()
-        if any(c.thread.is_alive() for c in channels):
-            logger.warning("kv ipc sender closed with sends still in flight; leaving its ZMQ context open")
-        elif self._own_ctx:
-            self._ctx.term()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +42,7 @@ class NcclSender(OutgoingTransfers, KVSender):
     """
 
     schemes = _SCHEMES
+    transport_name = "nccl"
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         self._channels: dict[str, Channel] = {}
         self._retired: list[Channel] = []
         self._staged_cond = threading.Condition()
-        self._stage_pool = PairPool()
+        self._pair_pool = PairPool()
         self._stats_lock = threading.Lock()
         self._closed = False
         self.staged_bytes = 0
@@ -90,14 +90,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         self.send_seconds = 0.0
 
     def _channel_for(self, peer_address: str) -> Channel:
-        channel = self._channels.get(peer_address)
-        if channel is None or channel.broken is not None:  # a broken channel is retired, not reused
-            if channel is not None:
-                channel.close()
-                self._retired.append(channel)
-            channel = Channel(self, peer_address, f"{self._id}-{next(self._serial)}")
-            self._channels[peer_address] = channel
-        return channel
+        return self._retiring_channel_for(peer_address, Channel)
 
     def send_layer(
         self, request_id: str, layer: int, src_k: Any, src_v: Any,
@@ -107,7 +100,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
         self._reserve(nbytes)
         try:
-            staged = stage(src_k, src_v, src, self._stage_pool, state)
+            staged = stage(src_k, src_v, src, self._pair_pool, state)
         except BaseException:
             self._release(nbytes)
             raise
@@ -127,20 +120,3 @@ class NcclSender(OutgoingTransfers, KVSender):
             "open_transfers": len(self._requests),
             "broken_channels": sum(c.broken is not None for c in [*self._channels.values(), *self._retired]),
         }
-
-    def close(self, drain_timeout_s: float = 5.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            channels = [*self._channels.values(), *self._retired]
-        for channel in channels:
-            channel.close()
-        end = time.monotonic() + drain_timeout_s
-        for channel in channels:
-            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
-        self._stage_pool.close()
-        if any(c.thread.is_alive() for c in channels):
-            logger.warning("kv nccl sender closed with sends still in flight; leaving its ZMQ context open")
-        elif self._own_ctx:
-            self._ctx.term()

@@ -3,6 +3,7 @@ caller-side calls of `KVSender` (`OutgoingTransfers`)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -14,6 +15,8 @@ from typing import Any
 from kvtransfer.base import KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, MAX_BLOCK_ID, FrameHeader
 from kvtransfer.staging import StagedLayer, check_cache_pair, device_index
+
+logger = logging.getLogger(__name__)
 
 
 def check_open_args(request_id: Any, peer_address: Any, num_layers: Any, schemes: tuple[str, ...]) -> None:
@@ -132,6 +135,9 @@ class OutgoingTransfers(ABC):
     and `_stats_lock`, names the address schemes it accepts (`schemes`) and implements
     `_channel_for`; one that stages copies also sets `_staged_cond`, `staged_bytes`,
     `max_staged_bytes` and `send_timeout_s`; one with the test hook `_corrupt_pending`.
+    For `close` it sets `_channels` (peer -> channel with `close()` and a `thread`), `_retired`
+    (channels replaced after they broke), `_pair_pool`, `linger_s`, `_ctx`, `_own_ctx` and
+    `transport_name`; `_retiring_channel_for` also needs `_id` and `_serial`.
     """
 
     _lock: threading.Lock
@@ -139,6 +145,7 @@ class OutgoingTransfers(ABC):
     _requests: dict[str, Outgoing]
     _stats_lock: threading.Lock
     schemes: tuple[str, ...]
+    transport_name: str
 
     def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
         check_open_args(request_id, peer_address, num_layers, self.schemes)
@@ -153,6 +160,38 @@ class OutgoingTransfers(ABC):
     @abstractmethod
     def _channel_for(self, peer_address: str) -> Any:
         """The channel a new transfer to `peer_address` goes through (called under `_lock`)."""
+
+    def _retiring_channel_for(self, peer_address: str, make: Callable[[Any, str, str], Any]) -> Any:
+        """The channel to `peer_address`, or a new one, `make(self, peer, channel id)`, when
+        there is none or it broke: a broken channel is retired (closed), never reused."""
+        channel = self._channels.get(peer_address)
+        if channel is None or channel.broken is not None:
+            if channel is not None:
+                channel.close()
+                self._retired.append(channel)
+            channel = make(self, peer_address, f"{self._id}-{next(self._serial)}")
+            self._channels[peer_address] = channel
+        return channel
+
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Close every channel, give their threads `drain_timeout_s` (plus the linger) to send
+        what is queued, and release the context unless a thread is still sending."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = [*self._channels.values(), *self._retired]
+        for channel in channels:
+            channel.close()
+        end = time.monotonic() + drain_timeout_s
+        for channel in channels:
+            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
+        self._pair_pool.close()
+        if any(c.thread.is_alive() for c in channels):
+            logger.warning("kv %s sender closed with sends still in flight; leaving its ZMQ context open",
+                           self.transport_name)
+        elif self._own_ctx:
+            self._ctx.term()
 
     def _state(self, request_id: str) -> Any:
         with self._lock:

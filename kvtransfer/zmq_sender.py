@@ -92,6 +92,7 @@ class ZmqSender(OutgoingTransfers, KVSender):
     """
 
     schemes = _SCHEMES
+    transport_name = "zmq"
 
     def __init__(
         self,
@@ -119,8 +120,9 @@ class ZmqSender(OutgoingTransfers, KVSender):
         self._lock = threading.Lock()
         self._requests: dict[str, Outgoing] = {}
         self._channels: dict[str, _PeerChannel] = {}
+        self._retired: list[_PeerChannel] = []  # stays empty: a peer's channel outlives its errors
         self._staged_cond = threading.Condition()
-        self._gather_pool = PairPool()
+        self._pair_pool = PairPool()
         self._stats_lock = threading.Lock()
         self._closed = False
         self.staged_bytes = 0
@@ -152,7 +154,7 @@ class ZmqSender(OutgoingTransfers, KVSender):
         src, dst, nbytes = state.check_layer(layer, src_k, src_v, src_block_ids, dst_block_ids)
         self._reserve(nbytes)
         try:
-            staged = stage_layer(src_k, src_v, src, self._gather_pool)
+            staged = stage_layer(src_k, src_v, src, self._pair_pool)
         except BaseException:
             self._release(nbytes)
             raise
@@ -223,20 +225,3 @@ class ZmqSender(OutgoingTransfers, KVSender):
             "staged_bytes": self.staged_bytes,
             "open_transfers": len(self._requests),
         }
-
-    def close(self, drain_timeout_s: float = 5.0) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            channels = list(self._channels.values())
-        for channel in channels:
-            channel.close()
-        end = time.monotonic() + drain_timeout_s
-        for channel in channels:
-            channel.thread.join(max(0.0, end - time.monotonic()) + self.linger_s)
-        self._gather_pool.close()
-        if any(c.thread.is_alive() for c in channels):
-            logger.warning("kv sender closed with sends still in flight; leaving its ZMQ context open")
-        elif self._own_ctx:
-            self._ctx.term()
