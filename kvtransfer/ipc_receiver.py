@@ -86,18 +86,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
             raise ValueError(f"device: not a torch device: {device!r}") from None
         self.max_pool_bytes = max_pool_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            if self._own_ctx:
-                self._ctx.term()
-            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
-        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bind_socket(zmq.ROUTER, bind, context)
         self._peers: dict[bytes, _Peer] = {}
         self._device_reads: collections.deque[tuple[Any, _Peer, int]] = collections.deque()  # GPU pools
         self._stream: Any = None  # this receiver's CUDA stream, made with the first GPU pool
@@ -110,10 +99,6 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         # ZMQ asks for, and no other thread touches it afterwards.
         self._thread = threading.Thread(target=self._run, name="kv-ipc-recv", daemon=True)
         self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
 
     def stats(self) -> dict[str, float]:
         return {

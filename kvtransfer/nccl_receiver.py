@@ -82,27 +82,14 @@ class NcclReceiver(PendingTransfers, KVReceiver):
             raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
         self.max_inflight_layers = max_inflight_layers
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            if self._own_ctx:
-                self._ctx.term()
-            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
-        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bind_socket(zmq.ROUTER, bind, context)
         default_host = self._address.removeprefix("tcp://").rpartition(":")[0] if bind.startswith("tcp://") else ""
         try:
             store_host, store_port = ng.split_host_port(store_address, "store_address") if store_address else (
                 default_host or "127.0.0.1", 0)
             self._store = ng.host_store(store_host, store_port, self.recv_timeout_s)
         except (ValueError, RuntimeError) as exc:  # torch reports a port in use as a RuntimeError
-            self._sock.close()
-            if self._own_ctx:
-                self._ctx.term()
+            self._drop_socket()
             raise ValueError(f"store_address: cannot host the rendezvous store: {exc}") from None
         self._store_host, self.store_port = store_host, int(self._store.port)
         self._stats_lock = threading.Lock()
@@ -112,10 +99,6 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         self.transfer_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-nccl-recv", daemon=True)
         self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
 
     def stats(self) -> dict[str, float]:
         return {

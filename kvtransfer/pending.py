@@ -1,7 +1,7 @@
 """The receiver-side bookkeeping every transport shares: expected transfers, cancel, results.
 
-A receiver class mixes this in, calls `_init_pending(block_shape, dtype, on_complete)` in its
-constructor, hands each finished transfer to `_retire` then `_deliver`, and calls `_expire`
+A receiver class mixes this in, calls `_init_pending(block_shape, dtype, on_complete)` and
+`_bind_socket(...)` (its ZMQ socket, `address`) in its constructor, hands each finished transfer to `_retire` then `_deliver`, and calls `_expire`
 periodically; its own thread does the I/O. `_tally` counts a retired transfer in the
 receiver's stats (transfers_ok, transfer_seconds, transfers_failed, checksum_failures).
 """
@@ -13,6 +13,8 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+
+import zmq
 
 from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.base import KVTransferError, OnComplete, TransferResult
@@ -33,6 +35,32 @@ class PendingTransfers:
         self._results: collections.deque[TransferResult] = collections.deque()
         self._results_cond = threading.Condition()
         self._stop = threading.Event()
+
+    def _bind_socket(self, socket_type: int, bind: str, context: zmq.Context | None, **options: int) -> None:
+        """This receiver's socket (`_sock`, in `_ctx`; options by zmq name) bound to `bind`;
+        ValueError naming `bind` when it cannot bind. `address` tells the bound endpoint."""
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = self._ctx.socket(socket_type)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            self._sock.setsockopt(getattr(zmq, name), value)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError as exc:
+            self._drop_socket()
+            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
+        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _drop_socket(self) -> None:
+        """Undo `_bind_socket` when the constructor fails after it."""
+        self._sock.close()
+        if self._own_ctx:
+            self._ctx.term()
+
+    @property
+    def address(self) -> str:
+        return self._address
 
     def _transfer_stats(self) -> dict[str, float]:
         """The counters every receiver reports (a receiver adds its own to them)."""

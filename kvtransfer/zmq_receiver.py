@@ -57,19 +57,7 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         self._sink = sink
         self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(bind)
-        except zmq.ZMQError as exc:
-            self._sock.close()
-            if self._own_ctx:
-                self._ctx.term()
-            raise ValueError(f"bind: cannot bind {bind!r}: {exc}") from None
-        self._address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bind_socket(zmq.PULL, bind, context, RCVHWM=rcvhwm)
         self._pool = PairPool()
         self.bytes_received = 0
         self.frames_received = 0
@@ -82,10 +70,6 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         # ZMQ asks for, and no other thread touches it afterwards.
         self._thread = threading.Thread(target=self._run, name="kv-recv", daemon=True)
         self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self._address
 
     @property
     def num_pending(self) -> int:
