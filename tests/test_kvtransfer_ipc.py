@@ -28,6 +28,7 @@ from kvtransfer import ipc_wire as wire
 from kvtransfer.frames import KIND_LAYER, FrameHeader, checksum
 from kvtransfer.ipc_transport import IpcReceiver, IpcSender
 from kvtransfer.sinks import TensorKVSink
+from disagg_cluster import greedy_through_cluster
 from spawned_prefill import Prefill
 
 LAYERS = 3
@@ -622,27 +623,8 @@ def test_a_bad_frame_fails_only_its_transfer_and_its_slot_comes_back(tmp_path: P
 
 def test_disaggregated_workers_over_the_ipc_transport_match_the_offline_engine(tmp_path: Path) -> None:
     """A prefill and a decode worker process (CPU, so the pool is shared memory) behind a gateway."""
-    from bench.multi_gpu_bench import Cluster, build_parser
-    from engine import LLM
-    from engine.demo import make_random_model
-    from tandem import Client
-    from tandem.types import SamplingParams
-
-    model = make_random_model(tmp_path / "m", "llama", seed=5)
-    args = build_parser().parse_args(["goodput", "--device", "cpu", "--max-model-len", "256"])
-    args.kv_transport = "cuda_ipc"  # the workers take any registered transport by name
-    prompts = [[256, *range(40, 40 + n)] for n in (3, 20, 37)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(model), device="cpu", num_kv_blocks=32).generate(prompts, params)]
-    cluster = Cluster("disagg", args, str(model), "auto", tmp_path)
-    try:
-        cluster.wait_healthy(120.0)
-        with Client(cluster.target, timeout=WAIT_S) as client:
-            got = [client.generate(p, params=params).token_ids for p in prompts]
-    finally:
-        cluster.stop()
+    got, expected, decode_log = greedy_through_cluster(tmp_path, "cuda_ipc")
     assert got == expected
-    decode_log = next(tmp_path.glob("decode-*.log")).read_text()
     assert "kv ipc channel" in decode_log and "shm pool" in decode_log and "Traceback" not in decode_log
 
 

@@ -18,6 +18,7 @@ import torch
 from kvtransfer import TransferResult, get_transport
 from kvtransfer.nccl_transport import NcclReceiver, NcclSender
 from kvtransfer.sinks import TensorKVSink
+from disagg_cluster import greedy_through_cluster
 from spawned_prefill import Prefill
 
 LAYERS = 4
@@ -301,26 +302,8 @@ def test_creating_an_nccl_group_turns_nvlink_multicast_off(monkeypatch: pytest.M
 
 def test_disaggregated_workers_over_the_nccl_transport_match_the_offline_engine(tmp_path) -> None:
     """A prefill and a decode worker process (CPU, so the transport runs gloo) behind a gateway."""
-    from bench.multi_gpu_bench import Cluster, build_parser
-    from engine import LLM
-    from engine.demo import make_random_model
-    from tandem import Client
-    from tandem.types import SamplingParams
-
-    model = make_random_model(tmp_path / "m", "llama", seed=5)
-    args = build_parser().parse_args(["goodput", "--device", "cpu", "--kv-transport", "nccl", "--max-model-len", "256"])
-    prompts = [[256, *range(40, 40 + n)] for n in (3, 20, 37)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(model), device="cpu", num_kv_blocks=32).generate(prompts, params)]
-    cluster = Cluster("disagg", args, str(model), "auto", tmp_path)
-    try:
-        cluster.wait_healthy(120.0)
-        with Client(cluster.target, timeout=WAIT_S) as client:
-            got = [client.generate(p, params=params).token_ids for p in prompts]
-    finally:
-        cluster.stop()
+    got, expected, decode_log = greedy_through_cluster(tmp_path, "nccl")
     assert got == expected
-    decode_log = next(tmp_path.glob("decode-*.log")).read_text()
     assert "kv nccl channel" in decode_log and "(gloo" in decode_log and "Traceback" not in decode_log
 
 
