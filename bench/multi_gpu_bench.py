@@ -143,7 +143,7 @@ def _transport_receiver(a: argparse.Namespace, transport: str, options: dict, ct
         if prof is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
+            prof.stop()
             prof.export_chrome_trace(trace)
     receiver.close()
 
@@ -156,7 +156,7 @@ def _profiler(trace: str | None):
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA])
-    prof.__enter__()
+    prof.start()
     return prof
 
 
@@ -203,7 +203,7 @@ def transport_bandwidth(a: argparse.Namespace, transport: str, sender_options: d
             if not ok:
                 raise RuntimeError(f"transfer {rid} failed")
             if prof is not None:  # the traced transfer is left out of the figures
-                prof.__exit__(None, None, None)
+                prof.stop()
                 prof.export_chrome_trace(trace % "sender")
             elif it:
                 times.append(t_done - t0)
