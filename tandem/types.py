@@ -40,6 +40,21 @@ class Tier(enum.IntEnum):
         raise ValueError(f"tier: unknown tier {value!r}; expected one of interactive, standard, batch")
 
 
+class Role(str, enum.Enum):
+    """What a worker process does: prefill only, decode only, or both (no KV transfer)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+ROLES: tuple[str, ...] = tuple(r.value for r in Role)
+
+# The abort reason of a request whose timeout expired (workers end it with this reason and the
+# services answer DEADLINE_EXCEEDED for it).
+DEADLINE = "deadline"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
