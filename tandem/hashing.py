@@ -9,7 +9,7 @@ import hashlib
 import json
 import struct
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import xxhash
@@ -61,18 +61,5 @@ def block_hashes(tokens: Sequence[int], block_size: int, seed: int) -> list[int]
     return out
 
 
-def extend_hashes(prev: list[int], tokens: Sequence[int], block_size: int, seed: int) -> list[int]:
-    """Append hashes for the full blocks of `tokens` not yet covered by `prev` (in place)."""
-    h = prev[-1] if prev else seed
-    for start in range(len(prev) * block_size, len(tokens) - block_size + 1, block_size):
-        h = next_hash(h, tokens[start : start + block_size])
-        prev.append(h)
-    return prev
-
-
 def hash_hex(h: int) -> str:
     return f"{h:016x}"
-
-
-def iter_hex(hashes: Iterable[int]) -> list[str]:
-    return [hash_hex(h) for h in hashes]
