@@ -39,12 +39,14 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._id_limit = tokenizer.id_limit
         # Only the window from prefix_offset onward is ever decoded, so older ids are dropped.
         start = max(len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS, 0)
         self._ids: list[int] = [int(i) for i in prompt_token_ids[start:]]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._output_ids: list[int] = []
+        self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset], once known
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -55,8 +57,14 @@ class IncrementalDetokenizer:
         """Add newly generated ids; return the text they complete (possibly '')."""
         pieces = []
         for token_id in token_ids:
-            self._ids.append(int(token_id))
-            self._output_ids.append(int(token_id))
+            token_id = int(token_id)
+            self._output_ids.append(token_id)
+            if token_id >= self._id_limit:
+                # No vocabulary entry: it decodes to nothing, so every window decodes the same
+                # without it and the step would emit nothing. Skipping it keeps a held-back
+                # window from growing across a run of such ids.
+                continue
+            self._ids.append(token_id)
             pieces.append(self._step(final=False))
         return "".join(pieces)
 
@@ -71,18 +79,26 @@ class IncrementalDetokenizer:
         decodes differently in one piece than step by step); otherwise by pushing them one by one."""
         ids = [int(i) for i in token_ids]
         if self._read_offset == len(self._ids):  # no text held back
+            all_ids = ids
+            ids = [i for i in ids if i < self._id_limit]  # the rest decode to nothing (see push)
             window = self._ids[self._prefix_offset:]
             before = self._decode(window)
             after = self._decode(window + ids)
             if after.startswith(before) and _REPLACEMENT_CHAR not in after:
-                self._output_ids.extend(ids)
+                self._output_ids.extend(all_ids)
                 self._ids = (window + ids)[-PROMPT_CONTEXT_TOKENS:]
                 self._prefix_offset, self._read_offset = 0, len(self._ids)
+                self._prefix_text = None
                 return after[len(before):]
+            ids = all_ids
         return self.push(ids) + self.flush()
 
     def _step(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        # The window's left part only changes when the window slides, so while text is held
+        # back its decode is reused.
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text):
             return ""
@@ -93,6 +109,7 @@ class IncrementalDetokenizer:
         del self._ids[: self._read_offset]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix_text = None
         return delta
 
     def _decode(self, ids: list[int]) -> str:

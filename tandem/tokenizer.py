@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import cached_property
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -196,6 +197,12 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"token ids must be non-negative integers: {exc}") from exc
+
+    @cached_property
+    def id_limit(self) -> int:
+        """One past the largest id with a vocabulary entry: ids from here up decode to nothing
+        (a model's embedding table is often padded past its tokenizer's vocabulary)."""
+        return max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         """Vocabulary strings of `ids` (None for an id the vocabulary lacks)."""

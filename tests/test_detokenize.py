@@ -180,6 +180,38 @@ def test_finish_equals_pushing_one_by_one_for_any_ids(tokenizer: Tokenizer, ids:
     assert IncrementalDetokenizer(tokenizer, prompt).finish(ids) == "".join(stream(tokenizer, prompt, ids))
 
 
+def reference_stream(tok: Tokenizer, prompt: list[int], output: list[int]) -> str:
+    """The prefix/read-offset algorithm written plainly: every id stays in the window and both
+    windows are decoded at every step."""
+    ids = list(prompt[max(len(prompt) - 5, 0):])
+    prefix, read, out = 0, len(ids), []
+    for i, token in enumerate(output + [None]):
+        final = token is None
+        if not final:
+            ids.append(token)
+        before, after = tok.decode(ids[prefix:read]), tok.decode(ids[prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            out.append(after[len(before):])
+            prefix, read = read, len(ids)
+    return "".join(out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), prompt_text=st.sampled_from(["", "Hello world", "日本"]))
+def test_ids_past_the_vocabulary_decode_to_nothing(tokenizer: Tokenizer, data: st.DataObject, prompt_text: str) -> None:
+    """A model's embedding table is often padded past its tokenizer's vocabulary, so a model can
+    sample ids that have no entry. They are skipped (never held in the window), and the text is
+    what the plain algorithm gives with them kept."""
+    limit = tokenizer.id_limit
+    ids = data.draw(st.lists(st.one_of(st.integers(0, limit - 1), st.integers(limit, limit + 1000)), max_size=24))
+    prompt = tokenizer.encode(prompt_text) if prompt_text else []
+    expected = reference_stream(tokenizer, prompt, ids)
+    assert "".join(stream(tokenizer, prompt, ids)) == expected
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert detok.finish(ids) == expected
+    assert detok.output_token_ids == ids
+
+
 # ----------------------------------------------------------------- StopMatcher
 
 
