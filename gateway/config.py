@@ -4,7 +4,7 @@ retries, routing and message-size limits, as frozen dataclasses composed into on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from collections.abc import Mapping
 from typing import Any
@@ -142,9 +142,6 @@ class GatewayConfig:
         check_int("max_message_bytes", self.max_message_bytes, lo=1024)
         _check_positive("grace_s", self.grace_s)
         _check_positive("index_block_ttl_s", self.index_block_ttl_s)
-
-    def with_changes(self, **changes: Any) -> GatewayConfig:
-        return replace(self, **changes)
 
 
 def _check_positive(name: str, value: Any) -> None:

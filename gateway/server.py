@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -30,6 +30,9 @@ from gateway.workers import WorkerRegistry
 from tandem import wire
 from tandem.hashing import seed_hash
 from tandem.types import Tier
+
+if TYPE_CHECKING:
+    from kvindex.base import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class Gateway:
         self.metrics_port: int | None = None
         self._health: Any = None
 
-    def _make_index(self) -> tuple[Any, bool]:
+    def _make_index(self) -> tuple[PrefixIndex | None, bool]:
         """(index or None, whether the gateway feeds it from KvEvents)."""
         if self.config.routing.policy != "cache_aware":
             return None, False

@@ -22,6 +22,7 @@ from gateway.validate import validate_request
 from gateway.workers import WorkerRegistry
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
+from tandem.rules import blocks_needed
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,10 @@ class TandemService(wire.TandemServicer):
         assembler = OutputAssembler(self.model.tokenizer, admitted.prompt_ids, admitted.params,
                                     self.model.eos_token_ids, self.model.max_context, admitted.stream_text)
         st = RequestState(request_id, admitted, assembler, arrival, deadline)
-        block_size = self.config.block_size
-        needed = -(-(len(admitted.prompt_ids) + admitted.params.max_tokens) // block_size)
+        # Capped by the context like the engine's; validation already keeps prompt + max_tokens
+        # within max_context, so the cap changes no outcome here.
+        needed = blocks_needed(len(admitted.prompt_ids), admitted.params.max_tokens, self.model.max_context,
+                               self.config.block_size)
         largest = max((h.stats.total_kv_blocks for h in self.registry.decode_workers() if h.stats is not None),
                       default=None)
         if largest is not None and needed > largest:

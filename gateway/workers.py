@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -18,10 +18,13 @@ from gateway.adapters import WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.metrics import GatewayMetrics
 from tandem import wire
+from tandem.types import ROLES
+
+if TYPE_CHECKING:
+    from kvindex.base import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
 _RECONNECT_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
@@ -71,7 +74,7 @@ class WorkerRegistry:
     goes up or down or starts/stops draining (the dispatcher re-checks capacity then).
     """
 
-    def __init__(self, pool: WorkerPoolConfig, *, index: Any = None, feed_index: bool = False,
+    def __init__(self, pool: WorkerPoolConfig, *, index: PrefixIndex | None = None, feed_index: bool = False,
                  metrics: GatewayMetrics | None = None, channel_options: list[tuple[str, Any]] | None = None,
                  on_change: Callable[[], None] | None = None) -> None:
         self.pool = pool
