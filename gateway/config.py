@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing import RoutingConfig
-from tandem.types import Tier, check_int
+from tandem.types import ROLES, Tier, check_int
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 128
@@ -69,7 +69,7 @@ class WorkerPoolConfig:
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
-        for role in ("prefill", "decode", "both"):
+        for role in ROLES:
             addrs = getattr(self, role)
             if isinstance(addrs, str):
                 raise ValueError(f"{role}: must be a sequence of addresses, got a string")

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from gateway.adapters import Reservation
 from gateway.dispatch import Dispatcher, Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement, PlacementNeeds, Placer
@@ -74,7 +75,7 @@ class RequestState:
     attempts: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    holders: dict[tuple[str, str], tuple[WorkerHandle, asyncio.Future[Any] | None]] = field(default_factory=dict)
+    holders: dict[tuple[str, str], tuple[WorkerHandle, asyncio.Future[Reservation] | None]] = field(default_factory=dict)
 
     def abort(self) -> None:
         """Client asked (Abort RPC): end with FINISH_REASON_ABORT."""
@@ -245,7 +246,8 @@ class RequestRunner:
 
     # ---------------------------------------------------------------- cleanup
 
-    def _hold(self, st: RequestState, w: WorkerHandle, wrid: str, pending: asyncio.Future[Any] | None = None) -> None:
+    def _hold(self, st: RequestState, w: WorkerHandle, wrid: str,
+              pending: asyncio.Future[Reservation] | None = None) -> None:
         st.holders[(w.address, wrid)] = (w, pending)
 
     def _unhold(self, st: RequestState, w: WorkerHandle, wrid: str) -> None:
@@ -257,7 +259,7 @@ class RequestRunner:
         for (_, wrid), (w, pending) in holders.items():
             self._spawn(self._abort_on(w, wrid, pending))
 
-    async def _abort_on(self, w: WorkerHandle, wrid: str, pending: asyncio.Future[Any] | None) -> None:
+    async def _abort_on(self, w: WorkerHandle, wrid: str, pending: asyncio.Future[Reservation] | None) -> None:
         if pending is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(pending), ABORT_TIMEOUT_S)

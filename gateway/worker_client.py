@@ -79,7 +79,7 @@ class ChunkStream:
     """The DecodeChunk stream of a Decode or PrefillAndDecode call, as `WorkerChunk`s; an RPC
     failure raises a `WorkerCallError`. `cancel()` ends the call (safe after it ended)."""
 
-    def __init__(self, client: WorkerClient, call: Any, deadline: float) -> None:
+    def __init__(self, client: WorkerClient, call: grpc.aio.UnaryStreamCall, deadline: float) -> None:
         self._client = client
         self._call = call
         self._deadline = deadline
@@ -102,7 +102,7 @@ class ChunkStream:
 class KvEventStream:
     """A worker's KvEvents stream, as `KvEvents` batches; RPC errors are raised as they are."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
 
     def __aiter__(self) -> KvEventStream:
@@ -190,7 +190,8 @@ class WorkerClient:
             return DeadlineReached()
         return WorkerUnavailable(stage, f"{code.name}: {details}", self.worker)
 
-    async def _unary(self, call: Any, stage: str, deadline: float, convert: Callable[[Any], _T]) -> _T:
+    async def _unary(self, call: grpc.aio.UnaryUnaryCall, stage: str, deadline: float,
+                     convert: Callable[[Any], _T]) -> _T:
         try:
             return convert(await call)
         except grpc.RpcError as exc:
@@ -202,7 +203,7 @@ def _remaining(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
-async def _quietly(call: Any) -> None:
+async def _quietly(call: grpc.aio.UnaryUnaryCall) -> None:
     try:
         await call
     except grpc.RpcError as exc:
