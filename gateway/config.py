@@ -4,13 +4,13 @@ retries, routing and message-size limits, as frozen dataclasses composed into on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from collections.abc import Mapping
 from typing import Any
 
 from gateway.routing import RoutingConfig
-from tandem.types import Tier, check_int
+from tandem.types import ROLES, Tier, check_int
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_REQUEST_ID_CHARS = 128
@@ -69,7 +69,7 @@ class WorkerPoolConfig:
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
-        for role in ("prefill", "decode", "both"):
+        for role in ROLES:
             addrs = getattr(self, role)
             if isinstance(addrs, str):
                 raise ValueError(f"{role}: must be a sequence of addresses, got a string")
@@ -142,9 +142,6 @@ class GatewayConfig:
         check_int("max_message_bytes", self.max_message_bytes, lo=1024)
         _check_positive("grace_s", self.grace_s)
         _check_positive("index_block_ttl_s", self.index_block_ttl_s)
-
-    def with_changes(self, **changes: Any) -> GatewayConfig:
-        return replace(self, **changes)
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -1,17 +1,17 @@
 """The dispatcher: hands queued requests, in tier order, to decode-capable workers that have a
 free slot (in-flight below `max_inflight_per_decode`). One task runs the loop; requests wait
-for their turn in `acquire` and give the slot back with `release`."""
+for their turn in `acquire` and give the slot back with `release`. Which of the workers with a
+free slot a request gets is the placer's decision (gateway.placement)."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
-from gateway.routing import CacheAwareRouter, pick_decode
+from gateway.placement import PlacementNeeds, Placer
 from gateway.tiers import Ticket, TierQueues
 from gateway.workers import WorkerHandle, WorkerRegistry
 from tandem.types import Tier
@@ -38,15 +38,14 @@ class DispatchEvent:
 
 @dataclass(eq=False)
 class Waiter:
-    """What a queued request needs to be placed."""
+    """A queued request: what placing it needs, and the future its slot is granted through."""
 
-    request_id: str
-    prompt_tokens: int
-    needed_blocks: int
-    matches: Mapping[str, int] = field(default_factory=dict)  # prefix-index match of the prompt
-    hashes: tuple[int, ...] = ()  # the prompt's block hashes; empty while the index is unusable
-    avoid: set[str] = field(default_factory=set)  # workers that failed this request
+    needs: PlacementNeeds
     future: asyncio.Future[WorkerHandle] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.needs.request_id
 
 
 class Dispatcher:
@@ -55,17 +54,16 @@ class Dispatcher:
     Order of events for one request: `enqueue` (may raise QueueFull), then `acquire` (waits
     for a slot; cancelling it removes the request from its queue), `release` when the attempt
     ends; for a retry, `acquire(..., retry=True)` puts the same ticket back at its arrival
-    position. Placement among workers with a free slot: with role-both workers only, the
-    cache-aware router (they prefill too); otherwise the most KV headroom (routing.pick_decode).
+    position. Among workers with a free slot, `Placer.decode_worker` picks (it reads the
+    request's `PlacementNeeds`, which the request flow updates through the placer).
     """
 
-    def __init__(self, queues: TierQueues[Waiter], registry: WorkerRegistry, router: CacheAwareRouter,
-                 metrics: GatewayMetrics | None = None, sticky_bonus: float = 0.25) -> None:
+    def __init__(self, queues: TierQueues[Waiter], registry: WorkerRegistry, placer: Placer,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.queues = queues
         self.registry = registry
-        self.router = router
+        self.placer = placer
         self.metrics = metrics
-        self.sticky_bonus = sticky_bonus
         self.log: deque[DispatchEvent] = deque(maxlen=DISPATCH_LOG_SIZE)
         self._order = itertools.count()
         self._capacity = asyncio.Event()
@@ -88,8 +86,9 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- request side
 
-    def enqueue(self, waiter: Waiter, tier: Tier, deadline: float | None) -> Ticket[Waiter]:
+    def enqueue(self, needs: PlacementNeeds, tier: Tier, deadline: float | None) -> Ticket[Waiter]:
         """Queue a new request; raises tiers.QueueFull when its tier is full."""
+        waiter = Waiter(needs)
         ticket = self.queues.put(waiter, tier, deadline)
         waiter.future = asyncio.get_running_loop().create_future()
         self.log.append(DispatchEvent(next(self._order), "enqueue", waiter.request_id, ticket.tier))
@@ -153,26 +152,4 @@ class Dispatcher:
         free = [h for h in self.registry.decode_workers() if h.has_slot]
         if not free:
             return None
-        preferred = [h for h in free if h.name not in waiter.avoid]
-        cands = preferred or free
-        if len(cands) == 1:
-            return cands[0]
-        # Requests admitted together were matched before any of them was placed.
-        matches = self.router.with_recent(waiter.matches, waiter.hashes)
-        if all(h.role == "both" for h in cands):
-            # Colocated workers prefill too: prefer the one holding the prompt's prefix.
-            decision = self.router.route([h.name for h in cands], waiter.prompt_tokens,
-                                         matches if waiter.hashes else None, request_id=waiter.request_id)
-            self.router.remember(decision.worker_id, waiter.hashes)
-            if self.metrics is not None:
-                self.metrics.routing.labels(decision.reason).inc()
-            return next(h for h in cands if h.name == decision.worker_id)
-        by_name = {h.name: h for h in cands}
-        # The decode worker holding the longest prefix (e.g. the previous turn) gets a bonus.
-        sticky = max(cands, key=lambda h: matches.get(h.name, 0))
-        name = pick_decode({h.name: (h.free_blocks, h.inflight) for h in cands}, waiter.needed_blocks,
-                           sticky.name if matches.get(sticky.name) else None,
-                           sticky_bonus=self.sticky_bonus)
-        if name is None:  # nobody has room by the (slightly stale) stats: least loaded, Reserve decides
-            return min(cands, key=lambda h: (h.inflight, -h.free_blocks, h.name))
-        return by_name[name]
+        return self.placer.decode_worker(waiter.needs, free)

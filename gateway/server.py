@@ -14,14 +14,15 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import Dispatcher, Waiter
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel, load_served_model
+from gateway.placement import Placer
 from gateway.request import RequestRunner
 from gateway.routing import POLICIES, CacheAwareRouter, RoutingConfig
 from gateway.service import TandemService
@@ -30,6 +31,9 @@ from gateway.workers import WorkerRegistry
 from tandem import wire
 from tandem.hashing import seed_hash
 from tandem.types import Tier
+
+if TYPE_CHECKING:
+    from kvindex.base import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +55,17 @@ class Gateway:
         self.registry = WorkerRegistry(config.workers, index=self.index, feed_index=feed, metrics=self.metrics,
                                        channel_options=options, on_change=self._wake)
         self.router = CacheAwareRouter(config.routing, block_size=config.block_size)
-        queues: TierQueues[Any] = TierQueues({t: c.capacity for t, c in config.tiers.items()},
-                                             {t: c.aging_s for t, c in config.tiers.items()})
-        self.dispatcher = Dispatcher(queues, self.registry, self.router, self.metrics,
-                                     sticky_bonus=config.routing.decode_sticky_bonus)
-        self.runner = RequestRunner(registry=self.registry, dispatcher=self.dispatcher, router=self.router,
-                                    index=self.index, hash_seed=seed_hash(self.model.identity),
-                                    block_size=config.block_size, max_retries=config.max_retries,
-                                    local_prefill_tokens=config.workers.local_prefill_tokens, metrics=self.metrics)
-        self.service = TandemService(config=config, model=self.model, runner=self.runner, dispatcher=self.dispatcher,
-                                     registry=self.registry, metrics=self.metrics)
+        queues: TierQueues[Waiter] = TierQueues({t: c.capacity for t, c in config.tiers.items()},
+                                                {t: c.aging_s for t, c in config.tiers.items()})
+        self.placer = Placer(registry=self.registry, router=self.router, index=self.index,
+                             hash_seed=seed_hash(self.model.identity), block_size=config.block_size,
+                             local_prefill_tokens=config.workers.local_prefill_tokens,
+                             sticky_bonus=config.routing.decode_sticky_bonus, metrics=self.metrics)
+        self.dispatcher = Dispatcher(queues, self.registry, self.placer, self.metrics)
+        self.runner = RequestRunner(dispatcher=self.dispatcher, placer=self.placer, block_size=config.block_size,
+                                    max_retries=config.max_retries, metrics=self.metrics)
+        self.service = TandemService(config=config, model=self.model, runner=self.runner, placer=self.placer,
+                                     dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
         self.metrics.bind_queue_depth(queues.depth)
         self.metrics.running.set_function(lambda: sum(h.inflight for h in self.registry.decode_workers()))
         self.metrics.index_degraded.set_function(lambda: float(self.index is not None and self.index.degraded))
@@ -69,7 +74,7 @@ class Gateway:
         self.metrics_port: int | None = None
         self._health: Any = None
 
-    def _make_index(self) -> tuple[Any, bool]:
+    def _make_index(self) -> tuple[PrefixIndex | None, bool]:
         """(index or None, whether the gateway feeds it from KvEvents)."""
         if self.config.routing.policy != "cache_aware":
             return None, False

@@ -12,9 +12,10 @@ from typing import Any
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.dispatch import Dispatcher, Waiter
+from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel
+from gateway.placement import PlacementNeeds, Placer
 from gateway.request import RequestFailed, RequestRunner, RequestState, drain_output
 from gateway.streaming import OutputAssembler
 from gateway.tiers import QueueFull
@@ -22,6 +23,7 @@ from gateway.validate import validate_request
 from gateway.workers import WorkerRegistry
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
+from tandem.rules import blocks_needed
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +39,12 @@ class TandemService(wire.TandemServicer):
     request id; tokens follow; the last chunk has finish_reason and usage.
     """
 
-    def __init__(self, *, config: GatewayConfig, model: ServedModel, runner: RequestRunner,
+    def __init__(self, *, config: GatewayConfig, model: ServedModel, runner: RequestRunner, placer: Placer,
                  dispatcher: Dispatcher, registry: WorkerRegistry, metrics: GatewayMetrics) -> None:
         self.config = config
         self.model = model
         self.runner = runner
+        self.placer = placer
         self.dispatcher = dispatcher
         self.registry = registry
         self.metrics = metrics
@@ -70,11 +73,10 @@ class TandemService(wire.TandemServicer):
         if remaining is not None:
             budget = min(budget, remaining)
         deadline = arrival + budget
-        assembler = OutputAssembler(self.model.tokenizer, admitted.prompt_ids, admitted.params,
-                                    self.model.eos_token_ids, self.model.max_context, admitted.stream_text)
-        st = RequestState(request_id, admitted, assembler, arrival, deadline)
-        block_size = self.config.block_size
-        needed = -(-(len(admitted.prompt_ids) + admitted.params.max_tokens) // block_size)
+        # Capped by the context like the engine's; validation already keeps prompt + max_tokens
+        # within max_context, so the cap changes no outcome here.
+        needed = blocks_needed(len(admitted.prompt_ids), admitted.params.max_tokens, self.model.max_context,
+                               self.config.block_size)
         largest = max((h.stats.total_kv_blocks for h in self.registry.decode_workers() if h.stats is not None),
                       default=None)
         if largest is not None and needed > largest:
@@ -82,14 +84,13 @@ class TandemService(wire.TandemServicer):
                              f"max_tokens: prompt plus max_tokens needs {needed} KV blocks; the largest decode "
                              f"worker holds {largest}")
             return
-        waiter = Waiter(request_id, len(admitted.prompt_ids), needed)
-        # The match picks among several workers, and tells how much of the prompt a decode
-        # worker lacks (conditional disaggregation).
-        if (len(self.registry.decode_workers()) > 1 or len(self.registry.prefill_workers()) > 1
-                or self.config.workers.local_prefill_tokens > 0):
-            waiter.hashes, waiter.matches = await self.runner.prefix_lookup(admitted.prompt_ids)
+        needs = PlacementNeeds(request_id, len(admitted.prompt_ids), needed)
+        await self.placer.match_prompt(needs, admitted.prompt_ids)
+        assembler = OutputAssembler(self.model.tokenizer, admitted.prompt_ids, admitted.params,
+                                    self.model.eos_token_ids, self.model.max_context, admitted.stream_text)
+        st = RequestState(request_id, admitted, assembler, arrival, deadline, needs)
         try:
-            st.ticket = self.dispatcher.enqueue(waiter, admitted.tier, deadline)
+            st.ticket = self.dispatcher.enqueue(needs, admitted.tier, deadline)
         except QueueFull as exc:
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             return

@@ -1,11 +1,9 @@
 """Turns the token deltas workers stream into what the client receives: each token exactly
 once, UTF-8-safe text deltas, stop strings cut exactly, and the stop conditions decided here.
 
-The gateway re-applies the engine's stop rules (engine.Engine._check_stop) itself, in the same
-order, so its output equals the offline engine's and does not depend on which worker (or how
-many, after a retry) produced the tokens: a stop token id, then EOS (unless ignore_eos), both
-only once min_tokens tokens exist; then stop strings (text before min_tokens is never matched);
-then max_tokens and the model context. Stop tokens' own text is not emitted.
+The gateway re-applies the engine's stop rules itself, through the same code
+(`tandem.rules.StopChecker` with a `StopText`), so its output equals the offline engine's and
+does not depend on which worker (or how many, after a retry) produced the tokens.
 """
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+from tandem.rules import StopChecker, StopText
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams
 from tandem.wire import TokenLogprob, Usage
@@ -53,11 +51,9 @@ class OutputAssembler:
         self.prompt_tokens = len(prompt_ids)
         self.max_context = max_context
         self.want_text = want_text
-        self._eos = frozenset(eos_token_ids)
-        self._stop_ids = frozenset(params.stop_token_ids)
         self._want_logprobs = params.logprobs is not None
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        self._matcher = StopMatcher(params.stop)
+        # Always with text: stop strings are matched on it even when the client wants none.
+        self._stop = StopChecker(params, eos_token_ids, max_context, StopText(tokenizer, prompt_ids, params))
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason = ""
@@ -88,22 +84,10 @@ class OutputAssembler:
             if self._want_logprobs:
                 out.logprobs.append(lp if lp is not None else TokenLogprob(token, 0.0))
             n = len(self.output_ids)
-            armed = n >= self.params.min_tokens
-            if armed and token in self._stop_ids:
-                self._set_finish("stop", "stop_token_id", token)
-            elif armed and not self.params.ignore_eos and token in self._eos:
-                self._set_finish("stop", "eos", None)
-            else:
-                delta = self._detok.push([token])
-                if armed:
-                    text, stopped = self._matcher.feed(delta)
-                    pieces.append(text)
-                    if stopped:
-                        self._set_finish("stop", "stop_string", self._matcher.stop_string)
-                else:
-                    pieces.append(delta)
-                if not self.finished and (n >= self.params.max_tokens or self.prompt_tokens + n >= self.max_context):
-                    self._set_finish("length", "", None)
+            text, stop = self._stop.check(token, n, self.prompt_tokens + n)
+            pieces.append(text)
+            if stop is not None:
+                self._set_finish(stop.reason, stop.kind, stop.matched)
             if self.finished:
                 break
         if self.finished:
@@ -131,7 +115,4 @@ class OutputAssembler:
 
     def _tail(self) -> str:
         # As engine.output_text: release held-back text unless a stop string ended the stream.
-        if self._matcher.stopped:
-            return ""
-        text, _ = self._matcher.feed(self._detok.flush())
-        return text + self._matcher.flush()
+        return self._stop.tail()

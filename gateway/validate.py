@@ -86,9 +86,9 @@ def check_request_id(request_id: str) -> str:
 
 
 def _prompt_ids(prompt: str | tuple[int, ...], model: ServedModel) -> list[int]:
+    if not prompt:
+        raise InvalidRequest("prompt", "must not be empty (give text or token_ids)")
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("prompt", "must not be empty (give text or token_ids)")
         # Refuse absurd text before tokenizing it: no tokenizer makes fewer tokens than
         # characters / 64, so such a prompt cannot fit anyway.
         if len(prompt) > 64 * model.max_context:
@@ -99,8 +99,6 @@ def _prompt_ids(prompt: str | tuple[int, ...], model: ServedModel) -> list[int]:
             raise InvalidRequest("prompt", "tokenizes to no tokens")
         return ids
     ids = list(prompt)
-    if not ids:
-        raise InvalidRequest("prompt", "must not be empty (give text or token_ids)")
     for pos, token in enumerate(ids):
         if not 0 <= token < model.vocab_size:
             raise InvalidRequest("prompt", f"token id {token} at position {pos} is outside the vocabulary "

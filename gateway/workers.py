@@ -8,38 +8,44 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from gateway import adapters
-from gateway.adapters import WorkerStatsView
+from gateway.adapters import KvEvents, WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.metrics import GatewayMetrics
-from tandem import wire
+from gateway.worker_client import KvEventStream, WorkerClient
+from tandem.types import ROLES
+
+if TYPE_CHECKING:
+    from kvindex.base import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
 _RECONNECT_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     """One worker. `inflight` counts the requests this gateway has on it as decode worker;
-    `worker_id` comes from its Stats (the address until the first answer)."""
+    `worker_id` comes from its Stats (the address until the first answer); `client` makes
+    every call to it (gateway.worker_client)."""
 
     address: str
     role: str
     channel: grpc.aio.Channel
-    stub: Any  # wire.PrefillWorkerStub for "prefill", wire.DecodeWorkerStub otherwise
     max_inflight: int
     worker_id: str = ""
     stats: WorkerStatsView | None = None
     up: bool = False
     inflight: int = 0
     last_error: str = ""
+    client: WorkerClient = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.client = WorkerClient(self)
 
     @property
     def name(self) -> str:
@@ -71,7 +77,7 @@ class WorkerRegistry:
     goes up or down or starts/stops draining (the dispatcher re-checks capacity then).
     """
 
-    def __init__(self, pool: WorkerPoolConfig, *, index: Any = None, feed_index: bool = False,
+    def __init__(self, pool: WorkerPoolConfig, *, index: PrefixIndex | None = None, feed_index: bool = False,
                  metrics: GatewayMetrics | None = None, channel_options: list[tuple[str, Any]] | None = None,
                  on_change: Callable[[], None] | None = None) -> None:
         self.pool = pool
@@ -83,7 +89,7 @@ class WorkerRegistry:
         self.handles: list[WorkerHandle] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._last_heartbeat: dict[str, float] = {}
-        self._event_calls: dict[str, Any] = {}  # address -> its KvEvents call in progress
+        self._event_calls: dict[str, KvEventStream] = {}  # address -> its KvEvents call in progress
         self._events_synced: set[str] = set()  # addresses whose current stream's reset was applied
         self._closed = False
 
@@ -94,8 +100,7 @@ class WorkerRegistry:
         for role in ROLES:
             for addr in getattr(self.pool, role):
                 channel = grpc.aio.insecure_channel(addr, options=self._options)
-                stub = wire.PrefillWorkerStub(channel) if role == "prefill" else wire.DecodeWorkerStub(channel)
-                self.handles.append(WorkerHandle(addr, role, channel, stub, self.pool.max_inflight_per_decode))
+                self.handles.append(WorkerHandle(addr, role, channel, self.pool.max_inflight_per_decode))
         for h in self.handles:
             self._tasks.append(asyncio.create_task(self._poll(h), name=f"stats:{h.address}"))
             if self.feed_index:
@@ -149,7 +154,7 @@ class WorkerRegistry:
         while not self._closed:
             started = time.monotonic()
             try:
-                reply = await h.stub.Stats(adapters.stats_request(), timeout=timeout)
+                stats = await h.client.stats(timeout)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as exc:
@@ -157,7 +162,7 @@ class WorkerRegistry:
             except Exception as exc:  # a malformed reply must not kill the poller
                 self._set_up(h, False, f"Stats: {exc!r}")
             else:
-                self._on_stats(h, adapters.stats_from_proto(reply))
+                self._on_stats(h, stats)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     def _on_stats(self, h: WorkerHandle, stats: WorkerStatsView) -> None:
@@ -226,13 +231,13 @@ class WorkerRegistry:
             if not h.up:
                 await asyncio.sleep(self.pool.stats_interval_s)
                 continue
-            call = h.stub.KvEvents(adapters.kv_events_request())
+            call = h.client.kv_events()
             self._events_synced.discard(h.address)
             self._event_calls[h.address] = call
             try:
-                async for msg in call:
+                async for events in call:
                     failures = 0
-                    self._apply_events(h, adapters.kv_events_from_proto(msg))
+                    self._apply_events(h, events)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if self._closed or task is None or task.cancelling():
@@ -251,7 +256,7 @@ class WorkerRegistry:
             await asyncio.sleep(_RECONNECT_S[min(failures, len(_RECONNECT_S) - 1)])
             failures += 1
 
-    def _apply_events(self, h: WorkerHandle, ev: adapters.KvEvents) -> None:
+    def _apply_events(self, h: WorkerHandle, ev: KvEvents) -> None:
         worker_id = ev.worker_id or h.worker_id
         if not worker_id:
             return

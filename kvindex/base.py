@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from tandem.types import ROLES
+
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-ROLES = ("prefill", "decode", "both")
 MAX_HASH = 2**64 - 1
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_MISSES = 3  # a worker is dead after this many missed heartbeats
@@ -175,14 +176,8 @@ class PrefixIndex(ABC):
     async def apublish(self, worker_id: str, stored: Sequence[int], removed: Sequence[int]) -> None:
         await self._run(self.publish, worker_id, stored, removed)
 
-    async def aclear(self, worker_id: str) -> None:
-        await self._run(self.clear, worker_id)
-
     async def aheartbeat(self, worker_id: str, info: WorkerInfo) -> bool:
         return await self._run(self.heartbeat, worker_id, info)
-
-    async def aworkers(self) -> dict[str, WorkerInfo]:
-        return await self._run(self.workers)
 
 
 
