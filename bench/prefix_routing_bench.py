@@ -5,9 +5,9 @@
 
 For each policy: start 4 prefill + 1 decode worker processes (cold caches) and a gateway
 process (`python -m gateway --routing POLICY`), send the same generated shared-prefix workload
-(bench.datasets: groups x prompts sharing a system prompt, short questions) through the SDK
-(bench.load.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
-ratio (their Stats), throughput and TTFT P50/P99 (bench.report), and prompts computed per
+(loadgen.datasets: groups x prompts sharing a system prompt, short questions) through the SDK
+(loadgen.load.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
+ratio (their Stats), throughput and TTFT P50/P99 (loadgen.report), and prompts computed per
 prefill worker (the gateway's tandem_gateway_prefill_requests_total). Prints JSON and writes
 bench/results/prefix_routing.json (or --out).
 """
@@ -28,9 +28,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import datasets as ds  # noqa: E402
-from bench.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
-from bench.report import summarize  # noqa: E402
+from loadgen import datasets as ds  # noqa: E402
+from loadgen.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
+from loadgen.report import summarize  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
