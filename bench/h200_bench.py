@@ -260,30 +260,26 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_d
     Needs pyzmq and the gRPC health/reflection packages (carry them as wheels)."""
     import asyncio
 
-    from gateway.testing import start_workers, stop_workers
+    from entrypoints.cluster import Cluster, ClusterProcess, free_port, worker_process
     from tandem import AsyncClient
-    from tandem.launcher import free_port, healthy
 
     ctx = in_len + out_len + 16
     common = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(ctx), "--no-prefix-cache",
               "--kv-transport", kv_transport]
     log_dir.mkdir(parents=True, exist_ok=True)
-    p, d = start_workers([("prefill", [*common, "--num-kv-blocks", "4096", "--max-running", "64",
-                                       "--max-batched-tokens", "8192"]),
-                          ("decode", [*common, "--num-kv-blocks", "36000", "--max-running", str(max_running)])],
-                         model_dir, log_dir, timeout=600)
-    target = f"127.0.0.1:{free_port()}"
-    with open(log_dir / "gateway.log", "wb") as log:
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "gateway", "--port", target.rsplit(":", 1)[1], "--model", str(model_dir),
-             "--load-format", "dummy", "--max-context", str(ctx), "--max-inflight-per-decode", str(max_running),
-             "--prefill", p.address, "--decode", d.address], stdout=log, stderr=subprocess.STDOUT)
+    p = worker_process("prefill0", "prefill", model_dir, log_dir, [*common, "--num-kv-blocks", "4096", "--max-running",
+                                                                   "64", "--max-batched-tokens", "8192"])
+    d = worker_process("decode1", "decode", model_dir, log_dir, [*common, "--num-kv-blocks", "36000", "--max-running",
+                                                                  str(max_running)])
+    cluster = Cluster([p, d])
+    cluster.start(timeout=600)
+    port = free_port()
+    target = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not healthy(target):
-            if gateway.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start; see {log_dir / 'gateway.log'}")
-            time.sleep(0.2)
+        cluster.add(ClusterProcess("gateway", "gateway", [
+            "--port", str(port), "--model", str(model_dir), "--load-format", "dummy", "--max-context", str(ctx),
+            "--max-inflight-per-decode", str(max_running), "--prefill", p.address, "--decode", d.address],
+            port, log_path=log_dir / "gateway.log"), timeout=120)
         g = torch.Generator().manual_seed(0)
         vocab = min(128000, json.loads((model_dir / "config.json").read_text())["vocab_size"] - 2)
         prompts = torch.randint(0, vocab, (num_prompts, in_len), generator=g).tolist()
@@ -305,12 +301,7 @@ def services(model_dir: Path, num_prompts: int, in_len: int, out_len: int, log_d
 
         n, dt = asyncio.run(run())
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(30)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-        stop_workers([p, d])
+        cluster.stop(30)
     return {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
             "output_tok_s": round(n / dt, 1), "gateway": "own process", "kv_transport": kv_transport}
 

@@ -280,10 +280,10 @@ class Cluster:
     """One gateway and two workers, each computing on its own GPU (CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, mode: str, a: argparse.Namespace, model: str, load_format: str, log_dir: Path) -> None:
-        from tandem.launcher import free_port
+        from entrypoints.cluster import Cluster as Processes
+        from entrypoints.cluster import free_port
 
-        self.procs: list[subprocess.Popen] = []
-        self.addresses: list[str] = []
+        self.processes = Processes([])
         self.log_dir = log_dir
         common = ["--model", model, "--load-format", load_format, "--device", a.device.split(":")[0]]
         if a.dtype_model:
@@ -300,15 +300,15 @@ class Cluster:
             workers = [("worker", ["--role", "both"]), ("worker", ["--role", "both"])]
         for gpu, (role, extra) in enumerate(workers):
             port = free_port()
-            self._start(f"{role}-{gpu}", [role, "--port", str(port), "--worker-id", f"{role}-{gpu}", *common, *extra],
-                        {"CUDA_VISIBLE_DEVICES": self.visible_devices(gpu, mode, a)} if a.device.startswith("cuda") else {})
+            self._start(f"{role}-{gpu}", role, ["--port", str(port), "--worker-id", f"{role}-{gpu}", *common, *extra],
+                        port, {"CUDA_VISIBLE_DEVICES": self.visible_devices(gpu, mode, a)} if a.device.startswith("cuda")
+                        else {})
             gateway += [{"prefill": "--prefill", "decode": "--decode", "worker": "--worker"}[role], f"127.0.0.1:{port}"]
-            self.addresses.append(f"127.0.0.1:{port}")
-        self.target = f"127.0.0.1:{free_port()}"
+        port = free_port()
+        self.target = f"127.0.0.1:{port}"
         self.metrics_port = free_port()
-        self._start("gateway", ["gateway", "--port", self.target.rsplit(":", 1)[1], "--metrics-port",
-                                str(self.metrics_port), *gateway], {})
-        self.addresses.append(self.target)
+        self._start("gateway", "gateway", ["--port", str(port), "--metrics-port", str(self.metrics_port), *gateway],
+                    port, {})
         self.num_workers = len(workers)
 
     @staticmethod
@@ -320,23 +320,24 @@ class Cluster:
             return f"{gpu},{1 - gpu}"
         return str(gpu)
 
-    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "tandem", *argv], stdout=log,
-                                           stderr=subprocess.STDOUT, env={**os.environ, **NVLS_OFF, **env}))
+    def _start(self, name: str, role: str, argv: list[str], port: int, env: dict[str, str]) -> None:
+        from entrypoints.cluster import ClusterProcess
+
+        process = ClusterProcess(name, role, argv, port, env={**NVLS_OFF, **env}, log_path=self.log_dir / f"{name}.log")
+        self.processes.processes.append(process)
+        process.start()
 
     def wait_healthy(self, timeout_s: float) -> None:
-        from tandem.launcher import healthy
-
         deadline = time.monotonic() + timeout_s
-        pending = list(self.addresses)
-        while pending or self._workers_up() < self.num_workers:  # else it would prefill on the decode worker
-            if any(p.poll() is not None for p in self.procs):
+        try:
+            self.processes.wait_ready(timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\nsee {self.log_dir}") from None
+        while self._workers_up() < self.num_workers:  # else it would prefill on the decode worker
+            if not all(p.alive() for p in self.processes.processes):
                 raise RuntimeError(f"a cluster process exited during start-up; see {self.log_dir}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"not ready after {timeout_s:g}s (waiting for {pending or 'the gateway'}); "
-                                   f"see {self.log_dir}")
-            pending = [addr for addr in pending if not healthy(addr)]
+                raise RuntimeError(f"not ready after {timeout_s:g}s (waiting for the gateway); see {self.log_dir}")
             time.sleep(0.5)
 
     def _workers_up(self) -> float:
@@ -351,20 +352,12 @@ class Cluster:
                    if line.startswith("tandem_gateway_workers_up{"))
 
     def stop(self) -> None:
-        for p in reversed(self.procs):  # gateway first
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.processes.stop(30)  # gateway first
 
 
 def bench_point(target: str, rate: float, a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     """One `tandem bench` run at `rate`; its summary (goodput.fraction is the SLO attainment)."""
-    cmd = [sys.executable, "-m", "tandem", "bench", "--target", target, "--dataset", "sharegpt-like",
+    cmd = [sys.executable, "-m", "entrypoints", "bench", "--target", target, "--dataset", "sharegpt-like",
            "--prompt-format", "tokens", "--num-requests", str(a.num_requests), "--input-len", a.input_len,
            "--output-len", a.output_len, "--request-rate", f"{rate:g}", "--slo-ttft-ms", f"{a.slo_ttft_ms:g}",
            "--slo-tpot-ms", f"{a.slo_tpot_ms:g}", "--seed", str(seed), "--warmup", str(a.warmup),

@@ -4,10 +4,10 @@
         [--system-prompt-len 384] [--question-len 32] [--output-len 16] [--concurrency 8]
 
 For each policy: start 4 prefill + 1 decode worker processes (cold caches) and a gateway
-process (`python -m gateway --routing POLICY`), send the same generated shared-prefix workload
-(bench.datasets: groups x prompts sharing a system prompt, short questions) through the SDK
-(bench.load.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
-ratio (their Stats), throughput and TTFT P50/P99 (bench.report), and prompts computed per
+process (`tandem gateway --routing POLICY`), send the same generated shared-prefix workload
+(loadgen.datasets: groups x prompts sharing a system prompt, short questions) through the SDK
+(loadgen.load.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
+ratio (their Stats), throughput and TTFT P50/P99 (loadgen.report), and prompts computed per
 prefill worker (the gateway's tandem_gateway_prefill_requests_total). Prints JSON and writes
 bench/results/prefix_routing.json (or --out).
 """
@@ -17,10 +17,8 @@ import argparse
 import asyncio
 import json
 import logging
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench import datasets as ds  # noqa: E402
-from bench.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
-from bench.report import summarize  # noqa: E402
+from loadgen import datasets as ds  # noqa: E402
+from loadgen.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
+from loadgen.report import summarize  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -57,35 +55,17 @@ def resolve_model(name: str, work: Path) -> tuple[str, Path]:
     return path.name, path
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_gateway(model: Path, policy: str, prefill: list[str], decode: list[str], log: Path) -> tuple[Any, str, int]:
-    """A gateway process; returns (Popen, gRPC address, metrics port) once it is healthy."""
-    from tandem.launcher import healthy
-
+def gateway_process(model: Path, policy: str, prefill: list[str], decode: list[str],
+                    log: Path) -> tuple[ClusterProcess, int]:
+    """A gateway process on a free port, and its metrics port."""
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "gateway", "--model", str(model), "--port", str(port), "--metrics-port",
-           str(metrics_port), "--routing", policy, "--log-level", "WARNING"]
+    argv = ["--model", str(model), "--port", str(port), "--metrics-port", str(metrics_port), "--routing", policy,
+            "--log-level", "WARNING"]
     for a in prefill:
-        cmd += ["--prefill", a]
+        argv += ["--prefill", a]
     for a in decode:
-        cmd += ["--decode", a]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + WAIT_S
-    while not healthy(address):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"gateway did not start; see {log}")
-        time.sleep(0.2)
-    return proc, address, metrics_port
+        argv += ["--decode", a]
+    return ClusterProcess(f"gateway-{policy}", "gateway", argv, port, log_path=log), metrics_port
 
 
 def prefill_counts(metrics_port: int) -> dict[str, int]:
@@ -122,18 +102,21 @@ async def drive(address: str, metrics_port: int, convs: list[ds.Conversation], w
 
 
 def run_policy(policy: str, model: Path, a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from gateway.testing import start_workers, stop_workers
     from tandem.client import Client
 
     flags = ["--num-kv-blocks", str(a.num_kv_blocks), "--max-running", str(a.max_running)]
-    specs = [("prefill", [*flags, "--worker-id", f"prefill-{i}"]) for i in range(a.prefill_workers)]
-    workers = start_workers([*specs, ("decode", [*flags, "--worker-id", "decode-0"])], model,
-                            work / f"workers-{policy}", timeout=WAIT_S)
-    prefill, decode = workers[:-1], workers[-1:]
-    gw = None
+    workers = work / f"workers-{policy}"
+    workers.mkdir(parents=True, exist_ok=True)
+    prefill = [worker_process(f"prefill{i}", "prefill", model, workers, [*flags, "--worker-id", f"prefill-{i}"])
+               for i in range(a.prefill_workers)]
+    decode = [worker_process(f"decode{a.prefill_workers}", "decode", model, workers,
+                             [*flags, "--worker-id", "decode-0"])]
+    cluster = Cluster([*prefill, *decode])
+    cluster.start(timeout=WAIT_S)
     try:
-        gw, address, metrics_port = start_gateway(model, policy, [w.address for w in prefill],
-                                                  [w.address for w in decode], work / f"gateway-{policy}.log")
+        gw, metrics_port = gateway_process(model, policy, [w.address for w in prefill], [w.address for w in decode],
+                                           work / f"gateway-{policy}.log")
+        address = cluster.add(gw, timeout=WAIT_S).address
         with Client(address) as c:
             info = c.model_info(timeout=30)
         vocab = ds.Vocab("tokens", low=0, high=info.vocab_size, exclude=frozenset(info.eos_token_ids))
@@ -158,13 +141,7 @@ def run_policy(policy: str, model: Path, a: argparse.Namespace, work: Path) -> d
             "duration_s": round(s["duration_s"], 2),
         }
     finally:
-        if gw is not None:
-            gw.terminate()
-            try:
-                gw.wait(30)
-            except subprocess.TimeoutExpired:
-                gw.kill()
-        stop_workers(workers)
+        cluster.stop(30)
 
 
 def _r(v: float | None) -> float | None:

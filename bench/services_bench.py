@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,26 +19,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def start_cluster(model: str, port: int, extra: list[str], log_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem", "up", "--model", model, "--port", str(port), "--log-dir", str(log_dir), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    for line in proc.stdout:  # the launcher prints the endpoint once every child is healthy
-        if "Tandem is up" in line:
-            return proc
-        if time.time() > deadline or proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"cluster did not come up; see {log_dir}")
+from entrypoints.cluster import Cluster  # noqa: E402
 
 
-def stop_cluster(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start_cluster(model: str, port: int, extra: list[str], log_dir: Path) -> Cluster:
+    """The processes `tandem up` would start (its flags `extra`), once every one is healthy."""
+    from entrypoints.launcher import build_children, parse_args
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(build_children(parse_args(["--model", model, "--port", str(port), *extra]), model, log_dir))
+    cluster.start(timeout=300)
+    return cluster
 
 
 async def run_clients(target: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[int, float]:
@@ -93,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(0)
             prompts = torch.randint(3, 256, (a.requests, a.prompt_len), generator=g).tolist()
             offline = offline_tok_s(str(path), prompts, a.max_tokens, "auto")
-            proc = start_cluster(str(path), a.port, ["--colocated"] if a.colocated else [], Path(tmp) / f"logs-{name}")
+            cluster = start_cluster(str(path), a.port, ["--colocated"] if a.colocated else [], Path(tmp) / f"logs-{name}")
             try:
                 for c in (int(x) for x in a.concurrency.split(",")):
                     n, dt = asyncio.run(run_clients(f"127.0.0.1:{a.port}", prompts, a.max_tokens, c))
@@ -102,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     results["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
             finally:
-                stop_cluster(proc)
+                cluster.stop(60)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
     return 0

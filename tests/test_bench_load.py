@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from bench import datasets as ds
-from bench.load import LoadRun, LoadSpec, RequestOptions, main, poisson_offsets
-from bench.report import SLO, RequestResult, format_run, format_sweep, percentile, summarize, write_plots
+from loadgen import datasets as ds
+from loadgen.load import LoadRun, LoadSpec, RequestOptions, main, poisson_offsets
+from loadgen.report import SLO, RequestResult, format_run, format_sweep, percentile, summarize, write_plots
 from tandem import wire
 from tandem.client import AsyncClient
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine.engine import OVERLAP_ENV
 from gateway.config import GatewayConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
+from harness import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from kvtransfer.zmq_transport import CORRUPT_ENV
 from tandem import Client, SamplingParams
 

@@ -1,6 +1,6 @@
 """The gateway end to end with a real role-both worker process and the SDK: greedy output
 equals the offline engine's, concurrency, validation, cancel / abort / deadline freeing every
-KV block, tier priority and a full tier; plus the `python -m gateway` process (metrics,
+KV block, tier priority and a full tier; plus the `tandem gateway` process (metrics,
 health, SIGTERM drain)."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from entrypoints.cluster import command
 from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, start_workers, wait_idle, wait_until
+from harness import GatewayThread, start_workers, wait_idle, wait_until
 from tandem import Client, SamplingParams, Tier, TandemError, wire
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
@@ -238,8 +238,8 @@ def test_priority_full_tier_and_tier_default_deadline(model_dir: Path, worker) -
 def test_gateway_process_metrics_health_and_sigterm_drain(model_dir: Path, worker, tmp_path: Path) -> None:
     out = tmp_path / "gateway.out"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(model_dir), "--port", "0",
-                                 "--worker", worker.address, "--metrics-port", "0", "--log-level", "WARNING"],
+        proc = subprocess.Popen(command("gateway", ["--model", str(model_dir), "--port", "0", "--worker", worker.address,
+                                                    "--metrics-port", "0", "--log-level", "WARNING"]),
                                 stdout=f, stderr=subprocess.STDOUT)
     try:
         line = wait_until(lambda: re.search(r"listening on [\d.]+:(\d+) \(metrics on port (\d+)\)", out.read_text()),

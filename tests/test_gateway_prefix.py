@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import GatewayConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, start_workers, stop_workers, wait_idle, wait_until
+from harness import GatewayThread, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client
 from tandem.hashing import block_hashes, seed_hash
 

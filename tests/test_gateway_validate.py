@@ -151,6 +151,6 @@ def test_gateway_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, gateway.server, gateway.testing, gateway.__main__; "
+    code = ("import sys, gateway.server, entrypoints.gateway, entrypoints.cluster; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

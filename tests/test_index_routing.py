@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.datasets import Vocab, shared_prefix_dataset
+from loadgen.datasets import Vocab, shared_prefix_dataset
 from gateway.config import GatewayConfig, WorkerPoolConfig
 from gateway.routing import RoutingConfig
-from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
+from harness import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client, SamplingParams
 from tandem.hashing import block_hashes, seed_hash
 

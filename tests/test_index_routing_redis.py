@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import GatewayConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
+from harness import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client
 from tandem.hashing import block_hashes, seed_hash
 

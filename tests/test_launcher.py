@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem import Client
-from tandem.launcher import free_port
+from entrypoints.cluster import free_port
 
 
 def processes_with(marker: str) -> list[int]:
@@ -34,7 +34,7 @@ def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int, Path]:
     log_dir = tmp_path / "logs"
     env = {**os.environ, "HOME": str(tmp_path)}  # the demo model is made under this HOME
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "up", "--port", str(port), "--log-dir", str(log_dir), *args],
+        [sys.executable, "-m", "entrypoints", "up", "--port", str(port), "--log-dir", str(log_dir), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     deadline = time.time() + 240
@@ -59,7 +59,7 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
     try:
         # Every child serves the demo model made under this test's HOME, so its path marks our processes.
         ours = [p for p in processes_with(str(tmp_path)) if p != proc.pid]
-        roles = sorted(cmdline(p).split(" -m tandem ")[1].split()[0] for p in ours if " -m tandem " in cmdline(p))
+        roles = sorted(cmdline(p).split(" -m entrypoints ")[1].split()[0] for p in ours if " -m entrypoints " in cmdline(p))
         assert roles == ["decode", "gateway", "prefill"]
         with Client(f"127.0.0.1:{port}") as client:
             a = client.generate("Once upon a time", max_tokens=12, temperature=0.0)
@@ -126,7 +126,7 @@ def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
     CUDA IPC on a GPU host and ZMQ elsewhere; colocated workers move no KV and get none."""
     import torch
 
-    from tandem.launcher import build_children, parse_args
+    from entrypoints.launcher import build_children, parse_args
 
     def transports(*argv: str) -> dict[str, str | None]:
         children = build_children(parse_args(list(argv)), "/models/m")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import GatewayConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, start_workers, stop_workers, wait_idle
+from harness import GatewayThread, start_workers, stop_workers, wait_idle
 from tandem import Client, SamplingParams
 
 WAIT = 60.0

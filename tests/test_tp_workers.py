@@ -16,7 +16,7 @@ import pytest
 
 from engine.config import ModelConfig
 from gateway.config import GatewayConfig, WorkerPoolConfig
-from gateway.testing import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
+from harness import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client, SamplingParams, wire
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.errors import TandemError
@@ -167,8 +167,9 @@ def test_mismatched_tp_degrees_are_refused_naming_tp(model_dir: Path, cluster) -
 
 
 def test_tp_flag_is_validated_naming_the_field(model_dir: Path, capsys) -> None:
-    from worker.config import WorkerConfig
-    from worker.server import main
+    from engine import EngineConfig
+    from entrypoints.worker import main
+    from worker.config import TransferConfig, WorkerConfig
 
     cases = {"0": "tp: must be an integer >= 1, got 0",
              "3": "tp: 3 does not divide num_attention_heads (4)",
@@ -179,12 +180,15 @@ def test_tp_flag_is_validated_naming_the_field(model_dir: Path, capsys) -> None:
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="tp: must be an integer >= 1"):
-        WorkerConfig(role="prefill", model=str(model_dir), tp=True)
+        WorkerConfig(role="prefill", engine=EngineConfig(str(model_dir)), tp=True)
     with pytest.raises(ValueError, match="kv_address: 3 comma-separated endpoints for tp 2"):
-        WorkerConfig(role="decode", model=str(model_dir), tp=2, kv_address="tcp://a:1,tcp://a:2,tcp://a:3")
-    cfg = WorkerConfig(role="decode", model=str(model_dir), tp=2, kv_address="tcp://127.0.0.1:7000")
+        WorkerConfig(role="decode", engine=EngineConfig(str(model_dir)), tp=2,
+                     transfer=TransferConfig(address="tcp://a:1,tcp://a:2,tcp://a:3"))
+    cfg = WorkerConfig(role="decode", engine=EngineConfig(str(model_dir)), tp=2,
+                       transfer=TransferConfig(address="tcp://127.0.0.1:7000"))
     assert [cfg.rank_kv_address(r) for r in range(2)] == ["tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001"]
-    cfg = WorkerConfig(role="decode", model=str(model_dir), tp=2, kv_address="ipc:///tmp/kv")
+    cfg = WorkerConfig(role="decode", engine=EngineConfig(str(model_dir)), tp=2,
+                       transfer=TransferConfig(address="ipc:///tmp/kv"))
     assert cfg.rank_kv_address(1) == "ipc:///tmp/kv.rank1"
 
 

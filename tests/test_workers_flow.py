@@ -1,5 +1,5 @@
-"""Prefill, decode and role-both workers as real processes (`python -m prefill`, `python -m
-decode`, `python -m worker --role both`), driven over gRPC on loopback with KV pushed over
+"""Prefill, decode and role-both workers as real processes (`tandem prefill`, `tandem decode`,
+`tandem worker --role both`, started by `entrypoints.cluster`), driven over gRPC on loopback with KV pushed over
 real ZMQ, exactly as SERVICES_FLOW.md has the gateway do it.
 
 Leak invariant: once every request has ended, Stats.free_kv_blocks == total_kv_blocks on
@@ -9,12 +9,9 @@ still referenced by a request, a reservation or a pending send is never counted.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,13 +22,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from entrypoints.cluster import Cluster, worker_process
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem._proto.tandem.v1 import worker_pb2 as w
 from tandem.hashing import block_hashes, seed_hash
 from tandem.types import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0  # bound on any wait; no test measures time
 BLOCKS = 64
 BS = 16
@@ -62,15 +59,6 @@ class Worker:
         return self.stub.Stats(w.StatsRequest(), timeout=WAIT_S)
 
 
-def _spawn(name: str, argv: list[str], tmp: Path, env: dict | None = None) -> tuple[subprocess.Popen, Path, Path]:
-    ready, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    cmd = [sys.executable, *argv, "--port", "0", "--num-kv-blocks", str(BLOCKS), "--metrics-port", "0",
-           "--ready-file", str(ready)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
-    return proc, ready, log
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     from engine.demo import make_random_model
@@ -82,35 +70,34 @@ def model_dir(tmp_path_factory) -> Path:
 def cluster(model_dir, tmp_path_factory):
     """decode (d), prefill (p), a prefill whose first KV frame is corrupted (pc), role both (b)."""
     tmp = tmp_path_factory.mktemp("procs")
-    m = ["--model", str(model_dir)]
+    flags = ["--num-kv-blocks", str(BLOCKS), "--metrics-port", "0"]
     specs = {
-        "d": (["-m", "decode", *m, "--kv-timeout", "20"], None),
-        "p": (["-m", "prefill", *m], None),
-        "pc": (["-m", "prefill", *m], {"TANDEM_KV_CORRUPT_ONCE": "1"}),
-        "b": (["-m", "worker", "--role", "both", *m], None),
+        "d": ("decode", ["--kv-timeout", "20"], None),
+        "p": ("prefill", [], None),
+        "pc": ("prefill", [], {"TANDEM_KV_CORRUPT_ONCE": "1"}),
+        "b": ("both", [], None),
     }
-    spawned = {name: _spawn(name, argv, tmp, env) for name, (argv, env) in specs.items()}
+    procs = {name: worker_process(name, role, model_dir, tmp, [*flags, *extra], env, log_level="INFO")
+             for name, (role, extra, env) in specs.items()}
+    cluster = Cluster(procs.values())
     workers: dict[str, Worker] = {}
     try:
-        deadline = time.monotonic() + 120
-        for name, (proc, ready, log) in spawned.items():
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"worker {name} did not start:\n{log.read_text()}")
-                time.sleep(0.05)
-            info = json.loads(ready.read_text())
-            workers[name] = Worker(name, proc, log, info, grpc.insecure_channel(info["address"]))
+        cluster.start(120)
+        for name, proc in procs.items():
+            workers[name] = Worker(name, proc.proc, proc.log_path, proc.info,
+                                   grpc.insecure_channel(proc.info["address"]))
         yield workers
     finally:
-        for proc, _, _ in spawned.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for name, (proc, _, log) in spawned.items():
+        for proc in procs.values():
+            proc.terminate()
+        for name, proc in procs.items():
+            if proc.proc is None:
+                continue
             try:
-                proc.wait(30)
+                proc.proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                print(f"--- {name} did not stop:\n{log.read_text()}")
+                print(f"--- {name} did not stop:\n{proc.log_tail(1_000_000)}")
         for wk in workers.values():
             wk.channel.close()
 

@@ -1,7 +1,7 @@
-"""Worker settings: one frozen dataclass, and the command-line flags that fill it.
+"""Worker settings: a frozen `WorkerConfig` composed of an `EngineConfig`, a `TransferConfig` and
+an `IndexConfig`, and the command-line flags that fill it.
 
-`python -m prefill`, `python -m decode` and `python -m worker --role both` share these flags;
-the `tandem` CLI calls the same `main(argv)` functions.
+`tandem prefill`, `tandem decode` and `tandem worker --role both` (entrypoints.worker) share these flags.
 
 Tensor parallelism (`--tp N`): the process started is rank 0; it starts ranks 1..N-1 itself
 (`worker.tp_ranks`). On CUDA rank r runs on device cuda:r of the visible devices (choose the
@@ -11,49 +11,63 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from engine import EngineConfig
+from tandem.types import ROLES
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
 DEFAULT_PORTS = {"prefill": 50060, "decode": 50070, "both": 50080}
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """How this worker moves KV to or from its peers (prefill sends, decode receives)."""
+
+    transport: str = "zmq"
+    address: str | None = None  # decode: bind endpoint; None: tcp://{host}:* (a free port)
+    timeout_s: float = 30.0  # transfer deadline / reservation lifetime when timeout_ms is 0
+    sender_options: dict[str, Any] | None = None  # transport options (tests: corrupt_once)
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"kv_timeout_s: must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """Where this worker publishes its KV events (the global prefix index); off without redis_url."""
+
+    redis_url: str | None = None
+    namespace: str | None = None  # None: the model identity
+    heartbeat_s: float = 2.0  # Redis prefix index: heartbeat period (dead after 3 missed)
+    block_ttl_s: float = 3600.0  # Redis prefix index: entries not republished expire after this
+
+    def __post_init__(self) -> None:
+        for name, value in (("index_heartbeat_s", self.heartbeat_s), ("index_block_ttl_s", self.block_ttl_s)):
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
+    """A worker process: its role, the engine it runs, its KV transfer and index parts, and its
+    own serving settings. `engine.device` is the user's --device; `engine_config(rank)` gives
+    the engine of one tensor-parallel rank."""
+
     role: str
-    model: str
-    load_format: str = "auto"
-    dtype: str | None = None
-    device: str | None = None
+    engine: EngineConfig
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (logged and written to ready_file)
     worker_id: str | None = None  # None: "{role}-{host}-{port}"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_running: int = 256
-    max_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    enable_prefix_cache: bool = True
-    seed: int | None = None
-    kv_cache_dtype: str = "auto"
-    gpu_memory_fraction: float = 0.90
-    swap_space_gb: float = 1.0  # host memory for preempted requests' KV (per rank)
-    cuda_graphs: bool = True  # decode graphs on CUDA; never captured for role prefill (it never decodes)
-    warm_up: bool = True  # synthetic steps at start-up on CUDA (Engine.warm_up), before reporting ready
-    kv_transport: str = "zmq"
-    kv_address: str | None = None  # decode: bind endpoint; None: tcp://{host}:* (a free port)
-    kv_timeout_s: float = 30.0  # transfer deadline / reservation lifetime when timeout_ms is 0
     batch_window_ms: float | None = None  # None: 2 ms for prefill, 0 otherwise
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
-    redis_url: str | None = None
-    namespace: str | None = None  # None: the model identity
-    index_heartbeat_s: float = 2.0  # Redis prefix index: heartbeat period (dead after 3 missed)
-    index_block_ttl_s: float = 3600.0  # Redis prefix index: entries not republished expire after this
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
-    kv_sender_options: dict[str, Any] | None = None  # transport options (tests: corrupt_once)
     tp: int = 1  # tensor-parallel ranks (processes; GPUs on CUDA) serving one model replica
 
     def __post_init__(self) -> None:
@@ -61,24 +75,33 @@ class WorkerConfig:
             raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp: must be an integer >= 1, got {self.tp!r}")
-        if self.kv_address and "," in self.kv_address:
-            n = len(self.kv_address.split(","))
+        kv_address = self.transfer.address
+        if kv_address and "," in kv_address:
+            n = len(kv_address.split(","))
             if n != self.tp:
                 raise ValueError(f"kv_address: {n} comma-separated endpoints for tp {self.tp}; give one per rank "
                                  "(or one endpoint the ranks derive theirs from)")
-        if not self.model:
+        if not self.engine.model_path:
             raise ValueError("model: a model directory is required")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
-        if not self.swap_space_gb >= 0:
-            raise ValueError(f"swap_space_gb: must be >= 0, got {self.swap_space_gb}")
-        for name in ("kv_timeout_s", "drain_timeout_s", "index_heartbeat_s", "index_block_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not self.engine.swap_space_gb >= 0:
+            raise ValueError(f"swap_space_gb: must be >= 0, got {self.engine.swap_space_gb}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
         if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
+        if self.role == "prefill" and self.engine.cuda_graphs:
+            # A prefill worker never decodes: no decode graphs to capture.
+            object.__setattr__(self, "engine", replace(self.engine, cuda_graphs=False))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerConfig:
+        """The inverse of `dataclasses.asdict(config)` (how rank 0 hands its config to the other ranks)."""
+        return cls(**{**data, "engine": EngineConfig(**data["engine"]), "transfer": TransferConfig(**data["transfer"]),
+                      "index": IndexConfig(**data["index"])})
 
     @property
     def batch_window_s(self) -> float:
@@ -95,10 +118,11 @@ class WorkerConfig:
         from engine.config import ModelConfig
         from parallel.tensor_parallel import check_shardable
 
+        model = self.engine.model_path
         try:
-            mc = ModelConfig.from_dir(self.model)
+            mc = ModelConfig.from_dir(model)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"model: cannot read {self.model}/config.json: {exc}") from None
+            raise ValueError(f"model: cannot read {model}/config.json: {exc}") from None
         if mc.num_heads % self.tp:
             raise ValueError(f"tp: {self.tp} does not divide num_attention_heads ({mc.num_heads})")
         if mc.num_kv_heads % self.tp:
@@ -110,9 +134,9 @@ class WorkerConfig:
         if self.tp_backend == "nccl":
             import torch
 
-            if self.device not in (None, "cuda"):
+            if self.engine.device not in (None, "cuda"):
                 raise ValueError(f"device: with tp {self.tp} rank r runs on cuda:r; choose the GPUs with "
-                                 f"CUDA_VISIBLE_DEVICES instead of --device {self.device}")
+                                 f"CUDA_VISIBLE_DEVICES instead of --device {self.engine.device}")
             if torch.cuda.device_count() < self.tp:
                 raise ValueError(f"tp: {self.tp} ranks need {self.tp} visible CUDA devices, "
                                  f"found {torch.cuda.device_count()}")
@@ -120,8 +144,9 @@ class WorkerConfig:
     @property
     def tp_backend(self) -> str:
         """The process-group backend of the tensor-parallel ranks: nccl on CUDA, gloo on CPU."""
-        if self.device is not None:
-            return "nccl" if self.device.startswith("cuda") else "gloo"
+        device = self.engine.device
+        if device is not None:
+            return "nccl" if device.startswith("cuda") else "gloo"
         import torch
 
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -129,16 +154,16 @@ class WorkerConfig:
     def rank_device(self, rank: int) -> str | None:
         """The engine device of tensor-parallel rank `rank`."""
         if self.tp == 1:
-            return self.device
+            return self.engine.device
         return f"cuda:{rank}" if self.tp_backend == "nccl" else "cpu"
 
     def rank_kv_address(self, rank: int) -> str | None:
         """The KV receiver endpoint rank `rank` binds (decode). A comma-separated list gives
         one per rank; from a single endpoint, rank r > 0 derives its own: tcp://H:P -> port
         P + r, tcp://H:* stays (a free port each), ipc://PATH -> PATH.rankR."""
-        if not self.kv_address:
+        if not self.transfer.address:
             return None
-        parts = self.kv_address.split(",")
+        parts = self.transfer.address.split(",")
         if len(parts) > 1 or rank == 0:
             return parts[rank] if len(parts) > 1 else parts[0]
         bind = parts[0]
@@ -147,30 +172,10 @@ class WorkerConfig:
             return bind if port == "*" or not port.isdigit() else f"{head}:{int(port) + rank}"
         return f"{bind}.rank{rank}"
 
-    def engine_config(self, rank: int = 0) -> Any:
-        from engine.engine import EngineConfig
-
-        return EngineConfig(
-            model_path=self.model,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_running=self.max_running,
-            max_batched_tokens=self.max_batched_tokens,
-            max_model_len=self.max_model_len,
-            load_format=self.load_format,
-            device=self.rank_device(rank),
-            enable_prefix_cache=self.enable_prefix_cache,
-            seed=self.seed,
-            kv_cache_dtype=self.kv_cache_dtype,
-            gpu_memory_fraction=self.gpu_memory_fraction,
-            swap_space_gb=self.swap_space_gb,
-            cuda_graphs=self.cuda_graphs and self.role != "prefill",
-            warm_up=self.warm_up,
-        )
-
-    def with_port(self, port: int) -> WorkerConfig:
-        return replace(self, port=port)
+    def engine_config(self, rank: int = 0) -> EngineConfig:
+        """The engine of tensor-parallel rank `rank` (its own device; the same otherwise)."""
+        device = self.rank_device(rank)
+        return self.engine if device == self.engine.device else replace(self.engine, device=device)
 
 
 def build_parser(role: str | None, prog: str | None = None) -> argparse.ArgumentParser:
@@ -232,20 +237,16 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
 def config_from_args(args: argparse.Namespace, role: str | None = None) -> WorkerConfig:
     role = role or args.role
     port = args.port if args.port is not None else DEFAULT_PORTS[role]
-    return WorkerConfig(
-        role=role,
-        model=args.model,
-        load_format=args.load_format,
+    engine = EngineConfig(
+        model_path=args.model,
         dtype=args.dtype,
-        device=args.device,
-        host=args.host,
-        port=port,
-        worker_id=args.worker_id,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
+        load_format=args.load_format,
+        device=args.device,
         enable_prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -253,15 +254,20 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         swap_space_gb=args.swap_space_gb,
         cuda_graphs=not args.no_cuda_graphs,
         warm_up=not args.no_warm_up,
-        kv_transport=args.kv_transport,
-        kv_address=args.kv_address,
-        kv_timeout_s=args.kv_timeout_s,
+    )
+    transfer = TransferConfig(transport=args.kv_transport, address=args.kv_address, timeout_s=args.kv_timeout_s)
+    index = IndexConfig(redis_url=args.redis_url, namespace=args.namespace, heartbeat_s=args.index_heartbeat_s,
+                        block_ttl_s=args.index_block_ttl_s)
+    return WorkerConfig(
+        role=role,
+        engine=engine,
+        transfer=transfer,
+        index=index,
+        host=args.host,
+        port=port,
+        worker_id=args.worker_id,
         batch_window_ms=args.batch_window_ms,
         metrics_port=args.metrics_port,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        index_heartbeat_s=args.index_heartbeat_s,
-        index_block_ttl_s=args.index_block_ttl_s,
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,
         tp=args.tp,

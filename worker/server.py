@@ -24,15 +24,15 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from tandem import wire
-from worker.config import WorkerConfig, build_parser, config_from_args
+from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
@@ -46,13 +46,21 @@ _GRPC_OPTIONS = [
 ]
 
 
+# Registers a role's servicer on the gRPC server and sets up its KV transport (the worker's
+# `sender` or `receiver` and `kv_address`, and `runtime.kv_stats`); returns the service names.
+# The entry point hands it over (entrypoints.worker.add_role_services), so this package never
+# imports prefill or decode.
+AddServices = Callable[["WorkerServer", grpc.aio.Server, WorkerRuntime], list[str]]
+
+
 class WorkerServer:
     """One worker: `await start()`, then `await shutdown()` (or `serve_forever()` in a process)."""
 
-    def __init__(self, config: WorkerConfig, engine: Any = None) -> None:
+    def __init__(self, config: WorkerConfig, add_services: AddServices, engine: Any = None) -> None:
         from engine.engine import Engine
 
         self.config = config
+        self.add_services = add_services
         self.ranks: Any = None  # worker.tp_ranks.TPRanks on rank 0 of a tensor-parallel worker
         self.exit_code = 0
         if engine is None and config.tp > 1:
@@ -109,7 +117,7 @@ class WorkerServer:
         if self.ranks is not None:
             event_loop = asyncio.get_running_loop()
             self.ranks.on_failure = lambda reason: event_loop.call_soon_threadsafe(self._on_rank_failure, reason)
-        names = self._add_services(server, runtime)
+        names = self.add_services(self, server, runtime)
         self.health = wire.add_health_and_reflection(server, names)
         self._start_metrics(runtime)
         loop.start()
@@ -119,54 +127,6 @@ class WorkerServer:
         logger.info("%s worker %s serving on %s (kv %s, metrics %s, model %s)", cfg.role, worker_id, self.address,
                     self.kv_address or "-", self.metrics_port if self.metrics_port is not None else "off",
                     self.engine.identity)
-
-    def _add_services(self, server: grpc.aio.Server, runtime: WorkerRuntime) -> list[str]:
-        from worker.transfer import make_receiver, make_sender
-
-        cfg = self.config
-        ranks = self.ranks
-        if cfg.role == "prefill":
-            from prefill.service import PrefillService
-
-            self.sender = make_sender(cfg.kv_transport, cfg.kv_sender_options)
-            rank_sends = None
-            if ranks is not None:
-                from prefill.tp_push import RankSends
-
-                rank_sends = RankSends(ranks.world_size)
-                ranks.link.on_result, ranks.link.on_tick = rank_sends.on_result, rank_sends.tick
-            service = PrefillService(runtime, self.sender, rank_sends)
-            if ranks is not None:
-                self.engine.runner.step_extras = service.pusher.step_extras
-            wire.add_prefill_worker_servicer(service, server)
-
-            def sent() -> dict[str, Any]:
-                stats = dict(self.sender.stats())
-                if rank_sends is not None:
-                    stats["bytes_sent"] = stats.get("bytes_sent", 0) + rank_sends.bytes_sent
-                return {"sent": stats}
-
-            runtime.kv_stats = sent
-            return [wire.PREFILL_SERVICE]
-        from decode.service import DecodeService
-
-        service = DecodeService(runtime, cfg.kv_timeout_s)
-        if cfg.role == "decode":
-            bind = cfg.rank_kv_address(0) or f"tcp://{cfg.host}:*"
-            if ranks is None:
-                self.receiver = make_receiver(cfg.kv_transport, self.engine, bind, service.on_transfer)
-            else:
-                from decode.tp_receiver import TPReceiver
-
-                self.receiver = TPReceiver(ranks.world_size, ranks.link, service.on_transfer)
-                local = make_receiver(cfg.kv_transport, self.engine, bind, self.receiver.on_rank0_result)
-                self.receiver.attach(local, ranks.kv_addresses(local.address))
-                ranks.link.on_result = self.receiver.on_rank_result
-            service.receiver = self.receiver
-            self.kv_address = self.receiver.address
-            runtime.kv_stats = lambda: {"received": self.receiver.stats()}
-        wire.add_decode_worker_servicer(service, server)
-        return [wire.DECODE_SERVICE]
 
     def _start_metrics(self, runtime: WorkerRuntime) -> None:
         if self.config.metrics_port is None:
@@ -183,7 +143,7 @@ class WorkerServer:
             self.runtime.metrics.observe_step(seconds)
 
     def _start_publisher(self, runtime: WorkerRuntime) -> None:
-        if not self.config.redis_url:
+        if not self.config.index.redis_url:
             return
         from kvindex import WorkerInfo, make_index
         from worker.index_publisher import IndexPublisher
@@ -195,9 +155,9 @@ class WorkerServer:
             load = s.queued_prefill_tokens if role == "prefill" else s.running
             return WorkerInfo(self.address, role, s.total_blocks, float(load))
 
-        cfg = self.config
+        cfg = self.config.index
         index = make_index(cfg.redis_url, cfg.namespace or self.engine.identity,
-                           heartbeat_interval_s=cfg.index_heartbeat_s, block_ttl_s=cfg.index_block_ttl_s)
+                           heartbeat_interval_s=cfg.heartbeat_s, block_ttl_s=cfg.block_ttl_s)
         self.publisher = IndexPublisher(index, runtime.worker_id, runtime.loop, info)
         self.publisher.start()
 
@@ -287,47 +247,3 @@ class WorkerServer:
     def _on_signal(self, sig: signal.Signals) -> None:
         logger.info("received %s", sig.name)
         asyncio.get_running_loop().create_task(self.shutdown(graceful=True))
-
-
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-def setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
-
-
-def run(config: WorkerConfig) -> int:
-    """Build the engine and serve until drained; returns the exit code."""
-    logger.info("starting %s worker: model %s, %s:%d", config.role, config.model, config.host, config.port)
-    # The engine thread holds the GIL for most of each step; the gRPC loop and the KV transfer
-    # threads each need it for a moment per message. Hand it over after 0.5 ms rather than the
-    # default 5 ms, or every layer of an incoming KV transfer waits up to 5 ms for the GIL.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    server = WorkerServer(config)
-    try:
-        asyncio.run(server.serve_forever())
-    finally:
-        if server.ranks is not None and not server._stopped.is_set():
-            server.ranks.kill()  # start-up failed after the other ranks were started
-    if server.exit_code:
-        logger.error("%s worker stopped with exit code %d", config.role, server.exit_code)
-    return server.exit_code
-
-
-def main(argv: list[str] | None = None, role: str | None = None, prog: str | None = None) -> int:
-    """`worker.server:main(["--role", "both", "--model", DIR, ...])`; `role` fixes the role
-    (the prefill and decode entry points pass it) and drops the --role flag."""
-    parser = build_parser(role, prog)
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args, role)
-        config.check_tp()
-    except ValueError as exc:
-        parser.error(str(exc))
-    setup_logging(args.log_level, config.role)
-    try:
-        return run(config)
-    except (ValueError, OSError) as exc:
-        logger.error("%s worker failed to start: %s", config.role, exc)
-        return 2

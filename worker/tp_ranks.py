@@ -41,6 +41,8 @@ STOP_TIMEOUT_S = 30.0
 WATCH_INTERVAL_S = 0.2
 FAILURE_EXIT_CODE = 3
 FAILURE_GRACE_S = 10.0  # after a rank died: time to fail in-flight RPCs before rank 0 exits regardless
+# What ranks 1..N-1 run: the entry point, which wires the role's KV transfer into the rank.
+FOLLOWER_MODULE = "entrypoints.tp_follower"
 
 
 def config_to_json(config: WorkerConfig) -> str:
@@ -48,7 +50,7 @@ def config_to_json(config: WorkerConfig) -> str:
 
 
 def config_from_json(text: str) -> WorkerConfig:
-    return WorkerConfig(**json.loads(text))
+    return WorkerConfig.from_dict(json.loads(text))
 
 
 class TPRanks:
@@ -73,7 +75,7 @@ class TPRanks:
         self.procs: dict[int, subprocess.Popen] = {}
         try:
             for rank in range(1, self.world_size):
-                cmd = [sys.executable, "-m", "worker.tp_follower", "--rank", str(rank), "--world", str(self.world_size),
+                cmd = [sys.executable, "-m", FOLLOWER_MODULE, "--rank", str(rank), "--world", str(self.world_size),
                        "--store", f"127.0.0.1:{self.store.port}", "--link", self.link.address,
                        "--log-level", str(level)]
                 # The config goes through stdin: a command line is visible to every user (redis_url

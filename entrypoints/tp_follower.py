@@ -1,4 +1,4 @@
-"""A tensor-parallel worker's rank r > 0 (`python -m worker.tp_follower`, started by rank 0's
+"""A tensor-parallel worker's rank r > 0 (`python -m entrypoints.tp_follower`, started by rank 0's
 `worker.tp_ranks.TPRanks`, which writes the worker config to its stdin; not meant to be run by hand).
 
 It joins the process group, builds its Engine shard, sets up its part of the KV transfer
@@ -64,7 +64,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
         if config.role == "prefill":
             from prefill.tp_push import FollowerPusher
 
-            sender = make_sender(config.kv_transport, config.kv_sender_options)
+            sender = make_sender(config.transfer.transport, config.transfer.sender_options)
             link = FollowerLink(rank, link_address, lambda kind, body: None)
             on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body)).on_step
         elif config.role == "decode":
@@ -73,7 +73,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
             holder: list[FollowerLink] = []
             follower = FollowerReceiver(lambda body: holder[0].send(RESULT, body))
             bind = config.rank_kv_address(rank) or f"tcp://{config.host}:*"
-            receiver = make_receiver(config.kv_transport, engine, bind, follower.on_transfer)
+            receiver = make_receiver(config.transfer.transport, engine, bind, follower.on_transfer)
             follower.receiver = receiver
             link = FollowerLink(rank, link_address, follower.on_command)
             holder.append(link)
@@ -96,7 +96,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.tp_follower", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m entrypoints.tp_follower", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store", required=True, help="HOST:PORT of rank 0's TCPStore")

@@ -1,79 +1,21 @@
 """`tandem up`: start a gateway and its workers as separate OS processes on loopback, and supervise them.
 
-Children run as `python -m tandem <role> ...` so `ps` shows each one's role. The launcher waits
-until every child's gRPC health check says SERVING, prints the endpoint, restarts a child that
-crashes (with backoff), and on Ctrl-C / SIGTERM stops the gateway first, then the workers.
+Children run as `python -m entrypoints <role> ...` so `ps` shows each one's role; `entrypoints.cluster`
+starts them, waits until every child's gRPC health check says SERVING, restarts a child that
+crashes (with backoff, giving up on one that keeps crashing), and on Ctrl-C / SIGTERM stops the
+gateway first, then the workers. The launcher prints the endpoint once all are up.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from entrypoints.cluster import HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port
+
 logger = logging.getLogger("tandem.up")
-
-HEALTH_TIMEOUT_S = 180.0
-STOP_GRACE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the launcher dies, so no worker outlives it (Linux)."""
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    argv: list[str]
-    port: int
-    proc: subprocess.Popen | None = None
-    restarts: list[float] = field(default_factory=list)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, log_dir: Path | None) -> None:
-        out = open(log_dir / f"{self.name}.log", "ab") if log_dir else None
-        cmd = [sys.executable, "-m", "tandem", self.role, *self.argv]
-        logger.info("starting %s: %s", self.name, " ".join(cmd[1:]))
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     preexec_fn=_die_with_parent)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-def healthy(address: str, timeout: float = 1.0) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def kv_transport(choice: str) -> str:
@@ -88,7 +30,8 @@ def kv_transport(choice: str) -> str:
     return "cuda_ipc" if torch.cuda.is_available() else "zmq"
 
 
-def build_children(a: argparse.Namespace, model: str) -> list[Child]:
+def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None) -> list[ClusterProcess]:
+    """The cluster's processes on fixed free ports (a restarted child keeps its address), the gateway last."""
     common = ["--model", model, "--load-format", a.load_format]
     if a.dtype:
         common += ["--dtype", a.dtype]
@@ -100,21 +43,25 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
     if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
         common += ["--tp", str(a.tp)]
     disagg = common + ["--kv-transport", kv_transport(a.kv_transport)]
-    children: list[Child] = []
+    children: list[ClusterProcess] = []
+
+    def child(name: str, role: str, argv: list[str], port: int) -> ClusterProcess:
+        return ClusterProcess(name, role, argv, port, log_path=log_dir / f"{name}.log" if log_dir else None)
+
     if a.colocated:
         for i in range(a.decode_workers):
             port = free_port()
-            children.append(Child(f"worker-{i}", "worker", ["--role", "both", "--port", str(port),
+            children.append(child(f"worker-{i}", "worker", ["--role", "both", "--port", str(port),
                                                             "--worker-id", f"both-{i}", *common], port))
     else:
         for i in range(a.prefill_workers):
             port = free_port()
-            children.append(Child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *disagg],
+            children.append(child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *disagg],
                                   port))
         for i in range(a.decode_workers):
             port = free_port()
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
-            children.append(Child(f"decode-{i}", "decode", ["--port", str(port), "--worker-id", f"decode-{i}",
+            children.append(child(f"decode-{i}", "decode", ["--port", str(port), "--worker-id", f"decode-{i}",
                                                             "--kv-address", kv, *disagg], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port)]
     for c in children:
@@ -127,67 +74,8 @@ def build_children(a: argparse.Namespace, model: str) -> list[Child]:
         gw += ["--routing", a.routing]
     if a.local_prefill_tokens is not None:
         gw += ["--local-prefill-tokens", str(a.local_prefill_tokens)]
-    children.append(Child("gateway", "gateway", gw, a.port))
+    children.append(child("gateway", "gateway", gw, a.port))
     return children
-
-
-class Supervisor:
-    def __init__(self, children: list[Child], log_dir: Path | None) -> None:
-        self.children, self.log_dir = children, log_dir
-        self.stopping = False
-
-    def start_all(self) -> bool:
-        for c in self.children:
-            c.start(self.log_dir)
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        pending = list(self.children)
-        while pending and time.monotonic() < deadline and not self.stopping:
-            for c in list(pending):
-                if not c.alive():
-                    logger.error("%s exited during start-up (code %s)", c.name, c.proc.returncode if c.proc else None)
-                    return False
-                if healthy(c.address):
-                    pending.remove(c)
-            time.sleep(0.2)
-        if pending:
-            logger.error("not healthy in time: %s", ", ".join(c.name for c in pending))
-        return not pending
-
-    def watch(self) -> None:
-        while not self.stopping:
-            for c in self.children:
-                if not self.stopping and not c.alive():
-                    code = c.proc.returncode if c.proc else None
-                    now = time.monotonic()
-                    c.restarts = [t for t in c.restarts if now - t < 60] + [now]
-                    delay = min(10.0, 0.5 * 2 ** (len(c.restarts) - 1))
-                    logger.error("%s exited with code %s; restarting in %.1fs", c.name, code, delay)
-                    time.sleep(delay)
-                    if not self.stopping:
-                        c.start(self.log_dir)
-            time.sleep(0.5)
-
-    def stop_all(self) -> None:
-        self.stopping = True
-        # Gateway first (it is last in the list), so no new work reaches workers that are going away.
-        for c in reversed(self.children):
-            if c.alive():
-                c.proc.send_signal(signal.SIGTERM)
-                if c.role == "gateway":
-                    _wait(c, STOP_GRACE_S)
-        for c in self.children:
-            _wait(c, STOP_GRACE_S)
-
-
-def _wait(c: Child, timeout: float) -> None:
-    if c.proc is None:
-        return
-    try:
-        c.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        logger.warning("%s did not stop in %.0fs; killing it", c.name, timeout)
-        c.proc.kill()
-        c.proc.wait()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -238,27 +126,36 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(a.log_dir) if a.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(build_children(a, model), log_dir)
+    cluster = Cluster(build_children(a, model, log_dir))
+    stopping = False
 
     def on_signal(signum, _frame):
-        sup.stopping = True
+        nonlocal stopping
+        stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        if not sup.start_all():
+        try:
+            cluster.start(HEALTH_TIMEOUT_S, should_stop=lambda: stopping)
+        except ClusterError as exc:
+            logger.error("%s", exc)
             return 1
         endpoint = f"{a.host}:{a.port}"
         print(f"Tandem is up: gRPC endpoint {endpoint} "
-              f"({sum(c.role != 'gateway' for c in sup.children)} workers). Ctrl-C stops it.", flush=True)
+              f"({sum(c.role != 'gateway' for c in cluster.processes)} workers). Ctrl-C stops it.", flush=True)
         if a.demo_request:
             demo_request(endpoint)
             if a.exit_after_demo:
                 return 0
-        sup.watch()
+        try:
+            cluster.watch(lambda: stopping)
+        except ClusterError as exc:
+            logger.error("%s", exc)
+            return 1
         return 0
     finally:
-        sup.stop_all()
+        cluster.stop()
         print("Tandem stopped.", flush=True)
 
 

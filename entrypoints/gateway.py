@@ -1,4 +1,4 @@
-"""`python -m gateway ...`: run the Tandem gateway (see gateway.server for the flags)."""
+"""`tandem gateway ...` (`python -m entrypoints gateway`): run the Tandem gateway (see gateway.server for the flags)."""
 from __future__ import annotations
 
 import sys

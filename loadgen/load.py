@@ -4,7 +4,7 @@
         --request-rate 1,2,4 --max-concurrency 64 --slo-ttft-ms 500 --slo-tpot-ms 50 --out bench.json
 
 `LoadRun` is the driver (fixed concurrency, or Poisson arrivals under a concurrency cap); the
-datasets live in bench.datasets and the statistics in bench.report.
+datasets live in loadgen.datasets and the statistics in loadgen.report.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import datasets as ds
-from bench.report import SLO, Progress, RequestResult, format_run, format_sweep, summarize, write_plots
+from loadgen import datasets as ds
+from loadgen.report import SLO, Progress, RequestResult, format_run, format_sweep, summarize, write_plots
 from tandem.client import AsyncClient
 from tandem.errors import TandemError
 from tandem.types import MAX_SEED, Tier

@@ -1,120 +1,56 @@
 """Harness for running a gateway against real worker processes from synchronous code (tests,
-local experiments): `start_workers` launches `python -m worker|prefill|decode` processes and
-waits for their ready files; `GatewayThread` runs an in-process Gateway on its own uvloop
-event loop so callers can inspect its dispatch log and metrics. Torch-free."""
+local experiments): `start_workers` starts worker processes through `entrypoints.cluster` and
+waits until each is ready; `GatewayThread` runs an in-process Gateway on its own uvloop event
+loop so callers can inspect its dispatch log and metrics. Torch-free."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-
-from gateway import adapters
+from entrypoints.cluster import Cluster, ClusterProcess, worker_process
 from gateway.adapters import WorkerStatsView
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
-from tandem import wire
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-_MODULES = {"both": ["worker", "--role", "both"], "prefill": ["prefill"], "decode": ["decode"]}
-
 
 @dataclass
-class WorkerProcess:
+class WorkerProcess(ClusterProcess):
     """A worker process started by `start_workers`; `address` is its gRPC host:port."""
-
-    role: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    address: str = ""
-    worker_id: str = ""
-    kv_address: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def stats(self, timeout: float = 5.0) -> WorkerStatsView:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = wire.PrefillWorkerStub(channel) if self.role == "prefill" else wire.DecodeWorkerStub(channel)
-            return adapters.stats_from_proto(stub.Stats(adapters.stats_request(), timeout=timeout))
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL (a crash), then reap."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """SIGTERM (graceful drain), SIGKILL after `timeout`; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return self.proc.returncode
+        return super().stop(timeout)
 
 
 def stop_workers(workers: Sequence[WorkerProcess], timeout: float = 20.0) -> None:
     """SIGTERM every worker at once, then wait for each (SIGKILL after `timeout`)."""
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in workers:
-        w.stop(timeout)
+    Cluster(workers).stop(timeout)
 
 
 def start_workers(specs: Sequence[tuple[str, Sequence[str]] | tuple[str, Sequence[str], dict[str, str]]],
                   model_dir: str | Path, work_dir: str | Path, timeout: float = 120.0) -> list[WorkerProcess]:
-    """Start one worker per (role, extra flags[, extra env]) in parallel on free ports; wait
-    until each has written its ready file. On failure every started process is stopped and
-    RuntimeError carries the failing worker's log."""
+    """Start one worker per (role, extra flags[, extra env]) in parallel on free ports (role:
+    prefill, decode or both); wait until each is ready. On failure every started process is
+    killed and ClusterError (a RuntimeError) carries the failing worker's log."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    started: list[tuple[WorkerProcess, Path]] = []
-    try:
-        for spec in specs:
-            role, extra = spec[0], list(spec[1])
-            env = {**os.environ, **(spec[2] if len(spec) > 2 else {})}  # type: ignore[misc]
-            n = len(started)
-            ready, log = work / f"{role}{n}.ready.json", work / f"{role}{n}.log"
-            ready.unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", *_MODULES[role], "--model", str(model_dir), "--port", "0",
-                   "--ready-file", str(ready), "--log-level", "WARNING", *extra]
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-            started.append((WorkerProcess(role, proc, log), ready))
-        deadline = time.monotonic() + timeout
-        for w, ready in started:
-            while not ready.is_file():
-                if w.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{w.role} worker did not start:\n{w.log_tail()}")
-                time.sleep(0.05)
-            w.info = json.loads(ready.read_text())
-            w.address, w.worker_id, w.kv_address = w.info["address"], w.info["worker_id"], w.info.get("kv_address", "")
-        return [w for w, _ in started]
-    except BaseException:
-        for w, _ in started:
-            w.kill()
-        raise
+    workers = []
+    for n, spec in enumerate(specs):
+        role, extra = spec[0], list(spec[1])
+        env = spec[2] if len(spec) > 2 else {}  # type: ignore[misc]
+        p = worker_process(f"{role}{n}", role, model_dir, work, extra, env)
+        workers.append(WorkerProcess(**vars(p)))
+    Cluster(workers).start(timeout)
+    return workers
 
 
 def wait_until(predicate: Callable[[], R], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> R:

@@ -30,19 +30,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":
-        from tandem.launcher import main as run
+        from entrypoints.launcher import main as run
     elif cmd == "gateway":
-        from gateway.server import main as run
+        from entrypoints.gateway import main as run
     elif cmd == "prefill":
-        from prefill.__main__ import main as run
+        from entrypoints.worker import prefill_main as run
     elif cmd == "decode":
-        from decode.__main__ import main as run
+        from entrypoints.worker import decode_main as run
     elif cmd == "worker":
-        from worker.__main__ import main as run
+        from entrypoints.worker import main as run
     elif cmd == "generate":
         return generate_main(rest)
     elif cmd == "bench":
-        from bench.load import main as run
+        from loadgen.load import main as run
     elif cmd == "convert":
         from engine.convert.llama2c import main_convert as run
     else:

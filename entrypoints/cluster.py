@@ -1,0 +1,290 @@
+"""Start, watch and stop a cluster's processes: the gateway and its prefill, decode and role-both
+workers, each one `python -m entrypoints <role> ...`. `tandem up`, the tests and the bench scripts
+all start processes through here.
+
+Readiness: a process with a ready file (workers started with `--port 0`) is ready once it has
+written the file (its bound address, worker id and KV address) and its gRPC health check says
+SERVING; one without (the gateway, workers on fixed ports) once its health check on its port
+says SERVING. A process that exits while starting fails the start at once, naming it with the
+tail of its log. Every child gets SIGTERM if the process that started it dies (Linux), so no
+worker outlives its launcher. Stopping sends SIGTERM to the gateways first and waits for them
+(no new work reaches workers that are going away), then to every worker at once; a process that
+has not exited after the grace period is killed.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.adapters import WorkerStatsView
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS = 5  # per process within RESTART_WINDOW_S; one more crash and `watch` gives up
+POLL_S = 0.05
+
+
+class ClusterError(RuntimeError):
+    """A process did not become ready, or kept crashing."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(address: str, timeout: float = 1.0) -> bool:
+    """Whether the gRPC health service at `address` says SERVING for the whole server."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def command(role: str, argv: Iterable[str]) -> list[str]:
+    """The command line of a `role` process (`ps` shows `-m entrypoints <role>`)."""
+    return [sys.executable, "-m", "entrypoints", role, *argv]
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the starting process dies, so no child outlives it (Linux)."""
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class ClusterProcess:
+    """One process of a cluster: `python -m entrypoints <role> <argv>`.
+
+    role: gateway, prefill, decode or worker (give `--role both` in argv). port: the gRPC port
+    on 127.0.0.1 (0 with a ready file: read from it). log_path None: the output goes to this
+    process's terminal. After a ready file was read, `info` holds it.
+    """
+
+    name: str
+    role: str
+    argv: list[str]
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    ready_file: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.info.get("address") or f"127.0.0.1:{self.port}"
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.get("worker_id", "")
+
+    @property
+    def kv_address(self) -> str:
+        return self.info.get("kv_address", "")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        cmd = command(self.role, self.argv)
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+            self.info = {}
+        logger.info("starting %s: %s", self.name, " ".join(cmd[1:]))
+        out = open(self.log_path, "ab") if self.log_path is not None else None
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        finally:
+            if out is not None:
+                out.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """Whether it has written its ready file (if it has one) and its health check says SERVING."""
+        if self.ready_file is not None and not self.info:
+            if not self.ready_file.is_file():
+                return False
+            self.info = json.loads(self.ready_file.read_text())
+        return healthy(self.address)
+
+    def stats(self, timeout: float = 5.0) -> WorkerStatsView:
+        """A worker's Stats RPC (free and total KV blocks, running, prefix-cache counters)."""
+        import grpc
+
+        from gateway import adapters
+        from tandem import wire
+
+        with grpc.insecure_channel(self.address) as channel:
+            stub = wire.PrefillWorkerStub(channel) if self.role == "prefill" else wire.DecodeWorkerStub(channel)
+            return adapters.stats_from_proto(stub.Stats(adapters.stats_request(), timeout=timeout))
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def terminate(self) -> None:
+        """SIGTERM (a graceful drain) without waiting."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = STOP_GRACE_S) -> int | None:
+        """Wait for it to exit, SIGKILL after `timeout`; returns the exit code."""
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in %.0fs; killing it", self.name, timeout)
+            self.proc.kill()
+            self.proc.wait(30)
+        return self.proc.returncode
+
+    def stop(self, timeout: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM, then wait (SIGKILL after `timeout`); returns the exit code."""
+        self.terminate()
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash), then reap."""
+        if self.alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(30)
+
+
+def worker_process(name: str, role: str, model: str | Path, work_dir: Path, argv: Iterable[str] = (),
+                   env: dict[str, str] | None = None, log_level: str = "WARNING") -> ClusterProcess:
+    """A worker on a free port that reports its addresses in `work_dir/<name>.ready.json`
+    (`role`: prefill, decode or both), logging to `work_dir/<name>.log`."""
+    ready = work_dir / f"{name}.ready.json"
+    head = ["--role", "both"] if role == "both" else []
+    return ClusterProcess(name, "worker" if role == "both" else role,
+                          [*head, "--model", str(model), "--port", "0", "--ready-file", str(ready),
+                           "--log-level", log_level, *argv],
+                          env=dict(env or {}), log_path=work_dir / f"{name}.log", ready_file=ready)
+
+
+class Cluster:
+    """Processes started together: `start()` waits until all are ready, `watch()` restarts the
+    ones that crash, `stop()` stops them all (gateways first)."""
+
+    def __init__(self, processes: Iterable[ClusterProcess]) -> None:
+        self.processes = list(processes)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self, timeout: float = HEALTH_TIMEOUT_S, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Start every process at once and wait until each is ready. On failure (a process
+        exits, or `timeout` passes) every process is killed and ClusterError names the first
+        one not ready, with its log tail. Returns early, without error, once `should_stop()`."""
+        try:
+            for p in self.processes:
+                p.start()
+            self.wait_ready(timeout, should_stop)
+        except BaseException:
+            self.kill()
+            raise
+
+    def add(self, process: ClusterProcess, timeout: float = HEALTH_TIMEOUT_S) -> ClusterProcess:
+        """Start one more process (e.g. a gateway once its workers' addresses are known) and wait
+        until it is ready; on failure it is killed (the others keep running) and ClusterError raised."""
+        self.processes.append(process)
+        try:
+            process.start()
+            self.wait_ready(timeout, processes=[process])
+        except BaseException:
+            process.kill()
+            raise
+        return process
+
+    def wait_ready(self, timeout: float = HEALTH_TIMEOUT_S, should_stop: Callable[[], bool] = lambda: False,
+                   processes: Iterable[ClusterProcess] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.processes if processes is None else processes)
+        while pending and not should_stop():
+            for p in list(pending):
+                if not p.alive():
+                    code = p.proc.returncode if p.proc is not None else None
+                    raise ClusterError(f"{p.name} exited during start-up (code {code})\n{p.log_tail()}")
+                if p.ready():
+                    pending.remove(p)
+            if pending and time.monotonic() > deadline:
+                raise ClusterError(f"not ready in {timeout:g}s: {', '.join(p.name for p in pending)}\n"
+                                   f"{pending[0].log_tail()}")
+            time.sleep(POLL_S)
+
+    def watch(self, should_stop: Callable[[], bool], interval: float = 0.5) -> None:
+        """Restart a process that exits (backoff 0.5 s doubling to 10 s) until `should_stop()`;
+        ClusterError once a process has crashed more than MAX_RESTARTS times in RESTART_WINDOW_S."""
+        while not should_stop():
+            for p in self.processes:
+                if should_stop() or p.alive():
+                    continue
+                code = p.proc.returncode if p.proc is not None else None
+                now = time.monotonic()
+                p.restarts = [t for t in p.restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(p.restarts) > MAX_RESTARTS:
+                    raise ClusterError(f"{p.name} exited with code {code}, {len(p.restarts)} times in "
+                                       f"{RESTART_WINDOW_S:g}s; giving up")
+                delay = min(10.0, 0.5 * 2 ** (len(p.restarts) - 1))
+                logger.error("%s exited with code %s; restarting in %.1fs", p.name, code, delay)
+                time.sleep(delay)
+                if not should_stop():
+                    p.start()
+            time.sleep(interval)
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM the gateways and wait for them, then SIGTERM every other process at once and
+        wait for each; SIGKILL whatever is still running after `grace`."""
+        gateways = [p for p in self.processes if p.role == "gateway"]
+        for p in gateways:
+            p.terminate()
+        for p in gateways:
+            p.wait(grace)
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            p.wait(grace)
+
+    def kill(self) -> None:
+        for p in self.processes:
+            p.kill()
