@@ -1,9 +1,97 @@
-"""`tandem gateway ...` (`python -m entrypoints gateway`): run the Tandem gateway (see gateway.server for the flags)."""
+"""`tandem gateway ...` (`python -m entrypoints gateway`): the gateway process's flags and main.
+
+The gateway itself (gateway.server.Gateway, serve) knows nothing of flags; this module turns
+them into a GatewayConfig (a ValueError names the flag's field) and runs it until SIGTERM.
+"""
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
 import sys
 
-from gateway.server import main
+from engine.demo import demo_model_dir  # torch-free
+from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
+from gateway.modelinfo import load_served_model
+from gateway.routing import POLICIES, RoutingConfig
+from gateway.server import serve
+from tandem.types import Tier
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem gateway", description="Tandem gateway (public tandem.v1.Tandem).")
+    p.add_argument("--model", help="Hugging Face model directory (tokenizer + config.json); default: the demo model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker host:port")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker host:port")
+    p.add_argument("--worker", action="append", default=[], metavar="ADDR", help="role-both worker host:port")
+    p.add_argument("--redis-url", default=None, help="shared prefix index (workers publish); default: embedded")
+    p.add_argument("--namespace", default=None, help="prefix-index namespace; default: the model identity")
+    p.add_argument("--index-block-ttl", type=float, default=3600.0,
+                   help="Redis index: expiry (s) a lookup renews on the blocks it reads; match the workers'")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--routing", choices=POLICIES, default="cache_aware")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--load-format", default="auto", help="the workers' load format (part of the model identity)")
+    p.add_argument("--max-context", type=int, default=None, help="cap on prompt + max_tokens (the workers' max_model_len)")
+    p.add_argument("--max-inflight-per-decode", type=int, default=64)
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="prompts up to this many tokens are prefilled on the decode worker")
+    p.add_argument("--max-retries", type=int, default=3)
+    p.add_argument("--queue-capacity", type=int, default=1024, help="requests each tier queue holds")
+    p.add_argument("--max-message-mb", type=float, default=16.0)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds running streams get on shutdown")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """Raises ValueError naming the flag's field for a bad value."""
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = str(demo_model_dir())
+    pool = WorkerPoolConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.worker),
+                            max_inflight_per_decode=args.max_inflight_per_decode,
+                            local_prefill_tokens=args.local_prefill_tokens)
+    defaults = GatewayConfig(model_dir=model_dir).tiers
+    tiers = {t: TierConfig(args.queue_capacity, defaults[t].aging_s, defaults[t].default_deadline_s) for t in Tier}
+    return GatewayConfig(
+        model_dir=model_dir, host=args.host, port=args.port, workers=pool, tiers=tiers,
+        routing=RoutingConfig(policy=args.routing), max_retries=args.max_retries, max_context=args.max_context,
+        block_size=args.block_size, load_format=args.load_format, index_url=args.redis_url,
+        namespace=args.namespace, index_block_ttl_s=args.index_block_ttl, metrics_port=args.metrics_port,
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        if not config.workers.num_workers:
+            raise ValueError("workers: give at least one --worker, or --prefill and --decode")
+        if config.workers.prefill and not (config.workers.decode or config.workers.both):
+            raise ValueError("decode: prefill workers need at least one --decode (or --worker) to decode")
+        model = load_served_model(config.model_dir, load_format=config.load_format,
+                                  max_context=config.max_context, name=config.model_name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    try:
+        if uvloop is not None:
+            uvloop.run(serve(config, model))
+        else:
+            asyncio.run(serve(config, model))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

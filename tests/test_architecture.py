@@ -13,8 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # The project's top-level packages, from the base up.
-PACKAGES = ("tandem", "kernels", "kvtransfer", "kvindex", "engine", "parallel", "worker", "prefill", "decode",
-            "gateway", "agent", "entrypoints", "bench")
+PACKAGES = ("tandem", "kernels", "kvtransfer", "kvindex", "loadgen", "engine", "parallel", "worker", "prefill",
+            "decode", "gateway", "agent", "entrypoints", "bench")
 
 # What each package may import (besides itself). Lower layers never import higher ones.
 ALLOWED: dict[str, set[str]] = {
@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "kvtransfer": {"tandem"},
     "kvindex": {"tandem"},
+    "loadgen": {"tandem"},
     "engine": {"tandem", "kernels"},
     "parallel": {"tandem", "kernels", "engine", "kvtransfer"},
     "worker": {"tandem", "kernels", "engine", "parallel", "kvtransfer", "kvindex"},
@@ -29,10 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "decode": {"tandem", "engine", "parallel", "kvtransfer", "worker"},
     "gateway": {"tandem", "kvindex"},
     "agent": {"tandem", "kvindex"},
-    # The processes' start-up sits on top of everything; `tandem bench` runs bench's load generator.
-    "entrypoints": set(PACKAGES) - {"entrypoints"},
-    # Bench scripts start clusters through tandem.cluster (command lines), never entrypoints.
-    "bench": set(PACKAGES) - {"bench", "entrypoints"},
+    # The processes' start-up sits on top of the product; bench scripts on top of everything.
+    "entrypoints": set(PACKAGES) - {"entrypoints", "bench"},
+    "bench": set(PACKAGES) - {"bench"},
 }
 
 # Modules whose internals belong to their package alone.
