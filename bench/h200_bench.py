@@ -132,7 +132,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> di
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=1, max_model_len=4096,
               num_kv_blocks=512, fused_decode_gemv=fused)
     eng = llm.engine
-    eng.add_request(list(range(100, 228)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+    eng.admit(list(range(100, 228)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
     eng.step()  # prefill
     for _ in range(5):
         eng.step()
@@ -144,8 +144,8 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> di
     torch.cuda.synchronize()
     per_token = (time.perf_counter() - t) / n
     floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
-    for s in list(eng.scheduler.running):
-        eng.abort(s.request_id)
+    for request_id in eng.request_ids():
+        eng.abort(request_id)
     del llm
     torch.cuda.empty_cache()
     return {"decode_b1_ms_per_token": round(per_token * 1e3, 3), "weight_read_floor_ms": round(floor * 1e3, 3),
@@ -161,13 +161,13 @@ def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
     times = []
     for i in range(4):
         prompt = torch.randint(0, 128000, (tokens + 1,)).tolist()
-        seq = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        request = eng.admit(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         torch.cuda.synchronize()
         t = time.perf_counter()
         eng.step()  # exactly `tokens` tokens: the budget cuts the 8193-token prompt there
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-        eng.abort(seq.request_id)
+        eng.abort(request.request_id)
     dt = sorted(times)[len(times) // 2]
     mc = eng.model_config
     linear = 2 * (mc.num_params() - mc.vocab_size * mc.hidden_size - mc.vocab_size * mc.hidden_size) * tokens
@@ -208,7 +208,7 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     n_out = sum(len(o.token_ids) for o in outs)
     res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
-           "preemptions": llm.engine.scheduler.stats.num_preemptions, "pilot_tok_s": pilot,
+           "preemptions": llm.engine.stats().num_preemptions, "pilot_tok_s": pilot,
            "overlap": llm.engine.overlap}
     del llm
     torch.cuda.empty_cache()

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 def main() -> int:
     from bench.h200_bench import LLAMA31_8B, write_model
     from engine import LLM, SamplingParams
+    from engine.outputs import StepObserver
 
     p = argparse.ArgumentParser()
     p.add_argument("--num-prompts", type=int, default=600)
@@ -45,17 +46,14 @@ def main() -> int:
     params = SamplingParams(max_tokens=a.out_len, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], params.replace(max_tokens=8))
 
-    sched = llm.engine.scheduler
     steps: list[tuple[float, int, int]] = []  # (schedule time, prefill tokens, decode seqs)
-    schedule = sched.schedule
 
-    def timed_schedule():
-        out = schedule()
-        decode = sum(1 for s in out.scheduled if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
-        steps.append((time.perf_counter(), out.num_tokens - decode, decode))
-        return out
+    class Timeline(StepObserver):
+        def on_schedule(self, plan, seconds: float) -> None:
+            decode = plan.num_decode_requests()
+            steps.append((time.perf_counter(), plan.num_tokens - decode, decode))
 
-    sched.schedule = timed_schedule
+    llm.engine.observer = Timeline()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -40,6 +40,20 @@ def _timed(obj, name: str, acc: dict, sync: bool) -> None:
     setattr(obj, name, wrapper)
 
 
+class _SchedulerPhases:
+    """The scheduler's host time per step (engine.outputs.StepObserver); it runs no device work,
+    so no synchronize is needed around it."""
+
+    def __init__(self, acc: dict) -> None:
+        self.acc = acc
+
+    def on_schedule(self, plan, seconds: float) -> None:
+        self.acc["schedule"] += seconds
+
+    def on_postprocess(self, seconds: float) -> None:
+        self.acc["postprocess"] += seconds
+
+
 def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
                   kv_cache_dtype: str = "auto") -> dict:
     from engine import LLM, SamplingParams
@@ -50,8 +64,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
-        eng.add_request(p, SamplingParams(max_tokens=steps * 3 + 32, temperature=0, ignore_eos=True))
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in [*eng.scheduler.waiting, *eng.scheduler.running]):
+        eng.admit(p, SamplingParams(max_tokens=steps * 3 + 32, temperature=0, ignore_eos=True))
+    while eng.stats().queued_prefill_tokens:
         eng.step()
     for _ in range(3):
         eng.step()
@@ -64,7 +78,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
 
     acc: dict[str, float] = defaultdict(float)
     runner = eng.runner
-    for obj, names in ((eng.scheduler, ("schedule", "postprocess")), (eng, ("_process_samples",)),
+    eng.observer = _SchedulerPhases(acc)
+    for obj, names in ((eng, ("_process_samples",)),
                        (runner, ("prepare",)), (runner.sampler, ("launch",)), (runner.model, ("logits",))):
         for n in names:
             _timed(obj, n, acc, sync=True)
@@ -89,8 +104,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
     overlap = eng.overlap
-    for s in list(eng.scheduler.running):
-        eng.abort(s.request_id)
+    for request_id in eng.request_ids():
+        eng.abort(request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,

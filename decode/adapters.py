@@ -54,8 +54,7 @@ def _timeout(ms: int) -> float | None:
 
 
 def reserve_from_proto(msg: worker_pb2.ReserveRequest) -> ReserveInput:
-    if not msg.token_ids:
-        raise ValueError("token_ids: the prompt must not be empty")
+    """The prompt itself is checked by the engine (`Engine.reserve`)."""
     return ReserveInput(
         request_id=_request_id(msg.request_id),
         token_ids=list(msg.token_ids),
@@ -77,8 +76,7 @@ def decode_from_proto(msg: worker_pb2.DecodeRequest) -> DecodeInput:
 
 
 def local_from_proto(msg: worker_pb2.GenerateOnWorkerRequest) -> LocalInput:
-    if not msg.token_ids:
-        raise ValueError("token_ids: the prompt must not be empty")
+    """The prompt itself is checked by the engine (`Engine.admit`)."""
     return LocalInput(
         request_id=_request_id(msg.request_id),
         token_ids=list(msg.token_ids),

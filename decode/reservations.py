@@ -1,14 +1,15 @@
 """Reservations of a decode worker: blocks held for a prompt whose KV a prefill worker pushes.
 
-Lifecycle: Reserve creates one in state "reserved" (engine blocks held, the KV receiver
-expecting the transfer, an expiry timer set). It leaves that state exactly once: to
-"decoding" when Decode activates it, or to "released" (blocks freed) on Release, Abort, a
-failed transfer, or expiry. The state changes on the engine thread only; the table's lock
+Lifecycle: Reserve creates one in state RESERVED (engine blocks held, the KV receiver
+expecting the transfer, an expiry timer set). It leaves that state exactly once: to DECODING
+when Decode activates it, or to RELEASED (blocks freed) on Release, Abort, a failed transfer,
+or expiry. The state changes on the engine thread only; the table's lock
 lets gRPC handlers look reservations up from the event loop.
 """
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
@@ -23,6 +24,12 @@ logger = logging.getLogger(__name__)
 _MAX_TOMBSTONES = 4096
 
 
+class ReservationState(enum.Enum):
+    RESERVED = "reserved"
+    DECODING = "decoding"
+    RELEASED = "released"
+
+
 @dataclass(eq=False)
 class Reservation:
     request_id: str
@@ -32,7 +39,7 @@ class Reservation:
     num_output_tokens: int
     deadline: float
     result: Future = field(default_factory=Future)  # Future[TransferResult]
-    state: str = "reserved"
+    state: ReservationState = ReservationState.RESERVED
     timer: TimerHandle | None = None
 
     @property

@@ -15,23 +15,20 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode import adapters as ad
-from decode.reservations import Reservation, ReservationTable
-from engine.engine import Engine, StepOutput
-from engine.sequence import FinishReason
+from decode.reservations import Reservation, ReservationState, ReservationTable
+from engine.engine import Engine
+from engine.outputs import FinishReason, StepOutput
 from kvtransfer import KVReceiver, TransferResult
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem._proto.tandem.v1 import worker_pb2
-from tandem.types import SamplingParams
-from worker import engine_ext
+from tandem.types import DEADLINE, SamplingParams
 from worker.adapters import chunk_from_outputs, logprob_from_meta
 from worker.engine_loop import LoopStopped
 from worker.runtime import WorkerRuntime, rpc
 from worker.streams import ItemStream
 
 logger = logging.getLogger(__name__)
-
-DEADLINE = "deadline"
 
 
 class DecodeService(wire.DecodeWorkerServicer):
@@ -61,10 +58,10 @@ class DecodeService(wire.DecodeWorkerServicer):
 
     # ---- engine-thread helpers ----------------------------------------------------------------
     def _end(self, engine: Engine, res: Reservation, reason: str) -> bool:
-        """Free a reservation that was not activated; False if it already left "reserved"."""
-        if res.state != "reserved":
+        """Free a reservation that was not activated; False if it already left RESERVED."""
+        if res.state is not ReservationState.RESERVED:
             return False
-        res.state = "released"
+        res.state = ReservationState.RELEASED
         if res.timer is not None:
             res.timer.cancel()
         if self.receiver is not None:
@@ -77,7 +74,7 @@ class DecodeService(wire.DecodeWorkerServicer):
 
     def _reserve(self, engine: Engine, inp: ad.ReserveInput, reservation_id: int) -> tuple[Reservation | None, int]:
         params = SamplingParams(max_tokens=inp.max_tokens)
-        got = engine_ext.reserve(engine, inp.request_id, inp.token_ids, params, inp.tier, inp.num_output_tokens)
+        got = engine.reserve(inp.request_id, inp.token_ids, params, inp.tier, num_output_tokens=inp.num_output_tokens)
         if got is None:
             return None, engine.num_free_blocks + engine.cache.evictable_blocks
         num_cached, dst = got
@@ -147,15 +144,15 @@ class DecodeService(wire.DecodeWorkerServicer):
 
     def _activate(self, engine: Engine, res: Reservation, inp: ad.DecodeInput, logprob, stream: ItemStream,
                   deadline: float | None) -> StepOutput:
-        if res.state != "reserved":
+        if res.state is not ReservationState.RESERVED:
             raise LookupError(f"request_id: reservation of {inp.request_id} was {self.table.ended_reason(inp.request_id)}")
-        res.state = "decoding"
+        res.state = ReservationState.DECODING
         if res.timer is not None:
             res.timer.cancel()
         self.table.remove(res, "activated")
         self.loop.listen(inp.request_id, stream.put)
         try:
-            out = engine_ext.activate(engine, inp.request_id, inp.first_token_id, logprob, inp.params, res.num_output_tokens)
+            out = engine.activate(inp.request_id, inp.first_token_id, logprob, inp.params)
         except BaseException:
             self.loop.unlisten(inp.request_id)
             engine.release(inp.request_id)
@@ -167,10 +164,10 @@ class DecodeService(wire.DecodeWorkerServicer):
         return out
 
     def _set_deadline(self, engine: Engine, request_id: str, deadline: float) -> None:
-        seq = engine.scheduler.get(request_id)
+        request = engine.get(request_id)
 
         def expire(e: Engine) -> None:
-            if seq is not None and e.scheduler.get(request_id) is seq:
+            if request is not None and e.get(request_id) == request:
                 self.loop.abort_now(request_id, DEADLINE)
 
         self.loop.call_at(deadline, expire)
@@ -214,16 +211,17 @@ class DecodeService(wire.DecodeWorkerServicer):
         stream = ItemStream(self.runtime.bridge)
 
         def add(engine: Engine):
-            seq = engine_ext.add_request(engine, inp.token_ids, inp.params, inp.request_id, inp.tier,
-                                         num_output_tokens=inp.num_output_tokens)
+            request = engine.admit(inp.token_ids, inp.params, inp.request_id, inp.tier,
+                                   num_output_tokens=inp.num_output_tokens, field="token_ids")
             self.loop.listen(inp.request_id, stream.put)
             if deadline is not None:
                 self._set_deadline(engine, inp.request_id, deadline)
-            return seq
+            return request
 
         with self.runtime.tracked():
-            seq = await self.runtime.run(add)
-            async for chunk in self._stream(stream, inp.request_id, inp.params, context, lambda: seq.num_cached_tokens):
+            request = await self.runtime.run(add)
+            async for chunk in self._stream(stream, inp.request_id, inp.params, context,
+                                            lambda: request.num_cached_tokens):
                 yield chunk
 
     @rpc("Release")

@@ -15,8 +15,12 @@ def __getattr__(name: str):
         from engine.llm import LLM
 
         return LLM
-    if name in ("Engine", "EngineConfig"):
-        from engine import engine as _engine
+    if name == "Engine":
+        from engine.engine import Engine
 
-        return getattr(_engine, name)
+        return Engine
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
     raise AttributeError(name)

@@ -1,12 +1,14 @@
-"""Model configuration read from a Hugging Face config.json; family differences become fields here.
+"""The engine's settings (`EngineConfig`) and the model configuration read from a Hugging Face
+config.json (`ModelConfig`), where family differences become fields.
 
-One plain model definition (engine/model.py) serves every family; this file is where Llama,
+One plain model definition (engine/model.py) serves every family; `ModelConfig` is where Llama,
 Mistral, Qwen2, Qwen3 and GLM differ.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
+KV_CACHE_DTYPES = ("auto", "fp8")
+LOAD_FORMATS = ("auto", "dummy")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -41,6 +45,78 @@ def parse_dtype(value: str | torch.dtype | None, field_name: str = "dtype") -> t
     if key not in _DTYPES:
         raise ValueError(f"{field_name}: unsupported dtype {value!r}; use float32, bfloat16 or float16")
     return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's settings; `__post_init__` raises ValueError naming the first invalid field."""
+
+    model_path: str
+    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (float32 on CPU)
+    block_size: int = 16  # a power of two in [16, 64] (DESIGN §2)
+    num_kv_blocks: int | None = None  # None: derived from memory
+    max_running: int = 256
+    max_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random weights)
+    device: str | None = None  # None: cuda when available, else cpu
+    enable_prefix_cache: bool = True
+    swap_space_gb: float = 1.0  # host memory for preempted requests' KV
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8" (e4m3)
+    gpu_memory_fraction: float = 0.90
+    cpu_kv_cache_gb: float = 1.0
+    seed: int | None = None
+    cuda_graphs: bool = True  # capture decode graphs on CUDA devices
+    # Decode steps of at most kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
+    # enable_fused_decode). Off by default until measured against cuBLAS on the device.
+    fused_decode_gemv: bool = False
+    # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).
+    # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
+    # tensor parallelism.
+    overlap_schedule: bool | None = None
+    # Run a few synthetic steps at start-up on CUDA devices (`Engine.warm_up`), so that Triton's
+    # compiles land before the first request rather than in its latency.
+    warm_up: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path: a model directory is required")
+        parse_dtype(self.dtype)
+        bs = self.block_size
+        if not (_is_int(bs) and 16 <= bs <= 64 and bs & (bs - 1) == 0):
+            raise ValueError(f"block_size: must be a power of two in [16, 64], got {bs!r}")
+        for name in ("max_running", "max_batched_tokens"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if not (_is_number(self.gpu_memory_fraction) and 0 < self.gpu_memory_fraction <= 1):
+            raise ValueError(f"gpu_memory_fraction: must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if not (_is_number(self.swap_space_gb) and self.swap_space_gb >= 0):
+            raise ValueError(f"swap_space_gb: must be >= 0, got {self.swap_space_gb!r}")
+        if not (_is_number(self.cpu_kv_cache_gb) and self.cpu_kv_cache_gb > 0):
+            raise ValueError(f"cpu_kv_cache_gb: must be > 0, got {self.cpu_kv_cache_gb!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
+        for name in ("enable_prefix_cache", "cuda_graphs", "fused_decode_gemv", "warm_up"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
+            raise ValueError(f"overlap_schedule: must be a bool or None, got {self.overlap_schedule!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

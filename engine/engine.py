@@ -1,7 +1,10 @@
 """The step-level engine: requests in, one scheduling step at a time, token outputs out.
 
 Workers (prefill, decode, both) drive `step()` from their own loops; `LLM` (engine/llm.py) is
-the offline loop over the same calls. One Engine owns one model replica and its KV cache.
+the offline loop over the same calls. One Engine owns one model replica (or this process's part
+of one, see engine/shard.py) and its KV cache. It is the one door to its scheduler and its
+requests: callers admit, reserve, activate, abort and release requests through it and read
+`Request` views, `StepOutput`s and `EngineStats` (engine/outputs.py).
 """
 from __future__ import annotations
 
@@ -10,88 +13,66 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.block_allocator import BlockAllocator
-from engine.config import ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
+from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.radix_cache import RadixCache
 from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
-from engine.weights import load_model
+from engine.shard import ModelShard, WholeModel
+from tandem.detokenize import IncrementalDetokenizer
 from tandem.hashing import model_identity, seed_hash
+from tandem.rules import STOP_STRING, STOP_TOKEN, Stop, StopChecker, StopText, blocks_needed, check_prompt_ids
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
 
-if TYPE_CHECKING:
-    from parallel.comm import TPGroup
-
 logger = logging.getLogger(__name__)
+
+# Re-exported: callers import these from here (or from engine.outputs / engine.config).
+__all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "EngineStats", "FinishReason", "Request",
+           "StepObserver", "StepOutput", "StepPlan"]
 
 OVERLAP_ENV = "TANDEM_OVERLAP_SCHEDULE"
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (float32 on CPU)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from memory
-    max_running: int = 256
-    max_batched_tokens: int = 4096
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    load_format: str = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    enable_prefix_cache: bool = True
-    swap_space_gb: float = 1.0  # host memory for preempted requests' KV
-    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8" (e4m3)
-    gpu_memory_fraction: float = 0.90
-    cpu_kv_cache_gb: float = 1.0
-    seed: int | None = None
-    cuda_graphs: bool = True  # capture decode graphs on CUDA devices
-    # Decode steps of at most kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
-    # enable_fused_decode). Off by default until measured against cuBLAS on the device.
-    fused_decode_gemv: bool = False
-    # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).
-    # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
-    # tensor parallelism.
-    overlap_schedule: bool | None = None
-    # Run a few synthetic steps at start-up on CUDA devices (`Engine.warm_up`), so that Triton's
-    # compiles land before the first request rather than in its latency.
-    warm_up: bool = True
-
-
-@dataclass
-class StepOutput:
-    """What one request gained in one step; `finished` on the last one."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs | None]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    seq: Sequence | None = field(default=None, repr=False)
-
-
 class Engine:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    """One model replica's scheduler, KV cache and runner, driven one step at a time.
+
+    Threads: an Engine is not thread-safe. Every method runs on the one thread that owns it
+    (a worker's engine thread, or the offline caller's); only `Request.num_cached_tokens` may
+    be read elsewhere. Request lifecycle, each call validated once, here:
+
+    - local: `admit` -> `step()` until its StepOutput is `finished` (or `abort`);
+    - prefill side of a disaggregated request: `admit(prefill_only=True)` -> `step()` until it
+      finishes PREFILLED (its first token sampled; its blocks stay held so its KV can be pushed
+      from `Request.block_table`) -> `release` (or `abort`);
+    - decode side: `reserve` (blocks held for KV another engine pushes) -> `activate` with the
+      first token -> `step()` as a local request; or `release` / `abort` instead of activating.
+
+    A request id is known (`knows`) from admission or reservation until it finishes (held ones:
+    until released); admitting or reserving a known id raises DuplicateRequestError.
+    """
+
+    def __init__(self, config: EngineConfig, shard: ModelShard | None = None) -> None:
         """Load the model and allocate the KV cache.
 
-        tp: this process's rank of a tensor-parallel group (parallel.comm.TPGroup); every rank
-          builds an Engine from the same config. The rank loads only its shard of the model, its
-          KV cache holds only its KV heads, and the block counts are the minimum over the ranks.
-          Rank 0 schedules and samples as usual (and calls `close()` when done); the other ranks
-          call `follow()`. A group of one is the same as None.
+        shard: this process's part of the model replica (engine/shard.py); None: the whole model
+          here. A tensor-parallel rank passes `parallel.runner.TensorParallelShard`: every rank
+          builds an Engine from the same config, the rank that gets a runner schedules and
+          samples (and calls `close()` when done), the others call `follow()`.
         """
         self.config = config
-        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.shard = shard if shard is not None else WholeModel()
+        self.observer: StepObserver | None = None  # see StepObserver; benchmarks set it
         path = Path(config.model_path)
         self.model_config = ModelConfig.from_dir(path)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -101,30 +82,19 @@ class Engine:
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        if self.tp is None:
-            kv_config = self.model_config
-            self.model = load_model(path, self.model_config, dtype, device, config.load_format)
-        else:
-            from parallel.tensor_parallel import load_tensor_parallel_model, shard_config
-
-            kv_config = shard_config(self.model_config, self.tp.world_size)  # ValueError before any loading
-            self.model = load_tensor_parallel_model(path, self.model_config, dtype, device, self.tp, config.load_format)
+        self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
 
         if config.fused_decode_gemv:
             enabled = [layer.enable_fused_decode() for layer in self.model.layers]
             if not all(enabled):
                 logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",
                             sum(enabled), len(enabled))
-        kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}.get(config.kv_cache_dtype)
-        if kv_dtype is None:
-            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {config.kv_cache_dtype!r}")
+        kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
         block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
         num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks: must be >= 1, got {num_blocks}")
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
-        if self.tp is not None:  # block ids are rank 0's, so every rank needs as many blocks
-            num_blocks, num_host = self.tp.min_ints([num_blocks, num_host], device)
+        # Block ids are the scheduling process's, so every process of the replica needs as many.
+        num_blocks, num_host = self.shard.agree_block_counts(num_blocks, num_host, device)
         self.sched_config = SchedulerConfig(
             block_size=config.block_size,
             max_running=config.max_running,
@@ -136,29 +106,25 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks)
         self.hash_seed = seed_hash(self.identity)
         self.cache = RadixCache(self.allocator, config.block_size, self.hash_seed, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.sched_config, self.allocator, self.cache)
+        self._scheduler = Scheduler(self.sched_config, self.allocator, self.cache)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.runner: ModelRunner | None = None  # None on tensor-parallel followers: they run rank 0's steps
         sampler = Sampler(self.model_config.vocab_size, seed=config.seed)
-        if self.tp is None:
-            self.runner = ModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device)
-            if config.cuda_graphs and device.type == "cuda":
-                self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
-        elif self.tp.rank == 0:
-            from parallel.runner import TPModelRunner
-
-            self.runner = TPModelRunner(self.model, self.kv_cache, sampler, self.eos_token_ids, device, self.tp)
+        # None on a follower: it runs the scheduling process's steps (`follow`).
+        self.runner: ModelRunner | None = self.shard.make_runner(self.model, self.kv_cache, sampler,
+                                                                 self.eos_token_ids, device)
+        alone = self.shard.runs_alone
+        if alone and self.runner is not None and config.cuda_graphs and device.type == "cuda":
+            self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
         overlap = config.overlap_schedule
         if overlap is None:
             overlap = {"1": True, "0": False}.get(os.environ.get(OVERLAP_ENV, ""), device.type == "cuda")
-        self.overlap = self.tp is None and bool(overlap)
+        self.overlap = alone and bool(overlap)
         self._inflight: _InFlight | None = None  # a launched step whose samples are not yet processed
         self._ready: list[StepOutput] = []  # outputs of a step resolved outside step(), returned by the next
-        if config.warm_up and device.type == "cuda" and self.tp is None:
+        if config.warm_up and device.type == "cuda" and alone:
             self.warm_up()
-        rank = "" if self.tp is None else f" (tensor parallel rank {self.tp.rank} of {self.tp.world_size})"
-        logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", rank, self.identity, device, dtype, num_blocks,
-                    config.block_size, ", overlapped steps" if self.overlap else "")
+        logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", self.shard.describe(), self.identity, device,
+                    dtype, num_blocks, config.block_size, ", overlapped steps" if self.overlap else "")
 
     def warm_up(self) -> float:
         """Run the kinds of step a server meets (one prefill, a prefill of several sequences next
@@ -176,13 +142,13 @@ class Engine:
 
         params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
         ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(4)]
-        self.add_request(prompt(min(37, long), 1), params, ids[0])
+        self.admit(prompt(min(37, long), 1), params, ids[0])
         self.step()  # one sequence's prefill; its decodes follow
-        self.add_request(prompt(long, 2), params, ids[1])
-        self.add_request(prompt(min(17, long), 3), params, ids[2])
+        self.admit(prompt(long, 2), params, ids[1])
+        self.admit(prompt(min(17, long), 3), params, ids[2])
         while self.has_unfinished():  # several prefills beside a decode, then decodes
             self.step()
-        self.add_request(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
+        self.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
         while self.has_unfinished():
             self.step()
         seconds = time.perf_counter() - t0
@@ -200,85 +166,166 @@ class Engine:
         return max(1, min(int(budget // block_bytes), want))
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(
+    def admit(
         self,
-        prompt: str | list[int],
+        prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         tier: Tier | int | str = Tier.STANDARD,
+        *,
         prefill_only: bool = False,
-    ) -> Sequence:
-        """Validate and queue one request; ValueError naming the field on bad input."""
+        num_output_tokens: int = 0,
+        field: str = "prompt",
+    ) -> Request:
+        """Validate and queue one request; `step()` then computes it.
+
+        prompt: text (tokenized here) or token ids. num_output_tokens: the last n ids are
+          earlier output of this request (a resume after a fault): they count toward
+          max_tokens, min_tokens, the penalties and a seeded sampler's position, exactly as if
+          generation had gone on. prefill_only: finish PREFILLED once the first token is
+          sampled and hold the blocks until `release` (the prefill side of disaggregation).
+        field: how error messages name the prompt (a worker says "token_ids").
+        Raises DuplicateRequestError (a ValueError) for a known request id, ValueError naming
+        the field for bad params, prompt, num_output_tokens or a request the cache can never
+        hold. Nothing is queued when it raises. request_id None: a fresh id.
+        """
+        if request_id is not None and self.knows(request_id):
+            raise DuplicateRequestError(f"request_id: {request_id!r} is already in this engine")
         params = (params or SamplingParams()).validate(self.model_config.vocab_size)
         tier = Tier.parse(tier)
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens leave no room in the model's context of {self.max_model_len}")
-        total_blocks = -(-min(len(token_ids) + params.max_tokens, self.max_model_len) // self.config.block_size)
-        if total_blocks > self.allocator.num_total:
-            raise ValueError(
-                f"max_tokens: prompt plus max_tokens needs {total_blocks} KV blocks, the cache has {self.allocator.num_total}"
-            )
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_request(token_ids, params, num_output_tokens, field)
         seq = Sequence(request_id or uuid.uuid4().hex, token_ids, params, tier, prefill_only)
-        if params.stop:
-            from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+        # A resumed request's stop text follows all of its earlier tokens.
+        seq.stop = self._stop_checker(token_ids, params)
+        if num_output_tokens:
+            _split_output(seq, num_output_tokens)
+        self._scheduler.add(seq)
+        return Request(seq)
 
-            seq.detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens), StopMatcher(params.stop))
-        self.scheduler.add(seq)
-        return seq
+    def _check_request(self, token_ids: list[int], params: SamplingParams, num_output_tokens: int, field: str) -> None:
+        check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len, field)
+        if isinstance(num_output_tokens, bool) or not isinstance(num_output_tokens, int) \
+                or not 0 <= num_output_tokens < len(token_ids):
+            raise ValueError(f"num_output_tokens: must be in [0, {len(token_ids)}), got {num_output_tokens}")
+        total = blocks_needed(len(token_ids), params.max_tokens, self.max_model_len, self.config.block_size)
+        if total > self.allocator.num_total:
+            raise ValueError(
+                f"max_tokens: prompt plus max_tokens needs {total} KV blocks, the cache has {self.allocator.num_total}"
+            )
+
+    def _stop_checker(self, prompt_token_ids: list[int], params: SamplingParams) -> StopChecker:
+        # Only requests with stop strings detokenize while they run: it is off the hot path.
+        text = StopText(self.tokenizer, prompt_token_ids, params) if params.stop else None
+        return StopChecker(params, self.eos_token_ids, self.max_model_len, text)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a queued, running, reserved or prefilled request and free its blocks."""
+        """Stop a queued, running, reserved or prefilled request and free its blocks; its
+        StepOutputs stop (the caller tells its listener). False when the id is not known."""
         self.settle()
-        return self.scheduler.abort(request_id) is not None or self.scheduler.release(request_id)
+        return self._scheduler.abort(request_id) is not None or self._scheduler.release(request_id)
 
-    # ---- disaggregation hooks (prefill side: add_request(prefill_only=True) then release) ----
     def release(self, request_id: str) -> bool:
-        """Free the blocks of a prefilled (or reserved, never activated) request."""
+        """Free the blocks of a prefilled (after its KV was pushed, or the push failed) or a
+        reserved, never activated request. False when no such request is held."""
         self.settle()
-        return self.scheduler.release(request_id)
+        return self._scheduler.release(request_id)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tier: Tier | int | str = Tier.STANDARD
+        self,
+        request_id: str,
+        token_ids: Seq[int],
+        params: SamplingParams,
+        tier: Tier | int | str = Tier.STANDARD,
+        *,
+        num_output_tokens: int = 0,
+        field: str = "token_ids",
     ) -> tuple[int, list[int]] | None:
-        """Decode side: hold KV blocks for a prompt whose KV a prefill worker will push.
+        """Decode side: hold KV blocks for a prompt whose KV a prefill engine will push.
 
-        Returns (leading prompt blocks already cached here, destination block ids for the rest)
-        or None when the cache is too full right now.
+        token_ids, num_output_tokens: as in `admit` (the KV pushed covers all of token_ids;
+        `activate` splits off the earlier output). params: what is known before activation
+        (a worker's Reserve knows only max_tokens; `activate` replaces them).
+        Returns (leading prompt blocks already cached here, destination block ids for the rest,
+        in order) or None when the cache is too full right now (nothing is held then). Raises
+        as `admit` does. The request then counts in `stats().held` until `activate`,
+        `release` or `abort`.
         """
+        if self.knows(request_id):
+            raise DuplicateRequestError(f"request_id: {request_id!r} is already in this engine")
         params = params.validate(self.model_config.vocab_size)
+        token_ids = list(token_ids)
+        self._check_request(token_ids, params, num_output_tokens, field)
         self.settle()
-        seq = Sequence(request_id, list(prompt_token_ids), params, Tier.parse(tier))
-        if params.stop:
-            from tandem.detokenize import IncrementalDetokenizer, StopMatcher
+        seq = Sequence(request_id, token_ids, params, Tier.parse(tier))
+        seq.num_resumed_output = num_output_tokens
+        return self._scheduler.reserve(seq)
 
-            seq.detok = (IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens), StopMatcher(params.stop))
-        return self.scheduler.reserve(seq)
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprobs | None = None,
+                 params: SamplingParams | None = None) -> StepOutput:
+        """Decode side: the pushed KV is in the reserved blocks; join the running batch after
+        `first_token` (sampled by the prefill engine).
 
-    def activate(self, request_id: str, first_token: int, logprob: TokenLogprobs | None = None) -> StepOutput:
-        """Decode side: the pushed KV is in place; join the running batch after `first_token`.
-
-        Returns the first token's StepOutput (finished already if it was a stop token).
+        params: the request's sampling params, replacing the reservation's (None: keep them).
+        Returns the first token's StepOutput (finished already if the first token ends the
+        request; the blocks are freed then). Raises LookupError when `request_id` holds no
+        reservation here (never reserved, released, aborted or activated), ValueError naming
+        the field for bad params or first_token_id; the reservation stays as it was then.
         """
+        seq = self._scheduler.held.get(request_id)
+        if seq is None or seq.prefill_only:
+            raise LookupError(f"request_id: {request_id!r} holds no reservation here")
+        vocab = self.model_config.vocab_size
+        params = params.validate(vocab) if params is not None else seq.params
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab:
+            raise ValueError(f"first_token_id: must be in [0, {vocab}), got {first_token}")
         self.settle()
-        seq = self.scheduler.activate(request_id, first_token, logprob)
+        num_kv_tokens = seq.num_prompt_tokens  # the pushed KV covers every reserved token
+        seq.params = params
+        seq.stop = self._stop_checker(seq.prompt_token_ids, params)
+        if seq.num_resumed_output:
+            _split_output(seq, seq.num_resumed_output)
+        seq = self._scheduler.activate(request_id, first_token, logprob)
         reason, stop_reason = self._check_stop(seq, first_token)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason
-        return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason, seq)
+        else:
+            # activate() counts the prompt as computed; after a resume split the KV of the
+            # earlier output tokens is in the cache too.
+            seq.num_computed_tokens = num_kv_tokens
+        return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason)
+
+    def knows(self, request_id: str) -> bool:
+        """Whether `request_id` is queued, running, swapped, reserved or prefilled-and-held."""
+        return self._scheduler.knows(request_id)
+
+    def get(self, request_id: str) -> Request | None:
+        """The queued, running or swapped request under `request_id` (None for unknown,
+        finished, reserved or held ones). Compare it with a later `get` to tell whether the
+        same request still runs (Request equality is per admission), e.g. in a deadline timer."""
+        seq = self._scheduler.get(request_id)
+        return Request(seq) if seq is not None else None
+
+    def stats(self) -> EngineStats:
+        """Queue lengths and scheduling counters now (O(requests): for per-step snapshots)."""
+        s = self._scheduler
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped), held=len(s.held),
+            queued_prefill_tokens=s.queued_prefill_tokens(), num_preemptions=s.stats.num_preemptions,
+            num_swaps_out=s.stats.num_swaps_out, num_recomputes=s.stats.num_recomputes,
+            num_scheduled_tokens=s.stats.num_scheduled_tokens,
+        )
+
+    def request_ids(self) -> list[str]:
+        """Ids of the queued, running and swapped requests (not reserved or held ones)."""
+        s = self._scheduler
+        return [seq.request_id for queue in (s.waiting, s.running, s.swapped) for seq in queue]
 
     def has_unfinished(self) -> bool:
-        """Whether `step()` has work: queued or running requests, or outputs not yet returned."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
+        """Whether `step()` has work: queued or running requests, or outputs not yet returned
+        (reserved and held requests do not count)."""
+        return self._scheduler.has_unfinished() or self._inflight is not None or bool(self._ready)
 
     def settle(self) -> None:
         """Process the samples of a step still in flight (their outputs come with the next
@@ -289,25 +336,46 @@ class Engine:
             self._ready += self._resolve(inflight)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self, on_layer: Callable[[int, SchedulerOutput], None] | None = None) -> list[StepOutput]:
-        """Schedule, run and postprocess one batch.
+    def step(self, on_layer: Callable[[int, StepPlan], None] | None = None) -> list[StepOutput]:
+        """Schedule, run and postprocess one batch; returns what each request gained.
 
-        `on_layer(layer, scheduler_output)` runs after each layer's K/V are in the cache (the
-        prefill worker pushes them to the decode worker from there, overlapping the next layer).
+        `on_layer(layer, plan)` runs after each layer's K/V are in the cache (the prefill
+        worker pushes them to the decode worker from there, overlapping the next layer).
+        RuntimeError on a follower (see `follow`).
         """
         if self.runner is None:
-            raise RuntimeError(f"step: tensor-parallel rank {self.tp.rank} runs rank 0's steps through follow()")
+            raise RuntimeError(f"step: {self.shard} runs rank 0's steps through follow()")
         if not self.overlap or on_layer is not None:
             self.settle()
             results, self._ready = self._ready, []
-            out = self.scheduler.schedule()
+            out = self._schedule()
             if out.is_empty:
                 return results
-            hook = (lambda layer: on_layer(layer, out)) if on_layer is not None else None
+            if on_layer is not None:
+                plan = StepPlan(out)
+                hook = lambda layer: on_layer(layer, plan)  # noqa: E731
+            else:
+                hook = None
             sampled_idx, samples = self.runner.execute(out, hook)
-            self.scheduler.postprocess(out)
+            self._postprocess(out)
             return results + self._process_samples(out, sampled_idx, samples)
         return self._overlapped_step()
+
+    def _schedule(self) -> SchedulerOutput:
+        if self.observer is None:
+            return self._scheduler.schedule()
+        t = time.perf_counter()
+        out = self._scheduler.schedule()
+        self.observer.on_schedule(StepPlan(out), time.perf_counter() - t)
+        return out
+
+    def _postprocess(self, out: SchedulerOutput) -> None:
+        if self.observer is None:
+            self._scheduler.postprocess(out)
+            return
+        t = time.perf_counter()
+        self._scheduler.postprocess(out)
+        self.observer.on_postprocess(time.perf_counter() - t)
 
     def _overlapped_step(self) -> list[StepOutput]:
         """Schedule and launch step n+1 while step n may still run on the device, then process
@@ -317,7 +385,7 @@ class Engine:
         it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens)."""
         results, self._ready = self._ready, []
         prev, self._inflight = self._inflight, None
-        out = self.scheduler.schedule()
+        out = self._schedule()
         launched = None
         if not out.is_empty:
             prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
@@ -330,7 +398,7 @@ class Engine:
         if prev is not None:
             results += self._resolve(prev)
         if launched is not None:
-            self.scheduler.postprocess(out)
+            self._postprocess(out)
             if all(_overlap_safe(out.scheduled[i].seq) for i in launched.sample_index):
                 self._inflight = launched
             else:
@@ -359,65 +427,49 @@ class Engine:
                 reason = FinishReason.PREFILLED
             if reason is not None:
                 if reason is FinishReason.PREFILLED:
-                    self.scheduler.finish_prefill(seq)
+                    self._scheduler.finish_prefill(seq)
                 else:
-                    self.scheduler.finish(seq, reason)
+                    self._scheduler.finish(seq, reason)
                 seq.stop_reason = stop_reason
                 seq.finish_reason = reason
-            results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason, seq))
+            results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason))
         return results
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:
-        """Why `seq` ends after appending `token` (None if it goes on). Stops wait for min_tokens."""
-        p = seq.params
-        n = len(seq.output_token_ids)
-        armed = n >= p.min_tokens
-        if armed and token in p.stop_token_ids:
-            return FinishReason.STOP, token
-        if armed and not p.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP, None
-        if seq.detok is not None:
-            detok, matcher = seq.detok
-            delta = detok.push([token])
-            if armed:
-                text, stopped = matcher.feed(delta)
-                seq.text += text
-                if stopped:
-                    return FinishReason.STOP, matcher.stop_string
-            else:
-                seq.text += delta
-        if n >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
+        """Why `seq` ends after appending `token` (None if it goes on), by tandem.rules."""
+        shown, stop = seq.stop.check(token, len(seq.output_token_ids), seq.num_known_tokens)
+        if shown:
+            seq.text += shown
+        if stop is None:
+            return None, None
+        return _FINISH[stop.reason], _stop_reason(stop)
 
-    def output_text(self, seq: Sequence) -> str:
-        """Final text of a finished sequence (cut before a stop string when one ended it)."""
-        if seq.detok is not None:
-            detok, matcher = seq.detok
-            if matcher.stopped:
-                return seq.text
-            tail, _ = matcher.feed(detok.flush())
-            return seq.text + tail + matcher.flush()
+    def output_text(self, request: Request) -> str:
+        """Final text of a finished request (cut before a stop string when one ended it)."""
+        seq = request._seq
+        if seq.stop.text is not None:
+            return seq.text + seq.stop.tail()
         # Decode in the prompt's context (as the gateway streams it): a SentencePiece output that
         # starts a new word keeps its leading space.
-        from tandem.detokenize import IncrementalDetokenizer
-
         detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
         return detok.finish(seq.output_token_ids)
 
-    # ---- tensor parallelism ------------------------------------------------------------------
-    def follow(self) -> int:
-        """Tensor-parallel ranks 1..world-1: run each step rank 0's engine broadcasts, on this
-        rank's shard and KV cache, until rank 0 calls `close()`. Returns the steps run."""
-        if self.tp is None or self.tp.rank == 0:
-            raise RuntimeError("follow: only tensor-parallel ranks other than 0 follow; this engine runs step()")
-        from parallel.runner import follower_loop
+    # ---- a model replica over several processes ------------------------------------------
+    def follow(self, on_step: Callable[[bytes], Callable[[int], None] | None] | None = None) -> int:
+        """A follower (an engine whose shard gave it no runner, e.g. tensor-parallel ranks
+        1..world-1): run each step the scheduling process's engine sends, on this process's part
+        of the model and KV cache, until that engine calls `close()`. Returns the steps run.
 
-        return follower_loop(self.model, self.kv_cache, self.tp, self.device)
+        on_step: called with each step's extras before its forward; the hook it returns runs
+          after each layer of that step (a prefill worker's follower pushes its KV from there).
+        RuntimeError on an engine that schedules its own steps.
+        """
+        return self.shard.follow(self.model, self.kv_cache, self.device, on_step)
 
     def close(self) -> None:
-        """Tensor-parallel rank 0: release the other ranks from `follow()` (idempotent; otherwise a no-op)."""
-        if self.tp is not None and self.runner is not None:
+        """Release whatever runs beside this engine's runner (tensor-parallel followers wait in
+        `follow()`); idempotent, and a no-op for a whole model or a follower."""
+        if self.runner is not None:
             self.runner.stop()
 
     # ---- introspection --------------------------------------------------------------------
@@ -433,6 +485,21 @@ class Engine:
         """Free blocks once the prefix cache drops its unlocked entries (for leak checks)."""
         self.cache.reset()
         return self.allocator.num_free
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def _stop_reason(stop: Stop) -> str | int | None:
+    """A StepOutput's stop_reason: the stop token id or stop string (None for EOS and length)."""
+    return stop.matched if stop.kind in (STOP_TOKEN, STOP_STRING) else None
+
+
+def _split_output(seq: Sequence, n: int) -> None:
+    """The last `n` of a fresh sequence's prompt ids are earlier output of a resumed request."""
+    ids = seq.prompt_token_ids
+    seq.prompt_token_ids, seq.output_token_ids = ids[:-n], ids[-n:]
+    seq.output_logprobs = [None] * n
 
 
 @dataclass

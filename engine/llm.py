@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.sampler import TokenLogprobs
+from engine.shard import ModelShard
 from tandem.types import SamplingParams, Tier
-
-if TYPE_CHECKING:
-    from parallel.comm import TPGroup
 
 
 @dataclass
@@ -29,16 +27,17 @@ class LLM:
     """Load a Hugging Face model directory once; generate for many prompts with continuous batching.
 
     `LLM(model_path, dtype=None, block_size=16, num_kv_blocks=None, max_running=256,
-    load_format="auto"|"dummy", ...)`: keyword arguments are EngineConfig fields. With `tp`, this
-    is tensor-parallel rank 0 (see Engine); call `close()` to release the other ranks.
+    load_format="auto"|"dummy", ...)`: keyword arguments are EngineConfig fields. `shard`: this
+    process's part of the model (see Engine; e.g. tensor-parallel rank 0's
+    `parallel.runner.TensorParallelShard`); call `close()` to release the other ranks.
     """
 
-    def __init__(self, model_path: str, *, tp: TPGroup | None = None, **kwargs) -> None:
-        self.engine = Engine(EngineConfig(model_path=str(model_path), **kwargs), tp)
+    def __init__(self, model_path: str, *, shard: ModelShard | None = None, **kwargs) -> None:
+        self.engine = Engine(EngineConfig(model_path=str(model_path), **kwargs), shard)
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
-        """Release tensor-parallel followers (see Engine.close); a no-op without tp."""
+        """Release tensor-parallel followers (see Engine.close); a no-op for a whole model."""
         self.engine.close()
 
     def generate(
@@ -59,26 +58,26 @@ class LLM:
             plist = [params or SamplingParams()] * len(prompts)
         tiers = list(tier) if isinstance(tier, (list, tuple)) else [tier] * len(prompts)
         engine = self.engine
-        seqs = []
+        requests = []
         try:
             for p, sp, t in zip(prompts, plist, tiers):
-                seqs.append(engine.add_request(p, sp, tier=t))
+                requests.append(engine.admit(p, sp, tier=t))
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
-            for s in seqs:
-                engine.abort(s.request_id)
+            for r in requests:
+                engine.abort(r.request_id)
             raise
         return [
             CompletionOutput(
-                request_id=s.request_id,
-                text=engine.output_text(s),
-                token_ids=list(s.output_token_ids),
-                finish_reason=s.finish_reason.value,
-                prompt_tokens=s.num_prompt_tokens,
-                cached_tokens=s.num_cached_tokens,
-                logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
-                stop_reason=s.stop_reason,
+                request_id=r.request_id,
+                text=engine.output_text(r),
+                token_ids=r.output_token_ids,
+                finish_reason=r.finish_reason.value,
+                prompt_tokens=r.num_prompt_tokens,
+                cached_tokens=r.num_cached_tokens,
+                logprobs=r.output_logprobs if r.params.logprobs is not None else None,
+                stop_reason=r.stop_reason,
             )
-            for s in seqs
+            for r in requests
         ]

@@ -1,6 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model over the paged cache and samples.
 
-The runner owns the device state (model, KV cache, sampler); it knows nothing of queues.
+The runner owns the device state (model, KV cache, sampler); it knows nothing of queues. It is
+the contract a `ModelShard` (engine/shard.py) builds runners against: `SchedulerOutput` is
+re-exported here for runners defined outside the engine.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # packed row index of each sampling sequence's last token
     sample_index: list[int]  # index into scheduled of each sampled row
+
+
+__all__ = ["BatchInputs", "ModelRunner", "SchedulerOutput"]
 
 
 class ModelRunner:
@@ -165,6 +170,10 @@ class ModelRunner:
             return [], None
         logits = self.model.logits(hidden[batch.sample_rows])
         return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index))
+
+    def stop(self) -> None:
+        """`Engine.close()`: release whatever runs beside this runner (nothing here; a
+        tensor-parallel runner releases its followers). Idempotent."""
 
     def sample(self, out: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token for each scheduled sequence in `sample_index` (rows of `logits`)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.block_allocator import BlockAllocator, OutOfBlocks
 from engine.radix_cache import RadixCache
 from engine.sequence import FinishReason, Sequence, SeqStatus
+from tandem.rules import blocks_needed
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+    def knows(self, request_id: str) -> bool:
+        """Queued, running, swapped, reserved or prefilled-and-held."""
+        return request_id in self._by_id or request_id in self.held
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed (waiting, swapped and mid-prefill requests)."""
+        total = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+        total += sum(seq.num_tokens - seq.num_computed_tokens for seq in self.swapped)
+        total += sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens) for seq in self.running)
+        return total
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self._by_id.get(request_id)
@@ -157,7 +165,7 @@ class Scheduler:
             raise ValueError(f"request_id: {seq.request_id!r} is already in the engine")
         bs = self.config.block_size
         match = self.cache.match_prefix(seq.prompt_token_ids)
-        need = -(-(seq.num_prompt_tokens + 1) // bs) - len(match.block_ids)
+        need = blocks_needed(seq.num_prompt_tokens, 1, self.config.max_model_len, bs) - len(match.block_ids)
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
         if self.allocator.num_free < need:

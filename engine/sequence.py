@@ -47,8 +47,11 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     prefix_match: Any = None  # the radix cache's handle while the sequence holds a lock
     host_blocks: list[int] = field(default_factory=list)  # where its KV went when swapped
-    text: str = ""  # detokenized output so far (offline engine, for stop strings)
-    detok: Any = None
+    stop: Any = None  # its tandem.rules.StopChecker, set by the engine
+    text: str = ""  # output text so far, when the StopChecker has a StopText (stop strings)
+    # Reserved with this many trailing ids of prompt_token_ids that are earlier output (a
+    # resume): the engine splits them off at activation.
+    num_resumed_output: int = 0
     # The model runner's int32 copy of block_table (see ModelRunner._table_row); not state.
     table_cache: Any = field(default=None, repr=False, compare=False)
     # Overlapped steps (Engine with overlap_schedule): tokens sampled on the device but not yet
@@ -87,10 +90,6 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
 
     @property
     def priority_key(self) -> tuple[int, int]:

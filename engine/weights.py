@@ -11,12 +11,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import LOAD_FORMATS, ModelConfig
 from engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
-
-LOAD_FORMATS = ("auto", "dummy")
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
     from engine.engine import Engine
     from kvtransfer.nccl_group import connect_store
     from parallel.comm import init_tensor_parallel
-    from parallel.runner import follower_loop
+    from parallel.runner import TensorParallelShard
     from worker.transfer import make_receiver, make_sender
 
     config = config_from_json(config_json)
@@ -58,7 +58,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
     receiver: Any = None
     link: FollowerLink | None = None
     try:
-        engine = Engine(config.engine_config(rank), tp=tp)
+        engine = Engine(config.engine_config(rank), TensorParallelShard(tp))
         on_step = None
         kv_address = ""
         if config.role == "prefill":
@@ -81,7 +81,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
         else:
             link = FollowerLink(rank, link_address, lambda kind, body: None)
         link.send(HELLO, {"kv_address": kv_address, "command_address": link.command_address, "pid": os.getpid()})
-        steps = follower_loop(engine.model, engine.kv_cache, engine.tp, engine.device, on_step)
+        steps = engine.follow(on_step)
         link.send(BYE, {"steps": steps})
         return 0
     finally:

@@ -1,9 +1,10 @@
 """Driving a tensor-parallel model replica: rank 0 schedules, every rank runs the same step.
 
-Every rank builds `engine.Engine(config, tp=...)`. Rank 0's engine runs as usual (scheduler,
-radix cache, sampler) with a `TPModelRunner`, which broadcasts each step's inputs (token ids,
-positions, the AttentionMetadata tensors, the rows to sample, swap orders) before running its
-own shard. The other ranks sit in `follower_loop` (`Engine.follow()`): receive a step, run the
+Every rank builds `engine.Engine(config, TensorParallelShard(tp))` (`shard_for(tp)`), the
+engine's `ModelShard` for a rank. Rank 0's engine runs as usual (scheduler, radix cache,
+sampler) with a `TPModelRunner`, which broadcasts each step's inputs (token ids, positions, the
+AttentionMetadata tensors, the rows to sample, swap orders) before running its own shard. The
+other ranks sit in `follower_loop` (`Engine.follow()`): receive a step, run the
 same forward on their shard and their KV cache, take part in the logits gather, repeat. Block
 ids are rank 0's; every rank's cache has the same number of blocks, each holding only that
 rank's KV heads.
@@ -19,17 +20,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
-from engine.model_runner import BatchInputs, ModelRunner
+from engine.model_runner import BatchInputs, ModelRunner, SchedulerOutput
+from engine.outputs import StepPlan
 from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import SchedulerOutput
+from engine.shard import ModelShard, OnFollowerStep, WholeModel
 from parallel.comm import TPGroup
+from parallel.tensor_parallel import load_tensor_parallel_model, shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +43,9 @@ _STOP, _STEP = 0, 1
 # leading one-token sequences (AttentionMetadata.num_decode_seqs)
 _HEADER = 11
 Swaps = list[tuple[list[int], list[int]]]
-# Rank 0: the extras of a step (b"" for none). Followers: the after-layer hook for a step's extras.
-StepExtras = Callable[[SchedulerOutput], bytes]
-OnFollowerStep = Callable[[bytes], LayerHook | None]
+# Rank 0: the extras of a step (b"" for none). Followers: the after-layer hook for a step's
+# extras (engine.shard.OnFollowerStep).
+StepExtras = Callable[[StepPlan], bytes]
 
 
 @dataclass
@@ -174,8 +179,8 @@ class TPModelRunner(ModelRunner):
     """Rank 0's ModelRunner: broadcasts each step to the other ranks, then runs its own shard.
 
     Decode CUDA graphs are not captured (every rank would have to replay its graph in step).
-    `step_extras` (None: none), when set, is called with each step's SchedulerOutput before the
-    step is broadcast; its bytes reach the followers' `on_step` (see the module docstring).
+    `step_extras` (None: none), when set, is called with each step's StepPlan before the step is
+    broadcast; its bytes reach the followers' `on_step` (see the module docstring).
     """
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, eos_token_ids: frozenset[int],
@@ -196,7 +201,7 @@ class TPModelRunner(ModelRunner):
             step = Step(batch.input_ids, batch.positions, batch.meta, batch.sample_rows)
         step.swap_out, step.swap_in = list(out.swap_out), list(out.swap_in)
         if self.step_extras is not None and batch is not None:
-            step.extras = self.step_extras(out)
+            step.extras = self.step_extras(StepPlan(out))
         send_step(self.tp, step, self.device)
         logits = run_step(self.model, self.kv_cache, step, after_layer)
         if batch is None or logits is None:
@@ -216,7 +221,7 @@ def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch
 
     on_step: called with each step's extras (b"" when rank 0 sent none) before its forward; the
       hook it returns runs after each layer of that step, at the same points as rank 0's
-      `after_layer` (`Engine.follow()` passes none; a worker follower calls this directly).
+      `after_layer` (`Engine.follow(on_step)` passes it through).
     """
     steps = 0
     with torch.inference_mode():
@@ -226,3 +231,49 @@ def follower_loop(model: CausalLM, kv_cache: KVCache, tp: TPGroup, device: torch
             steps += 1
     logger.info("tensor parallel rank %d: stopped after %d steps", tp.rank, steps)
     return steps
+
+
+class TensorParallelShard(ModelShard):
+    """One rank of a tensor-parallel group as an Engine's `ModelShard`: the rank loads only its
+    shard of the model, its KV cache holds only its KV heads, and the block counts are the
+    minimum over the ranks (block ids are rank 0's). Rank 0 gets a `TPModelRunner`; the other
+    ranks get none and run rank 0's steps in `Engine.follow()`. Every rank builds its Engine
+    from the same config at the same time (the block counts are agreed in a collective)."""
+
+    runs_alone = False
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+
+    def load(self, path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+             load_format: str) -> tuple[CausalLM, ModelConfig]:
+        kv_config = shard_config(config, self.tp.world_size)  # ValueError before any loading
+        return load_tensor_parallel_model(path, config, dtype, device, self.tp, load_format), kv_config
+
+    def agree_block_counts(self, num_blocks: int, num_host_blocks: int, device: torch.device) -> tuple[int, int]:
+        num_blocks, num_host_blocks = self.tp.min_ints([num_blocks, num_host_blocks], device)
+        return num_blocks, num_host_blocks
+
+    def make_runner(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, eos_token_ids: frozenset[int],
+                    device: torch.device) -> TPModelRunner | None:
+        if self.tp.rank != 0:
+            return None
+        return TPModelRunner(model, kv_cache, sampler, eos_token_ids, device, self.tp)
+
+    def follow(self, model: CausalLM, kv_cache: KVCache, device: torch.device,
+               on_step: OnFollowerStep | None = None) -> int:
+        if self.tp.rank == 0:
+            return super().follow(model, kv_cache, device, on_step)
+        return follower_loop(model, kv_cache, self.tp, device, on_step)
+
+    def describe(self) -> str:
+        return f" (tensor parallel rank {self.tp.rank} of {self.tp.world_size})"
+
+    def __str__(self) -> str:
+        return f"tensor-parallel rank {self.tp.rank}"
+
+
+def shard_for(tp: TPGroup | None) -> ModelShard:
+    """The Engine's ModelShard for this process's rank of `tp`; a group of one (or None) is the
+    whole model."""
+    return TensorParallelShard(tp) if tp is not None and tp.world_size > 1 else WholeModel()

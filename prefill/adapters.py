@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.engine import StepOutput
-from engine.sequence import FinishReason
+from engine.outputs import FinishReason, StepOutput
 from tandem import wire
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem.types import SamplingParams, Tier

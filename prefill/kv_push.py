@@ -1,7 +1,7 @@
 """Pushes a prefilled prompt's KV to its decode worker, layer by layer, from the engine step.
 
 Runs on the engine thread. `on_layer` is the engine's per-layer hook: in the step where a
-prefill-only request computes its last prompt token (ScheduledSeq.samples), each layer's K/V
+prefill-only request computes its last prompt token (it samples: StepPlan.sampling), each layer's K/V
 for all its prompt blocks are complete once that layer ran (blocks of earlier chunks were
 finished in earlier steps), so the pusher hands blocks [num_cached_blocks, prompt_blocks) of
 that layer, the last partial block included, to the sender, which stages a copy before
@@ -22,20 +22,17 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
 
-from engine.engine import Engine, StepOutput
-from engine.scheduler import SchedulerOutput
-from engine.sequence import FinishReason, Sequence
+from engine.engine import Engine
+from engine.outputs import FinishReason, Request, StepOutput, StepPlan
 from kvtransfer import KVSender, KVTransferError
 from prefill.adapters import PrefillInput
 from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
-from worker import engine_ext
+from tandem.types import DEADLINE
 from worker.adapters import logprob_to_meta
 from worker.engine_loop import EngineLoop, TimerHandle
 from worker.transfer import transfer_id
 
 logger = logging.getLogger(__name__)
-
-DEADLINE = "deadline"
 
 
 class PrefillFailed(Exception):
@@ -59,7 +56,7 @@ class PrefillJob:
     inp: PrefillInput
     num_layers: int
     deadline: float | None = None
-    seq: Sequence | None = None
+    request: Request | None = None
     opened: bool = False
     layers_sent: int = 0
     error: str | None = None
@@ -96,49 +93,47 @@ class KvPusher:
         self.rank_timeout_s = rank_timeout_s
         self.jobs: dict[str, PrefillJob] = {}
 
-    def start(self, engine: Engine, job: PrefillJob) -> Sequence:
+    def start(self, engine: Engine, job: PrefillJob) -> Request:
         """Queue the job's prompt (prefill only); ValueError for bad input."""
         inp = job.inp
-        seq = engine_ext.add_request(engine, inp.token_ids, inp.params, inp.request_id, inp.tier,
-                                     prefill_only=True, num_output_tokens=inp.num_output_tokens)
-        job.seq = seq
+        request = engine.admit(inp.token_ids, inp.params, inp.request_id, inp.tier, prefill_only=True,
+                               num_output_tokens=inp.num_output_tokens, field="token_ids")
+        job.request = request
         self.jobs[inp.request_id] = job
         self.loop.listen(inp.request_id, partial(self._on_output, engine, job))
         if job.deadline is not None:
             job.timer = self.loop.call_at(job.deadline, partial(self._expire, job))
-        return seq
+        return request
 
     def _expire(self, job: PrefillJob, engine: Engine) -> None:
         if self.jobs.get(job.inp.request_id) is job:
             self.loop.abort_now(job.inp.request_id, DEADLINE)
 
     # ---- engine hooks -------------------------------------------------------------------------
-    def _pushing(self, out: SchedulerOutput) -> list[PrefillJob]:
+    def _pushing(self, plan: StepPlan) -> list[PrefillJob]:
         """Jobs whose last prompt chunk this step computes (they push during it)."""
         jobs = []
-        for s in out.scheduled:
-            if not s.samples:
-                continue
-            job = self.jobs.get(s.seq.request_id)
-            if job is not None and job.seq is s.seq and job.error is None:
+        for request in plan.sampling():
+            job = self.jobs.get(request.request_id)
+            if job is not None and job.request == request and job.error is None:
                 jobs.append(job)
         return jobs
 
-    def on_layer(self, layer: int, out: SchedulerOutput) -> None:
+    def on_layer(self, layer: int, plan: StepPlan) -> None:
         if not self.jobs:
             return
-        for job in self._pushing(out):
+        for job in self._pushing(plan):
             self._push(job, layer)
 
-    def step_extras(self, out: SchedulerOutput) -> bytes:
+    def step_extras(self, plan: StepPlan) -> bytes:
         """TP rank 0, before the step is broadcast: what the other ranks push during it."""
         if not self.jobs or self.ranks is None:
             return b""
         plans = []
-        for job in self._pushing(out):
+        for job in self._pushing(plan):
             target = job.inp.target
             first = target.num_cached_blocks
-            src = job.seq.block_table[first : first + len(target.dst_block_ids)]
+            src = job.request.block_table[first : first + len(target.dst_block_ids)]
             plans.append(PushPlan(job.transfer_id, list(target.kv_addresses), job.num_layers, list(src),
                                   list(target.dst_block_ids)))
             job.rank_sends = self.ranks.watch(job.transfer_id, self.rank_timeout_s)
@@ -152,7 +147,7 @@ class KvPusher:
                 job.opened = True
             k, v = self.loop.engine.kv_cache.layers[layer]
             first = target.num_cached_blocks
-            src = job.seq.block_table[first : first + len(target.dst_block_ids)]
+            src = job.request.block_table[first : first + len(target.dst_block_ids)]
             self.sender.send_layer(job.transfer_id, layer, k, v, src, target.dst_block_ids)
             job.layers_sent += 1
         except (KVTransferError, ValueError) as exc:
@@ -177,7 +172,6 @@ class KvPusher:
             self._commit(engine, job, out)
 
     def _commit(self, engine: Engine, job: PrefillJob, out: StepOutput) -> None:
-        seq = job.seq
         meta = {
             "first_token_id": out.new_token_ids[0],
             "logprobs": logprob_to_meta(out.new_logprobs[0] if out.new_logprobs else None),
@@ -192,7 +186,7 @@ class KvPusher:
             engine.release(job.inp.request_id)  # staged copies were taken in send_layer
         if job.rank_sends is not None:
             send = combine_sends(send, job.rank_sends)
-        job.finish(PrefillDone(out, seq.num_cached_tokens, send))
+        job.finish(PrefillDone(out, job.request.num_cached_tokens, send))
 
     def _fail(self, engine: Engine, job: PrefillJob, failure: PrefillFailed) -> None:
         if job.opened:

@@ -23,7 +23,7 @@ def random_prompts(n: int, lens, seed: int = 0) -> list[list[int]]:
 def assert_no_leak(llm: LLM) -> None:
     e = llm.engine
     assert not e.has_unfinished()
-    assert not e.scheduler.held
+    assert e.stats().held == 0
     assert e.num_free_blocks_after_reset() == e.num_total_blocks
 
 
@@ -68,7 +68,7 @@ def test_preemption_keeps_outputs(model_dir, swap_space_gb):
     # Each request needs up to 5 blocks by its end; 12 blocks cannot hold six at once.
     small = LLM(model_dir, num_kv_blocks=12, swap_space_gb=swap_space_gb, enable_prefix_cache=False)
     outs = small.generate(prompts, params)
-    stats = small.engine.scheduler.stats
+    stats = small.engine.stats()
     assert stats.num_preemptions > 0
     if swap_space_gb:
         assert stats.num_swaps_out > 0
@@ -76,7 +76,8 @@ def test_preemption_keeps_outputs(model_dir, swap_space_gb):
         assert stats.num_recomputes > 0
     assert [o.token_ids for o in outs] == reference
     assert_no_leak(small)
-    assert small.engine.scheduler.host_allocator is None or small.engine.scheduler.host_allocator.num_used == 0
+    host = small.engine._scheduler.host_allocator  # the scheduler's own state: no public view
+    assert host is None or host.num_used == 0
 
 
 def test_batch_tier_is_preempted_first(model_dir):
@@ -85,13 +86,13 @@ def test_batch_tier_is_preempted_first(model_dir):
     tiers = [Tier.BATCH, Tier.INTERACTIVE] * 3
     engine = llm.engine
     preempted: list[Tier] = []
-    orig = engine.scheduler._preempt
+    orig = engine._scheduler._preempt
 
     def spy(seq, out):
         preempted.append(seq.tier)
         return orig(seq, out)
 
-    engine.scheduler._preempt = spy
+    engine._scheduler._preempt = spy
     llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), tier=tiers)
     assert preempted and preempted[0] is Tier.BATCH
     assert preempted.count(Tier.BATCH) >= preempted.count(Tier.INTERACTIVE)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.engine import StepOutput
-from engine.sequence import FinishReason
+from engine.outputs import FinishReason, StepOutput
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def assert_clean(llm: LLM) -> None:
     e = llm.engine
     assert not e.has_unfinished()
     assert e._inflight is None and not e._ready
-    assert all(s.num_pending == 0 for s in e.scheduler.running)
+    assert all(s.num_pending == 0 for s in e._scheduler.running)  # the overlap's own state
     assert e.num_free_blocks_after_reset() == e.num_total_blocks
 
 
@@ -60,7 +59,7 @@ def test_greedy_batches_with_admissions_match(model_dir):
     assert summary(overlap.generate(ps, params)) == summary(sync.generate(ps, params))
     assert_clean(overlap)
     # A sequence whose pending token is its last is not scheduled again: no wasted tokens.
-    assert overlap.engine.scheduler.stats.num_scheduled_tokens == sync.engine.scheduler.stats.num_scheduled_tokens
+    assert overlap.engine.stats().num_scheduled_tokens == sync.engine.stats().num_scheduled_tokens
 
 
 def test_stops_while_in_flight_match(model_dir):
@@ -121,14 +120,14 @@ def test_context_end_and_preemption_match(model_dir):
         assert summary(got) == summary(want)
         assert {o.finish_reason for o in want} == {"length"}
         assert max(len(p) + len(o.token_ids) for p, o in zip(ps, want)) == 64
-        assert overlap.engine.scheduler.stats.num_preemptions > 0
+        assert overlap.engine.stats().num_preemptions > 0
         assert_clean(overlap)
 
 
 def test_abort_while_a_step_is_in_flight(model_dir):
     e = LLM(model_dir, num_kv_blocks=64, overlap_schedule=True).engine
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    keep, drop = (e.add_request(p, params) for p in prompts(2, (9, 14)))
+    keep, drop = (e.admit(p, params) for p in prompts(2, (9, 14)))
     outputs: list[StepOutput] = []
     while len(drop.output_token_ids) < 3:
         outputs += e.step()

@@ -66,6 +66,7 @@ def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any
     """One tensor-parallel rank (spawned): packed logits, then per-rank engines, per family."""
     from engine import LLM, Engine, EngineConfig
     from parallel import init_tensor_parallel, load_tensor_parallel_model
+    from parallel.runner import shard_for
 
     tp = init_tensor_parallel(rank, WORLD, init_method, backend="gloo")
     try:
@@ -78,14 +79,14 @@ def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any
             runs = (("tokens", ENGINE_KW, MAX_TOKENS), ("tight", TIGHT_KW, TIGHT_TOKENS), ("derived", DERIVED_KW, 0))
             for key, kw, max_tokens in runs:
                 if rank == 0:
-                    llm = LLM(path, tp=tp, **kw)
+                    llm = LLM(path, shard=shard_for(tp), **kw)
                     engine = llm.engine
                     if max_tokens:
                         result[key] = greedy_tokens(llm, max_tokens)
-                        result[f"{key}_swaps"] = engine.scheduler.stats.num_swaps_out
+                        result[f"{key}_swaps"] = engine.stats().num_swaps_out
                     llm.close()
                 else:
-                    engine = Engine(EngineConfig(path, **kw), tp=tp)
+                    engine = Engine(EngineConfig(path, **kw), shard_for(tp))
                     try:
                         engine.step()
                     except RuntimeError as e:
@@ -176,7 +177,7 @@ def test_tp2_swaps_run_on_every_rank_and_keep_the_tokens(name: str, models: dict
     llm = LLM(str(models[name]), **TIGHT_KW)
     ref = greedy_tokens(llm, TIGHT_TOKENS)
     run = tp_runs[name][0]
-    assert run["tight_swaps"] >= 1 and llm.engine.scheduler.stats.num_swaps_out >= 1
+    assert run["tight_swaps"] >= 1 and llm.engine.stats().num_swaps_out >= 1
     assert run["tight"] == ref
 
 

@@ -10,10 +10,9 @@ import pytest
 
 from engine import LLM
 from engine.engine import Engine, EngineConfig, StepOutput
-from engine.sequence import FinishReason
+from engine.outputs import DuplicateRequestError, FinishReason
 from tandem.hashing import block_hashes
 from tandem.types import SamplingParams, Tier
-from worker import engine_ext
 from worker.engine_loop import EngineLoop, LoopStopped
 from worker.events import KvEventsBatch
 
@@ -46,7 +45,7 @@ def collect(loop: EngineLoop, request_id: str, prompt: list[int], params: Sampli
     q: queue.SimpleQueue = queue.SimpleQueue()
 
     def add(engine: Engine) -> None:
-        engine_ext.add_request(engine, prompt, params, request_id, Tier.STANDARD, **kw)
+        engine.admit(prompt, params, request_id, Tier.STANDARD, field="token_ids", **kw)
         loop.listen(request_id, q.put)
 
     loop.submit(add).result(WAIT_S)
@@ -75,12 +74,12 @@ def test_outputs_are_routed_per_request_and_match_offline(loop, offline):
 def test_commands_run_on_the_engine_thread_and_raise_through_the_future(loop):
     assert loop.submit(lambda e: loop.in_loop()).result(WAIT_S) is True
     assert loop.in_loop() is False
-    bad = loop.submit(lambda e: engine_ext.add_request(e, [], GREEDY, "x", Tier.STANDARD))
+    bad = loop.submit(lambda e: e.admit([], GREEDY, "x", Tier.STANDARD, field="token_ids"))
     with pytest.raises(ValueError, match="token_ids"):
         bad.result(WAIT_S)
     dup = collect(loop, "dup", [1, 2, 3], GREEDY.replace(max_tokens=200))
-    with pytest.raises(engine_ext.DuplicateRequestError, match="request_id"):
-        loop.submit(lambda e: engine_ext.add_request(e, [4, 5], GREEDY, "dup", Tier.STANDARD)).result(WAIT_S)
+    with pytest.raises(DuplicateRequestError, match="request_id"):
+        loop.submit(lambda e: e.admit([4, 5], GREEDY, "dup", Tier.STANDARD, field="token_ids")).result(WAIT_S)
     assert loop.abort("dup").result(WAIT_S) is True
     last = drain(dup)[-1]
     assert last.finish_reason is FinishReason.ABORT

@@ -9,9 +9,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from engine.engine import StepOutput
+from engine.outputs import FinishReason, StepOutput
 from engine.sampler import TokenLogprobs
-from engine.sequence import FinishReason
 from tandem import wire
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem._proto.tandem.v1 import tandem_pb2 as pb

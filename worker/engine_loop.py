@@ -20,10 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.engine import Engine, StepOutput
-from engine.scheduler import SchedulerOutput
-from engine.sequence import FinishReason
-from worker import engine_ext
+from engine.engine import Engine
+from engine.outputs import FinishReason, StepOutput, StepPlan
 from worker.events import KvEventHub
 from worker.stats import StatsSnapshot, take_snapshot
 
@@ -33,7 +31,7 @@ T = TypeVar("T")
 # Called on the engine thread with each StepOutput of its request, or with the exception that
 # ended it (engine failure, loop stopped). It must return quickly (hand the item over).
 Listener = Callable[[StepOutput | BaseException], None]
-LayerHook = Callable[[int, SchedulerOutput], None]
+LayerHook = Callable[[int, StepPlan], None]
 
 
 class LoopStopped(RuntimeError):
@@ -175,16 +173,16 @@ class EngineLoop:
         logger.info("engine loop started")
         try:
             while True:
-                busy = engine_ext.has_work(self.engine)
+                busy = self.engine.has_unfinished()
                 if not self._run_commands(self._take(0.0 if busy else self._until_next_timer())):
                     break
-                if not busy and self.batch_window_s and engine_ext.has_work(self.engine):
+                if not busy and self.batch_window_s and self.engine.has_unfinished():
                     end = time.monotonic() + self.batch_window_s
                     while (left := end - time.monotonic()) > 0:
                         if not self._run_commands(self._take(left)):
                             return
                 self._run_timers()
-                if engine_ext.has_work(self.engine):
+                if self.engine.has_unfinished():
                     self._step()
                 self._after_iteration()
         finally:

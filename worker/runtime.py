@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 import grpc
 
 from engine.engine import Engine
+from engine.outputs import DuplicateRequestError
 from kvtransfer import KVTransferError
 from tandem._proto.tandem.v1 import worker_pb2
 from worker import adapters
 from worker.config import WorkerConfig
-from worker.engine_ext import DuplicateRequestError
 from worker.engine_loop import EngineLoop, LoopStopped
 from worker.events import KvEventsBatch
 from worker.metrics import WorkerMetrics

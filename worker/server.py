@@ -86,7 +86,7 @@ class WorkerServer:
 
         self.ranks = TPRanks(self.config)
         try:
-            engine = Engine(self.config.engine_config(0), tp=self.ranks.join())
+            engine = Engine(self.config.engine_config(0), self.ranks.join())
             self.ranks.wait_ready()
         except BaseException:
             self.ranks.kill()

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 from engine.engine import Engine
-from worker import engine_ext
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +56,21 @@ class StatsSnapshot:
 
 def take_snapshot(engine: Engine, steps: int, generated_tokens: int) -> StatsSnapshot:
     """Read the counters (engine thread only)."""
-    s = engine.scheduler
+    s = engine.stats()
     cache = engine.cache.stats()
     return StatsSnapshot(
         total_blocks=engine.num_total_blocks,
         free_blocks=engine.num_free_blocks,
         evictable_blocks=cache.evictable_blocks,
         cached_blocks=cache.cached_blocks,
-        running=len(s.running),
-        waiting=len(s.waiting),
-        swapped=len(s.swapped),
-        held=len(s.held),
-        queued_prefill_tokens=engine_ext.queued_prefill_tokens(engine),
+        running=s.running,
+        waiting=s.waiting,
+        swapped=s.swapped,
+        held=s.held,
+        queued_prefill_tokens=s.queued_prefill_tokens,
         prefix_query_tokens=cache.query_tokens,
         prefix_hit_tokens=cache.hit_tokens,
-        preemptions=s.stats.num_preemptions,
+        preemptions=s.num_preemptions,
         steps=steps,
         generated_tokens=generated_tokens,
         taken_at=time.monotonic(),

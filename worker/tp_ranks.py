@@ -3,10 +3,10 @@
 The worker process a user starts (`--tp N`) is rank 0. `TPRanks(config)` hosts a TCPStore on a
 free loopback port and the TP link (`worker.tp_link`), and starts ranks 1..N-1 as child
 processes (`python -m worker.tp_follower`, same config; on CUDA rank r on cuda:r). All N then
-join one process group (nccl on CUDA, gloo on CPU) and build `Engine(config, tp=...)`
-together; rank 0 serves gRPC, the others follow its steps and move their own KV shards
-(`worker.tp_follower`). Each other rank says hello on the link once ready, with its KV
-receiver address (decode).
+join one process group (nccl on CUDA, gloo on CPU) and build `Engine(config, shard)` together,
+each with its `parallel.runner.TensorParallelShard`; rank 0 serves gRPC, the others follow its
+steps and move their own KV shards (`worker.tp_follower`). Each other rank says hello on the
+link once ready, with its KV receiver address (decode).
 
 Lifetime: rank 0 stops the others (`stop`: `Engine.close()` ends their step loop, they close
 their transports and exit; stragglers are killed). The other ranks ignore SIGINT and SIGTERM
@@ -97,17 +97,19 @@ class TPRanks:
         return [p.pid for _, p in sorted(self.procs.items())]
 
     def join(self) -> Any:
-        """Join the process group as rank 0; returns its TPGroup."""
+        """Join the process group as rank 0; returns rank 0's engine shard
+        (`parallel.runner.TensorParallelShard`, for `Engine(config, shard)`)."""
         import torch
 
         from parallel.comm import init_tensor_parallel
+        from parallel.runner import TensorParallelShard
 
         backend = self.config.tp_backend
         device = torch.device("cuda", 0) if backend == "nccl" else None
         tp = init_tensor_parallel(0, self.world_size, backend=backend, device=device, timeout_s=TP_GROUP_TIMEOUT_S,
                                   store=self.store)
         self._joined = True
-        return tp
+        return TensorParallelShard(tp)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict[int, dict[str, Any]]:
         """Every other rank's hello (rank -> {"kv_address", "pid", ...}) once all are ready."""
