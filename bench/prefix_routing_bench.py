@@ -26,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from entrypoints.cluster import Cluster, ClusterProcess, free_port, worker_process  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from loadgen.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
 from loadgen.report import summarize  # noqa: E402
