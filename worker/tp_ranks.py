@@ -2,10 +2,10 @@
 
 The worker process a user starts (`--tp N`) is rank 0. `TPRanks(config)` hosts a TCPStore on a
 free loopback port and the TP link (`worker.tp_link`), and starts ranks 1..N-1 as child
-processes (`python -m worker.tp_follower`, same config; on CUDA rank r on cuda:r). All N then
+processes (`python -m entrypoints.tp_follower`, same config; on CUDA rank r on cuda:r). All N then
 join one process group (nccl on CUDA, gloo on CPU) and build `Engine(config, shard)` together,
 each with its `parallel.runner.TensorParallelShard`; rank 0 serves gRPC, the others follow its
-steps and move their own KV shards (`worker.tp_follower`). Each other rank says hello on the
+steps and move their own KV shards (`entrypoints.tp_follower`). Each other rank says hello on the
 link once ready, with its KV receiver address (decode).
 
 Lifetime: rank 0 stops the others (`stop`: `Engine.close()` ends their step loop, they close
