@@ -63,7 +63,7 @@ class BlockRemoved:
     block_hashes: list[int]
 
 
-KVEvent = Union[BlockStored, BlockRemoved]
+KvEvent = Union[BlockStored, BlockRemoved]
 
 
 @dataclass(eq=False, slots=True)
@@ -120,7 +120,7 @@ class RadixCache:
         self._heap: list[tuple[int, int, _Node]] = []  # (last_access, serial, node); lazy deletion
         self._clock = self._serial = self._num_unlocked = 0
         self._hit_tokens = self._query_tokens = 0
-        self._events: list[KVEvent] = []
+        self._events: list[KvEvent] = []
 
     # ----------------------------------------------------------------- lookups
     @property
@@ -141,7 +141,7 @@ class RadixCache:
         hit, q = self._hit_tokens, self._query_tokens
         return CacheStats(hit, q, hit / q if q else 0.0, len(self._by_block), self._num_unlocked)
 
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[KvEvent]:
         """Return the pending BlockStored / BlockRemoved events, oldest first, and clear them."""
         out, self._events = self._events, []
         return out

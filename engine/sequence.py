@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.rules import StopChecker
 from tandem.types import SamplingParams, Tier
 
 _arrival_counter = itertools.count()
@@ -47,7 +48,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     prefix_match: Any = None  # the radix cache's handle while the sequence holds a lock
     host_blocks: list[int] = field(default_factory=list)  # where its KV went when swapped
-    stop: Any = None  # its tandem.rules.StopChecker, set by the engine
+    stop: StopChecker | None = None  # set by the engine at admission (and replaced at activation)
     text: str = ""  # output text so far, when the StopChecker has a StopText (stop strings)
     # Reserved with this many trailing ids of prompt_token_ids that are earlier output (a
     # resume): the engine splits them off at activation.

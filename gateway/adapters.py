@@ -68,7 +68,7 @@ class WorkerChunk:
 
 
 @dataclass(frozen=True)
-class KvEvents:
+class KvEventBatch:
     worker_id: str
     seq: int
     reset: bool
@@ -166,6 +166,6 @@ def worker_chunk_from_proto(msg: wpb.DecodeChunk) -> WorkerChunk:
                        cached_tokens=msg.cached_tokens)
 
 
-def kv_events_from_proto(msg: wpb.KvEventBatch) -> KvEvents:
-    return KvEvents(worker_id=msg.worker_id, seq=msg.seq, reset=msg.reset, stored=tuple(msg.stored),
+def kv_events_from_proto(msg: wpb.KvEventBatch) -> KvEventBatch:
+    return KvEventBatch(worker_id=msg.worker_id, seq=msg.seq, reset=msg.reset, stored=tuple(msg.stored),
                     removed=tuple(msg.removed))

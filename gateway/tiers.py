@@ -5,6 +5,7 @@ Pure asyncio and a clock; no I/O, so the dispatch order is deterministic and uni
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import time
@@ -28,6 +29,13 @@ class QueueFull(Exception):
         self.capacity = capacity
 
 
+class TicketState(str, enum.Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
 @dataclass(eq=False)
 class Ticket(Generic[T]):
     """A queued item. `seq` is the arrival order; `state` is queued, dispatched, cancelled or
@@ -38,7 +46,7 @@ class Ticket(Generic[T]):
     seq: int
     enqueued_at: float
     deadline: float | None = None
-    state: str = "queued"
+    state: TicketState = TicketState.QUEUED
     effective_tier: Tier | None = None
     requeues: int = field(default=0)
 
@@ -94,26 +102,26 @@ class TierQueues(Generic[T]):
 
     def requeue(self, ticket: Ticket[T]) -> None:
         """Put a dispatched ticket back at its arrival position."""
-        if ticket.state == "queued":
+        if ticket.state is TicketState.QUEUED:
             return
-        if ticket.state != "dispatched":
-            raise ValueError(f"ticket: only a dispatched ticket can be requeued, this one is {ticket.state}")
+        if ticket.state is not TicketState.DISPATCHED:
+            raise ValueError(f"ticket: only a dispatched ticket can be requeued, this one is {ticket.state.value}")
         queue = self._queues[ticket.tier]
         pos = 0
         while pos < len(queue) and queue[pos].seq < ticket.seq:
             pos += 1
         queue.insert(pos, ticket)
-        ticket.state = "queued"
+        ticket.state = TicketState.QUEUED
         ticket.effective_tier = None
         ticket.requeues += 1
         self._nonempty.set()
 
     def cancel(self, ticket: Ticket[T]) -> bool:
         """Remove a queued ticket; False when it is no longer queued."""
-        if ticket.state != "queued":
+        if ticket.state is not TicketState.QUEUED:
             return False
         self._queues[ticket.tier].remove(ticket)
-        ticket.state = "cancelled"
+        ticket.state = TicketState.CANCELLED
         self._update_event()
         return True
 
@@ -150,7 +158,7 @@ class TierQueues(Generic[T]):
             self._update_event()
             return None
         ticket = self._queues[best_tier].popleft()
-        ticket.state = "dispatched"
+        ticket.state = TicketState.DISPATCHED
         ticket.effective_tier = best[0]
         self._update_event()
         return ticket
@@ -183,7 +191,7 @@ class TierQueues(Generic[T]):
             expired = [t for t in queue if t.deadline is not None and t.deadline <= now]
             for ticket in expired:
                 queue.remove(ticket)
-                ticket.state = "expired"
+                ticket.state = TicketState.EXPIRED
                 if self.on_expire is not None:
                     self.on_expire(ticket)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from gateway import adapters
-from gateway.adapters import KvEvents, PrefillResult, Reservation, WorkerChunk, WorkerStatsView
+from gateway.adapters import KvEventBatch, PrefillResult, Reservation, WorkerChunk, WorkerStatsView
 from tandem import wire
 from tandem.types import Role, SamplingParams, Tier
 
@@ -100,7 +100,7 @@ class ChunkStream:
 
 
 class KvEventStream:
-    """A worker's KvEvents stream, as `KvEvents` batches; RPC errors are raised as they are."""
+    """A worker's KvEvents stream, as `KvEventBatch`es; RPC errors are raised as they are."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
@@ -109,7 +109,7 @@ class KvEventStream:
         self._messages = self._call.__aiter__()
         return self
 
-    async def __anext__(self) -> KvEvents:
+    async def __anext__(self) -> KvEventBatch:
         return adapters.kv_events_from_proto(await self._messages.__anext__())
 
     def cancel(self) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from gateway.adapters import KvEvents, WorkerStatsView
+from gateway.adapters import KvEventBatch, WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.metrics import GatewayMetrics
 from gateway.worker_client import KvEventStream, WorkerClient
@@ -256,7 +256,7 @@ class WorkerRegistry:
             await asyncio.sleep(_RECONNECT_S[min(failures, len(_RECONNECT_S) - 1)])
             failures += 1
 
-    def _apply_events(self, h: WorkerHandle, ev: KvEvents) -> None:
+    def _apply_events(self, h: WorkerHandle, ev: KvEventBatch) -> None:
         worker_id = ev.worker_id or h.worker_id
         if not worker_id:
             return

@@ -162,6 +162,8 @@ def test_each_rule_has_one_home() -> None:
         hits = _definitions(pattern)
         assert hits and all(h.startswith(home + ":") for h in hits), f"{pattern!r} defined outside {home}: {hits}"
     assert not (REPO / "worker" / "engine_ext.py").exists(), "worker/engine_ext.py is a second engine API"
+    # A batch of KV events is a KvEventBatch (as the proto message) everywhere; one event a KvEvent.
+    assert _definitions(r"\b(KvEventsBatch|KVEvent)\b|class KvEvents\b") == []
 
 
 def test_blocks_needed_is_not_rewritten_by_hand() -> None:

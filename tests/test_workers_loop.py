@@ -14,7 +14,7 @@ from engine.outputs import DuplicateRequestError, FinishReason
 from tandem.hashing import block_hashes
 from tandem.types import SamplingParams, Tier
 from worker.engine_loop import EngineLoop, LoopStopped
-from worker.events import KvEventsBatch
+from worker.events import KvEventBatch
 
 WAIT_S = 30.0
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -115,7 +115,7 @@ def test_kv_events_reset_lists_every_cached_block_then_deltas(loop):
     engine = loop.engine
     prompt = list(range(100, 140))  # 2 full blocks of 16, plus a partial one
     drain(collect(loop, "ev1", prompt, GREEDY.replace(max_tokens=1)))
-    batches: queue.SimpleQueue[KvEventsBatch] = queue.SimpleQueue()
+    batches: queue.SimpleQueue[KvEventBatch] = queue.SimpleQueue()
     loop.submit(lambda e: loop.events.subscribe(batches.put)).result(WAIT_S)
     reset = batches.get(timeout=WAIT_S)
     expected = block_hashes(prompt, engine.config.block_size, engine.hash_seed)

@@ -14,7 +14,7 @@ from engine.sampler import TokenLogprobs
 from tandem import wire
 from tandem._proto.tandem.v1 import worker_pb2
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
-from worker.events import KvEventsBatch
+from worker.events import KvEventBatch
 from worker.stats import StatsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def stats_to_proto(
     )
 
 
-def events_to_proto(batch: KvEventsBatch, worker_id: str) -> worker_pb2.KvEventBatch:
+def events_to_proto(batch: KvEventBatch, worker_id: str) -> worker_pb2.KvEventBatch:
     return worker_pb2.KvEventBatch(
         worker_id=worker_id, seq=batch.seq, reset=batch.reset, stored=batch.stored, removed=batch.removed
     )

@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.radix_cache import BlockStored, KVEvent
+from engine.radix_cache import BlockStored, KvEvent
 from kvindex import coalesce
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class KvEventsBatch:
+class KvEventBatch:
     """Hashes stored in / removed from the cache. The lists are disjoint (the last event of a
     hash wins), so their order of application does not matter. `reset`: `stored` is the whole
     set held and the subscriber must drop what it knew before."""
@@ -29,7 +29,7 @@ class KvEventsBatch:
     removed: list[int] = field(default_factory=list)
 
 
-Subscriber = Callable[[KvEventsBatch], None]
+Subscriber = Callable[[KvEventBatch], None]
 
 
 class KvEventHub:
@@ -46,7 +46,7 @@ class KvEventHub:
     def num_hashes(self) -> int:
         return len(self._hashes)
 
-    def pump(self, events: Iterable[KVEvent]) -> KvEventsBatch | None:
+    def pump(self, events: Iterable[KvEvent]) -> KvEventBatch | None:
         """Apply a drained event list; send and return the delta batch (None when empty)."""
         stored, removed = coalesce((isinstance(ev, BlockStored), ev.block_hashes) for ev in events)
         if not stored and not removed:
@@ -54,7 +54,7 @@ class KvEventHub:
         self._hashes.update(stored)
         self._hashes.difference_update(removed)
         self._seq += 1
-        batch = KvEventsBatch(self._seq, False, stored, removed)
+        batch = KvEventBatch(self._seq, False, stored, removed)
         for sub_id, sub in list(self._subscribers.items()):
             self._call(sub_id, sub, batch)
         return batch
@@ -64,13 +64,13 @@ class KvEventHub:
         self._next_id += 1
         sub_id = self._next_id
         self._subscribers[sub_id] = subscriber
-        self._call(sub_id, subscriber, KvEventsBatch(self._seq, True, sorted(self._hashes), []))
+        self._call(sub_id, subscriber, KvEventBatch(self._seq, True, sorted(self._hashes), []))
         return sub_id
 
     def unsubscribe(self, sub_id: int) -> None:
         self._subscribers.pop(sub_id, None)
 
-    def _call(self, sub_id: int, sub: Subscriber, batch: KvEventsBatch) -> None:
+    def _call(self, sub_id: int, sub: Subscriber, batch: KvEventBatch) -> None:
         try:
             sub(batch)
         except Exception:

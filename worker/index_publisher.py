@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvindex import PrefixIndex, WorkerInfo, coalesce
 from worker.engine_loop import EngineLoop, LoopStopped
-from worker.events import KvEventsBatch
+from worker.events import KvEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class IndexPublisher:
         self.worker_id = worker_id
         self.loop = loop
         self._info = info
-        self._batches: queue.SimpleQueue[KvEventsBatch | None] = queue.SimpleQueue()
+        self._batches: queue.SimpleQueue[KvEventBatch | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._sub_id = 0
         self._thread = threading.Thread(target=self._run, name="index-publisher", daemon=True)
@@ -78,7 +78,7 @@ class IndexPublisher:
 
         self._sub_id = self.loop.submit(swap).result(timeout=30)
 
-    def _publish(self, batches: list[KvEventsBatch]) -> None:
+    def _publish(self, batches: list[KvEventBatch]) -> None:
         if not batches:
             return
         events: list[tuple[bool, list[int]]] = []

@@ -19,7 +19,7 @@ from tandem._proto.tandem.v1 import worker_pb2
 from worker import adapters
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop, LoopStopped
-from worker.events import KvEventsBatch
+from worker.events import KvEventBatch
 from worker.metrics import WorkerMetrics
 from worker.streams import AsyncBridge, ItemStream
 from worker.transfer import KvPairingError
@@ -73,7 +73,7 @@ class WorkerRuntime:
         # posted is written by the engine thread only, taken by the event loop only.
         counts = {"posted": 0, "taken": 0, "sub_id": 0}
 
-        def on_batch(batch: KvEventsBatch) -> None:  # engine thread
+        def on_batch(batch: KvEventBatch) -> None:  # engine thread
             counts["posted"] += 1
             if counts["posted"] - counts["taken"] > MAX_PENDING_EVENT_BATCHES:
                 self.loop.events.unsubscribe(counts["sub_id"])

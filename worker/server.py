@@ -27,7 +27,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -36,6 +36,14 @@ from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
+
+if TYPE_CHECKING:
+    from grpc_health.v1.health import HealthServicer
+
+    from engine.engine import Engine
+    from kvtransfer import KVReceiver, KVSender
+    from worker.index_publisher import IndexPublisher
+    from worker.tp_ranks import TPRanks
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +64,22 @@ AddServices = Callable[["WorkerServer", grpc.aio.Server, WorkerRuntime], list[st
 class WorkerServer:
     """One worker: `await start()`, then `await shutdown()` (or `serve_forever()` in a process)."""
 
-    def __init__(self, config: WorkerConfig, add_services: AddServices, engine: Any = None) -> None:
+    def __init__(self, config: WorkerConfig, add_services: AddServices, engine: Engine | None = None) -> None:
         from engine.engine import Engine
 
         self.config = config
         self.add_services = add_services
-        self.ranks: Any = None  # worker.tp_ranks.TPRanks on rank 0 of a tensor-parallel worker
+        self.ranks: TPRanks | None = None  # on rank 0 of a tensor-parallel worker
         self.exit_code = 0
         if engine is None and config.tp > 1:
             engine = self._start_ranks()
         self.engine = engine if engine is not None else Engine(config.engine_config())
         self.server: grpc.aio.Server | None = None
         self.runtime: WorkerRuntime | None = None
-        self.sender: Any = None
-        self.receiver: Any = None
-        self.publisher: Any = None
-        self.health: Any = None
+        self.sender: KVSender | None = None  # prefill: set by the role's services
+        self.receiver: KVReceiver | None = None  # decode: set by the role's services
+        self.publisher: IndexPublisher | None = None
+        self.health: HealthServicer | None = None
         self.port = 0
         self.kv_address = ""
         self.metrics_port: int | None = None
