@@ -185,3 +185,20 @@ def test_prometheus_scrapes_the_cluster_with_the_compose_config(cluster, tmp_pat
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_tandem_health_exits_zero_only_when_serving(cluster) -> None:
+    """The containers' health check: `tandem health --target HOST:PORT`."""
+    import sys
+
+    for kind in ("gateway", "prefill", "decode"):
+        proc = cluster[kind][0][0]
+        res = subprocess.run([sys.executable, "-m", "entrypoints", "health", "--target", proc.address],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert res.returncode == 0 and "SERVING" in res.stdout, (kind, res.stdout, res.stderr)
+    res = subprocess.run([sys.executable, "-m", "entrypoints", "health", "--target", f"127.0.0.1:{free_port()}",
+                          "--timeout", "1"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 1 and "UNREACHABLE" in res.stdout, res.stdout
+    res = subprocess.run([sys.executable, "-m", "entrypoints", "health", "--target", "nocolon"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and "--target" in res.stderr
