@@ -1,4 +1,4 @@
-"""The `tandem` command: `up`, `gateway`, `prefill`, `decode`, `worker`, `generate`, `bench`, `convert`.
+"""The `tandem` command: `up`, `gateway`, `prefill`, `decode`, `worker`, `generate`, `bench`, `convert`, `health`.
 
 Each subcommand imports its service lazily, so `tandem generate` never loads torch.
 """
@@ -18,6 +18,7 @@ commands:
   generate   send one request to a running cluster
   bench      run a load benchmark against a running cluster
   convert    convert a checkpoint (llama2c) to a Hugging Face directory
+  health     exit 0 when a gateway or worker's gRPC health check says SERVING
 
 `tandem COMMAND --help` shows each command's options.
 """
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.load import main as run
     elif cmd == "convert":
         from engine.convert.llama2c import main_convert as run
+    elif cmd == "health":
+        from entrypoints.health import main as run
     else:
         print(f"tandem: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

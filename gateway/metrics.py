@@ -1,12 +1,17 @@
 """Prometheus metrics of the gateway (`tandem_gateway_*`), on a registry of its own so several
-gateways can live in one process (tests) and `--metrics-port` serves exactly these."""
+gateways can live in one process (tests) and `--metrics-port` serves exactly these.
+
+Every series carries a `model` label (the served model's name), bound here once, so callers
+give only the labels of their own (`metrics.ttft.labels(tier)`). The registry also holds the
+standard `process_*` metrics of the gateway's process. METRICS.md lists every series.
+"""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from tandem.types import Tier
 
@@ -16,42 +21,72 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
 
-class GatewayMetrics:
-    """Every metric the gateway exports. Label values: tier names in lower case, gRPC status
-    code names for `status`, routing.REASONS for `reason`."""
+class _ModelBound:
+    """A labelled metric whose first label, `model`, is fixed: `.labels(*rest)` gives the child."""
 
-    def __init__(self) -> None:
+    def __init__(self, metric: Any, model: str) -> None:
+        self._metric = metric
+        self._model = model
+
+    def labels(self, *values: str) -> Any:
+        return self._metric.labels(self._model, *values)
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports. Label values: the served model's name for `model`,
+    tier names in lower case, gRPC status code names or finish reasons for `status`,
+    routing.REASONS for `reason`."""
+
+    def __init__(self, model: str = "") -> None:
         r = self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("tandem_gateway_queue_depth", "Requests waiting in a tier queue", ["tier"], registry=r)
-        self.running = Gauge("tandem_gateway_running_requests", "Requests dispatched to workers and not ended",
-                             registry=r)
-        self.ttft = Histogram("tandem_gateway_time_to_first_token_seconds", "Arrival to first token sent",
-                              ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem_gateway_inter_token_seconds", "Time between consecutive chunks with tokens",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("tandem_gateway_e2e_seconds", "Arrival to the end of the stream", ["tier"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("tandem_gateway_queue_wait_seconds", "Arrival to dispatch", ["tier"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.tokens_in = Counter("tandem_gateway_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.tokens_out = Counter("tandem_gateway_generation_tokens", "Tokens streamed to clients", registry=r)
-        self.requests = Counter("tandem_gateway_requests", "Finished Generate calls by outcome", ["status"],
-                                registry=r)
-        self.errors = Counter("tandem_gateway_errors", "Generate calls that ended with a non-OK status",
-                              ["status"], registry=r)
-        self.routing = Counter("tandem_gateway_routing_decisions", "Prefill routing decisions by reason",
-                               ["reason"], registry=r)
-        self.prefill_requests = Counter("tandem_gateway_prefill_requests", "Prompts sent to be computed, by the "
-                                        "worker computing them (a decode worker prefilling locally counts too)",
-                                        ["worker"], registry=r)
-        self.index_degraded = Gauge("tandem_gateway_prefix_index_degraded",
-                                    "1 while the prefix index is unreachable (routing is load-only)", registry=r)
-        self.dispatched = Counter("tandem_gateway_dispatched", "Requests dispatched, by tier and the tier "
-                                  "they competed in after aging", ["tier", "effective_tier"], registry=r)
-        self.retries = Counter("tandem_gateway_retries", "Attempts restarted after a worker failure, by the stage "
-                               "that failed (reserve, prefill, decode, stream)", ["stage"],
-                               registry=r)
-        self.workers_up = Gauge("tandem_gateway_workers_up", "Workers answering Stats", ["role"], registry=r)
+        self.model = model
+        m = ["model"]
+
+        def per(metric: Any) -> _ModelBound:
+            return _ModelBound(metric, model)
+
+        def one(metric: Any) -> Any:
+            return metric.labels(model)
+
+        self.queue_depth = per(Gauge("tandem_gateway_queue_depth", "Requests waiting in a tier queue", [*m, "tier"],
+                                     registry=r))
+        self.running = one(Gauge("tandem_gateway_running_requests", "Requests dispatched to workers and not ended",
+                                 m, registry=r))
+        self.ttft = per(Histogram("tandem_gateway_time_to_first_token_seconds", "Arrival to first token sent",
+                                  [*m, "tier"], buckets=_LATENCY_BUCKETS, registry=r))
+        self.itl = per(Histogram("tandem_gateway_inter_token_seconds", "Time between consecutive chunks with tokens",
+                                 [*m, "tier"], buckets=_ITL_BUCKETS, registry=r))
+        self.e2e = per(Histogram("tandem_gateway_e2e_seconds", "Arrival to the end of the stream", [*m, "tier"],
+                                 buckets=_LATENCY_BUCKETS, registry=r))
+        self.queue_wait = per(Histogram("tandem_gateway_request_queue_time_seconds", "Arrival to dispatch",
+                                        [*m, "tier"], buckets=_LATENCY_BUCKETS, registry=r))
+        self.tokens_in = one(Counter("tandem_gateway_prompt_tokens", "Prompt tokens of admitted requests", m,
+                                     registry=r))
+        self.tokens_out = one(Counter("tandem_gateway_generation_tokens", "Tokens streamed to clients", m,
+                                      registry=r))
+        self.requests = per(Counter("tandem_gateway_requests", "Finished Generate calls by outcome",
+                                    [*m, "status"], registry=r))
+        self.errors = per(Counter("tandem_gateway_errors", "Generate calls that ended with a non-OK status",
+                                  [*m, "status"], registry=r))
+        self.routing = per(Counter("tandem_gateway_routing_decisions", "Prefill routing decisions by reason",
+                                   [*m, "reason"], registry=r))
+        self.prefill_requests = per(Counter("tandem_gateway_prefill_requests", "Prompts sent to be computed, by "
+                                            "the worker computing them (a decode worker prefilling locally counts "
+                                            "too)", [*m, "worker"], registry=r))
+        self.index_degraded = one(Gauge("tandem_gateway_prefix_index_degraded",
+                                        "1 while the prefix index is unreachable (routing is load-only)", m,
+                                        registry=r))
+        self.dispatched = per(Counter("tandem_gateway_dispatched", "Requests dispatched, by tier and the tier "
+                                      "they competed in after aging", [*m, "tier", "effective_tier"], registry=r))
+        self.retries = per(Counter("tandem_gateway_retries", "Attempts restarted after a worker failure, by the "
+                                   "stage that failed (reserve, prefill, decode, stream)", [*m, "stage"],
+                                   registry=r))
+        self.migrations = per(Counter("tandem_gateway_migrations", "Requests moved to another worker after "
+                                      "output had been streamed (the new worker resumes from the tokens sent)",
+                                      [*m, "tier"], registry=r))
+        self.workers_up = per(Gauge("tandem_gateway_workers_up", "Workers answering Stats", [*m, "role"],
+                                    registry=r))
+        ProcessCollector(registry=r)
         self._server: Any = None
 
     def bind_queue_depth(self, depth: Callable[[Tier], int]) -> None:

@@ -170,6 +170,8 @@ class RequestRunner:
         wrid = st.request_id if st.attempts == 1 else f"{st.request_id}#{st.attempts - 1}"
         tokens = list(st.admitted.prompt_ids) + st.assembler.output_ids
         n_out = st.assembler.delivered
+        if st.attempts > 1 and n_out:  # output was streamed from a worker that failed: a migration
+            self.metrics.migrations.labels(st.admitted.tier.name.lower()).inc()
         placement = self.placer.place(st.needs, d, len(tokens))
         if placement.local:
             self._note_prefill(st, wrid, placement)
@@ -282,7 +284,7 @@ class RequestRunner:
                 st.first_token_at = now
                 self.metrics.ttft.labels(tier).observe(now - st.arrival)
             elif st.last_token_at is not None:
-                self.metrics.itl.observe(now - st.last_token_at)
+                self.metrics.itl.labels(tier).observe(now - st.last_token_at)
             st.last_token_at = now
             self.metrics.tokens_out.inc(len(em.token_ids))
         chunk = Chunk(token_ids=em.token_ids, text=em.text, logprobs=em.logprobs, finish_reason=em.finish_reason,

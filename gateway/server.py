@@ -46,7 +46,7 @@ class Gateway:
         self.config = config
         self.model = model or load_served_model(config.model_dir, load_format=config.load_format,
                                                 max_context=config.max_context, name=config.model_name)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.model.name)
         self.index, feed = self._make_index()
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes)]

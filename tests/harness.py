@@ -115,7 +115,9 @@ class GatewayThread:
         return self._run(self.gateway.registry.wait_ready(timeout), timeout + 5)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        value = self.call(lambda: self.gateway.metrics.registry.get_sample_value(name, labels or {}))
+        """A sample of the gateway's registry; the `model` label is filled in (every gateway series has it)."""
+        full = {"model": self.gateway.metrics.model, **(labels or {})}
+        value = self.call(lambda: self.gateway.metrics.registry.get_sample_value(name, full))
         return value or 0.0
 
     def stop(self, grace_s: float = 2.0) -> None:

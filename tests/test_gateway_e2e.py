@@ -255,8 +255,9 @@ def test_gateway_process_metrics_health_and_sigterm_drain(model_dir: Path, worke
             assert (info.vocab_size, info.max_context, info.num_decode_workers) == (258, 512, 1)
             assert c.generate("warm", max_tokens=2, ignore_eos=True).finish_reason == "length"
             scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=WAIT).read().decode()
-            assert 'tandem_gateway_requests_total{status="length"} 1.0' in scraped
-            assert 'tandem_gateway_queue_depth{tier="interactive"} 0.0' in scraped
+            model = f'model="{info.model}"'
+            assert f'tandem_gateway_requests_total{{{model},status="length"}} 1.0' in scraped
+            assert f'tandem_gateway_queue_depth{{{model},tier="interactive"}} 0.0' in scraped
             stream = c.stream("drain", max_tokens=120, ignore_eos=True, temperature=0.0)
             next(stream)
             proc.send_signal(signal.SIGTERM)  # running streams finish; then the process exits

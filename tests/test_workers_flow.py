@@ -358,7 +358,7 @@ def test_kv_events_stream_starts_with_every_cached_block(cluster):
     events.cancel()
 
 
-def test_health_reflection_and_metrics(cluster):
+def test_health_reflection_and_metrics(cluster, model_dir):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     d, p = cluster["d"], cluster["p"]
@@ -370,7 +370,7 @@ def test_health_reflection_and_metrics(cluster):
         assert service in {s.name for s in reply.list_services_response.service}
     text = urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics", timeout=WAIT_S).read().decode()
     lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln.startswith("tandem_")}
-    labels = f'role="decode",worker_id="{d.info["worker_id"]}"'
+    labels = f'model="{model_dir.name}",role="decode",worker="{d.info["worker_id"]}"'
     assert lines[f"tandem_kv_blocks_total{{{labels}}}"] == BLOCKS
     received = [v for k, v in lines.items() if k.startswith("tandem_kv_transfer_bytes_total") and "received" in k]
     assert received and received[0] == d.stats().kv_bytes_received > 0

@@ -1,9 +1,13 @@
 """Prometheus metrics of a worker (`tandem_` prefix), read from the stats snapshot at scrape time.
 
-Gauges and counters come from a custom collector over `StatsSnapshot` and the KV transport's
-counters, so the engine thread pays nothing per scrape; only the step-latency histogram and
-the RPC outcome counter are updated as things happen. Each worker has its own registry, so
-several workers can live in one process (tests).
+Gauges and counters come from a custom collector over `StatsSnapshot` (the engine's
+`Engine.stats()` and its KV cache's counters, taken by the engine thread after each step) and
+the KV transport's counters, so the engine thread pays nothing per scrape; only the
+step-latency histogram and the RPC outcome counter are updated as things happen. Every series
+carries `model`, `worker` and `role` labels. Each worker has its own registry, so several
+workers can live in one process (tests); the registry also holds the `process_*` metrics.
+Names follow vLLM's where the meaning is the same (`tandem_num_requests_running` is
+`vllm:num_requests_running`); METRICS.md lists every series.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,21 +43,32 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self._snapshot()
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "tandem_worker_running_requests", "Requests in the running batch", s.running)
-        yield self._family(g, "tandem_worker_waiting_requests", "Requests waiting or swapped out", s.waiting + s.swapped)
-        yield self._family(g, "tandem_worker_held_requests", "Reserved (decode) or prefilled-awaiting-send requests", s.held)
-        yield self._family(g, "tandem_worker_queued_prefill_tokens", "Prompt tokens admitted, not yet computed",
+        yield self._family(g, "tandem_num_requests_running", "Requests in the running batch", s.running)
+        yield self._family(g, "tandem_num_requests_waiting", "Requests waiting to be scheduled (preempted ones "
+                           "included)", s.waiting + s.swapped)
+        yield self._family(g, "tandem_num_requests_held", "Reserved (decode) or prefilled-awaiting-send requests",
+                           s.held)
+        yield self._family(g, "tandem_queued_prefill_tokens", "Prompt tokens admitted, not yet computed",
                            s.queued_prefill_tokens)
         yield self._family(g, "tandem_kv_blocks_total", "KV blocks in the pool", s.total_blocks)
         yield self._family(g, "tandem_kv_blocks_free", "KV blocks on the free list", s.free_blocks)
-        yield self._family(g, "tandem_kv_blocks_used", "KV blocks referenced", s.used_blocks)
+        yield self._family(g, "tandem_kv_blocks_used", "KV blocks not on the free list (prefix-cache-only "
+                           "blocks included)", s.used_blocks)
         yield self._family(g, "tandem_kv_blocks_evictable", "KV blocks only the prefix cache holds", s.evictable_blocks)
-        yield self._family(g, "tandem_prefix_cache_hit_ratio", "Prompt tokens found cached / looked up", s.prefix_hit_ratio)
-        yield self._family(c, "tandem_prefix_cache_query_tokens", "Prompt tokens looked up", s.prefix_query_tokens)
-        yield self._family(c, "tandem_prefix_cache_hit_tokens", "Prompt tokens found cached", s.prefix_hit_tokens)
-        yield self._family(c, "tandem_preemptions", "Requests preempted", s.preemptions)
+        held = s.total_blocks - s.available_blocks
+        yield self._family(g, "tandem_kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1; "
+                           "prefix-cache-only blocks count as free)", held / s.total_blocks if s.total_blocks else 0.0)
+        yield self._family(g, "tandem_prefix_cache_hit_ratio", "Prompt tokens found cached / looked up, since start",
+                           s.prefix_hit_ratio)
+        yield self._family(c, "tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                           s.prefix_query_tokens)
+        yield self._family(c, "tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                           s.prefix_hit_tokens)
+        yield self._family(c, "tandem_num_preemptions", "Requests preempted", s.preemptions)
         yield self._family(c, "tandem_engine_steps", "Engine steps run", s.steps)
-        yield self._family(c, "tandem_generated_tokens", "Tokens sampled", s.generated_tokens)
+        yield self._family(c, "tandem_engine_scheduled_tokens", "Tokens run through the model (prompt chunks "
+                           "plus one per decoding request)", s.scheduled_tokens)
+        yield self._family(c, "tandem_generation_tokens", "Tokens sampled", s.generated_tokens)
         yield self._family(g, "tandem_worker_draining", "1 while draining after SIGTERM", float(self._draining()))
         kv = self._kv_stats()
         bytes_fam = c("tandem_kv_transfer_bytes", "KV payload bytes moved", labels=[*self._labels, "direction"])
@@ -79,17 +94,20 @@ class _SnapshotCollector(Collector):
 
 
 class WorkerMetrics:
-    """The worker's registry: snapshot-backed families plus step latency and RPC outcomes."""
+    """The worker's registry: snapshot-backed families plus step latency, RPC outcomes and the
+    process's own metrics. `model` is the served model's name (its directory's name)."""
 
     def __init__(self, worker_id: str, role: str, snapshot: Callable[[], StatsSnapshot],
-                 kv_stats: Callable[[], dict[str, dict[str, float]]], draining: Callable[[], bool]) -> None:
-        labels = {"worker_id": worker_id, "role": role}
+                 kv_stats: Callable[[], dict[str, dict[str, float]]], draining: Callable[[], bool],
+                 model: str = "") -> None:
+        labels = {"model": model, "worker": worker_id, "role": role}
         self.registry = CollectorRegistry()
         self.registry.register(_SnapshotCollector(labels, snapshot, kv_stats, draining))
         self._step = Histogram("tandem_engine_step_seconds", "Duration of one engine step", list(labels),
                                buckets=_STEP_BUCKETS, registry=self.registry).labels(**labels)
         self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
                              [*labels, "method", "code"], registry=self.registry)
+        ProcessCollector(registry=self.registry)
         self._labels = labels
         self._server: Any = None
         self.port: int | None = None

@@ -141,8 +141,9 @@ class WorkerServer:
             return
         from worker.metrics import WorkerMetrics
 
+        model = Path(self.config.engine.model_path)
         metrics = WorkerMetrics(runtime.worker_id, runtime.role, lambda: runtime.loop.stats, runtime.kv_stats,
-                                lambda: runtime.draining)
+                                lambda: runtime.draining, model=model.name or model.resolve().name)
         self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
         runtime.metrics = metrics
 

@@ -37,6 +37,7 @@ class StatsSnapshot:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0
+    scheduled_tokens: int = 0
     steps: int = 0
     generated_tokens: int = 0
     taken_at: float = 0.0
@@ -71,6 +72,7 @@ def take_snapshot(engine: Engine, steps: int, generated_tokens: int) -> StatsSna
         prefix_query_tokens=cache.query_tokens,
         prefix_hit_tokens=cache.hit_tokens,
         preemptions=s.num_preemptions,
+        scheduled_tokens=s.num_scheduled_tokens,
         steps=steps,
         generated_tokens=generated_tokens,
         taken_at=time.monotonic(),
