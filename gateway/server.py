@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Waiter
 from gateway.metrics import GatewayMetrics
@@ -62,8 +63,9 @@ class Gateway:
         self.dispatcher = Dispatcher(queues, self.registry, self.placer, self.metrics)
         self.runner = RequestRunner(dispatcher=self.dispatcher, placer=self.placer, block_size=config.block_size,
                                     max_retries=config.max_retries, metrics=self.metrics)
-        self.service = TandemService(config=config, model=self.model, runner=self.runner, placer=self.placer,
-                                     dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
+        self.admission = Admission(config=config, model=self.model, runner=self.runner, placer=self.placer,
+                                   dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
+        self.service = TandemService(config=config, model=self.model, admission=self.admission, metrics=self.metrics)
         self.metrics.bind_queue_depth(queues.depth)
         self.metrics.running.set_function(lambda: sum(h.inflight for h in self.registry.decode_workers()))
         self.metrics.index_degraded.set_function(lambda: float(self.index is not None and self.index.degraded))
@@ -111,7 +113,7 @@ class Gateway:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: refuse new requests, let running ones finish for `grace_s`, then stop."""
-        self.service.draining = True
+        self.admission.draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.server is not None:
