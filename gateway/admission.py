@@ -156,6 +156,16 @@ class Admission:
             self.metrics.requests.labels(status or "cancelled").inc()
             self.metrics.e2e.labels(st.admitted.tier.name.lower()).observe(time.monotonic() - st.arrival)
 
+    def cancel(self, st: RequestState) -> None:
+        """Drop an admitted request whose outputs() will not be read to its end (the client
+        went away). Idempotent; a no-op once outputs() has let the request go."""
+        if self.running.get(st.request_id) is not st:
+            return
+        del self.running[st.request_id]
+        if st.task is not None and not st.task.done():
+            st.task.cancel()  # the runner aborts the request on the workers
+        self.metrics.requests.labels("cancelled").inc()
+
     def abort(self, request_id: str) -> bool:
         """End a running request with finish reason "abort"; False when none is running."""
         st = self.running.get(request_id)
