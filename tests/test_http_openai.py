@@ -283,3 +283,69 @@ def test_http_layer_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
+
+
+def _bench(argv: list[str]) -> int:
+    from loadgen.load import main
+
+    return main([*argv, "--no-progress"])
+
+
+def test_bench_openai_backend_same_tokens_as_grpc_plots_and_baseline(gateway: GatewayThread, tmp_path: Path,
+                                                                      capsys) -> None:
+    common = ["--dataset", "random", "--num-requests", "6", "--input-len", "12:20", "--output-len", "6:10",
+              "--concurrency", "1,3", "--warmup", "1", "--per-request", "--seed", "3"]
+    grpc_out, http_out = tmp_path / "grpc.json", tmp_path / "http.json"
+    assert _bench(["--target", gateway.target, "--out", str(grpc_out), *common]) == 0
+    assert _bench(["--backend", "openai", "--target", base_url(gateway) + "/v1", "--out", str(http_out),
+                   "--plot-dir", str(tmp_path / "plots"), *common]) == 0
+    grpc_runs, http_runs = (json.loads(p.read_text()) for p in (grpc_out, http_out))
+    assert len(grpc_runs["runs"]) == len(http_runs["runs"]) == 2
+
+    def tokens(run: dict) -> list[tuple]:
+        return sorted((r["conversation"], r["turn"], r["prompt_tokens"], r["completion_tokens"], r["status"])
+                      for r in run["requests"])
+
+    for g, h in zip(grpc_runs["runs"], http_runs["runs"]):
+        assert tokens(g) == tokens(h) and all(t[4] == "OK" and t[3] >= 6 for t in tokens(h))
+        assert g["summary"]["completion_tokens"] == h["summary"]["completion_tokens"] > 0
+    # the record: date, model, version, command line
+    assert http_runs["model"] == gateway.gateway.model.name and http_runs["backend"] == "openai"
+    assert http_runs["date"][:2] == "20" and http_runs["version"]
+    assert http_runs["command"].startswith("tandem bench --backend openai --target http://")
+    # plots: PNGs that open, every axes titled with units on its labels
+    from PIL import Image
+
+    from loadgen.report import RequestResult, plot_figures
+
+    pngs = sorted((tmp_path / "plots").glob("*.png"))
+    assert [p.name for p in pngs] == ["latency_cdf.png", "sweep.png"]
+    for p in pngs:
+        with Image.open(p) as img:
+            img.load()
+            assert img.size[0] > 400 and gateway.gateway.model.name in img.text["Title"]
+    results = [[RequestResult(r["conversation"], r["turn"], r["request_id"], r["start_s"], r["e2e_s"], r["ttft_s"],
+                              r["itl_s"], r["prompt_tokens"], r["completion_tokens"]) for r in run["requests"]]
+               for run in http_runs["runs"]]
+    for _, fig in plot_figures(http_runs["runs"], results, "t"):
+        for ax in fig.axes:
+            assert ax.get_title() and "(" in ax.get_xlabel() and "(" in ax.get_ylabel(), ax
+    # --baseline: a run passes against itself and fails, naming the metric, against one 30% faster
+    capsys.readouterr()
+    assert _bench(["--baseline", str(http_out), "--compare-only", str(http_out)]) == 0
+    faster = json.loads(http_out.read_text())
+    for run in faster["runs"]:
+        s = run["summary"]
+        s["output_token_throughput"] *= 1.3
+        s["request_throughput"] *= 1.3
+        for key in ("ttft_ms", "tpot_ms"):
+            s[key] = {q: (v / 1.3 if isinstance(v, float) and q.startswith("p") else v) for q, v in s[key].items()}
+    edited = tmp_path / "faster.json"
+    edited.write_text(json.dumps(faster))
+    assert _bench(["--baseline", str(edited), "--compare-only", str(http_out), "--tolerance", "10"]) == 3
+    out = capsys.readouterr().out
+    assert "regression:" in out and "output_token_throughput" in out and "ttft_p50_ms" in out
+    # a live run with --baseline goes through the same check
+    assert _bench(["--backend", "openai", "--target", base_url(gateway), "--baseline", str(http_out),
+                   "--tolerance", "100000", *common]) == 0
+    assert "against baseline" in capsys.readouterr().out
