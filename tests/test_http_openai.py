@@ -349,3 +349,47 @@ def test_bench_openai_backend_same_tokens_as_grpc_plots_and_baseline(gateway: Ga
     assert _bench(["--backend", "openai", "--target", base_url(gateway), "--baseline", str(http_out),
                    "--tolerance", "100000", *common]) == 0
     assert "against baseline" in capsys.readouterr().out
+
+
+def test_gateway_process_and_tandem_up_take_http_port(model_dir: Path, workers, tmp_path: Path) -> None:
+    import re
+    import signal
+    import subprocess
+
+    from entrypoints.cluster import command
+    from entrypoints.launcher import build_children, parse_args
+
+    gw = next(c for c in build_children(parse_args(["--http-port", "0"]), str(model_dir)) if c.role == "gateway")
+    port = gw.argv[gw.argv.index("--http-port") + 1]
+    assert int(port) > 0  # 0 is resolved to a fixed free port, so a restarted gateway keeps it
+    out = tmp_path / "gateway.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(command("gateway", ["--model", str(model_dir), "--port", "0", "--http-port", "0",
+                                                    "--prefill", workers[0].address, "--decode", workers[1].address,
+                                                    "--log-level", "WARNING"]),
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        line = wait_until(lambda: re.search(r"OpenAI-compatible HTTP on port (\d+)", out.read_text()), WAIT,
+                          what="the gateway's banner")
+        url = f"http://127.0.0.1:{line.group(1)}"
+        wait_until(lambda: _status(url + "/health") == 200, WAIT, what="the gateway to see its workers")
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=WAIT) as c:
+            got = c.completions.create(model=model_dir.name, prompt="Once", max_tokens=4,
+                                       extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in out.read_text(), out.read_text()
+
+
+def _status(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url, timeout=WAIT).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
