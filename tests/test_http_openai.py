@@ -23,7 +23,7 @@ from tandem import Client, Tier, TandemError
 from tandem.tokenizer import Tokenizer
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
-LONG = 400  # tokens of a request meant to still be running when the test acts on it
+LONG = 500  # tokens of a request meant to still be running when the test acts on it
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
                  "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}Assistant: {{ m['content'] }}\n"
                  "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
