@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-block-ttl", type=float, default=3600.0,
                    help="Redis index: expiry (s) a lookup renews on the blocks it reads; match the workers'")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port; 0 = free")
     p.add_argument("--routing", choices=POLICIES, default="cache_aware")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
     p.add_argument("--load-format", default="auto", help="the workers' load format (part of the model identity)")
@@ -61,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         routing=RoutingConfig(policy=args.routing), max_retries=args.max_retries, max_context=args.max_context,
         block_size=args.block_size, load_format=args.load_format, index_url=args.redis_url,
         namespace=args.namespace, index_block_ttl_s=args.index_block_ttl, metrics_port=args.metrics_port,
+        http_port=args.http_port,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
     )
 

@@ -70,6 +70,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         gw += ["--redis-url", a.redis_url]
     if a.metrics_port:
         gw += ["--metrics-port", str(a.metrics_port)]
+    if a.http_port is not None:
+        gw += ["--http-port", str(a.http_port)]
     if a.routing:
         gw += ["--routing", a.routing]
     if a.local_prefill_tokens is not None:
@@ -96,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-running", type=int, default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="gateway Prometheus port")
+    p.add_argument("--http-port", type=int, default=None, help="gateway's OpenAI-compatible HTTP port")
     p.add_argument("--routing", default=None, choices=["cache_aware", "round_robin", "load"],
                    help="prefill routing policy (default: cache_aware)")
     p.add_argument("--local-prefill-tokens", type=int, default=None,
@@ -104,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.http_port == 0:  # a fixed port, so a restarted gateway keeps its address
+        a.http_port = free_port()
     for name in ("prefill_workers", "decode_workers", "tp"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = f"{a.host}:{a.port}"
         print(f"Tandem is up: gRPC endpoint {endpoint} "
               f"({sum(c.role != 'gateway' for c in cluster.processes)} workers). Ctrl-C stops it.", flush=True)
+        if a.http_port is not None:
+            print(f"OpenAI-compatible HTTP: http://{a.host}:{a.http_port}/v1", flush=True)
         if a.demo_request:
             demo_request(endpoint)
             if a.exit_after_demo:

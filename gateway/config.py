@@ -100,6 +100,8 @@ class GatewayConfig:
     block_size: the workers' KV block size (block hashes for the prefix index).
     index_url: None = embedded memory index fed by the workers' KvEvents; redis://... = read
         the shared index the workers publish to. namespace None = the model identity.
+    http_port: serve the OpenAI-compatible HTTP API (and /metrics, /health) on this port;
+        None = no HTTP; 0 = a free port.
     index_block_ttl_s: Redis index: the expiry a lookup renews on the blocks it reads; keep it
         equal to the workers' --index-block-ttl so a dead worker's entries expire on time.
     """
@@ -118,6 +120,7 @@ class GatewayConfig:
     namespace: str | None = None
     index_block_ttl_s: float = 3600.0
     metrics_port: int | None = None
+    http_port: int | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 10.0
     model_name: str | None = None
@@ -128,6 +131,8 @@ class GatewayConfig:
         check_int("port", self.port, lo=0, hi=65535)
         if self.metrics_port is not None:
             check_int("metrics_port", self.metrics_port, lo=0, hi=65535)
+        if self.http_port is not None:
+            check_int("http_port", self.http_port, lo=0, hi=65535)
         tiers = dict(self.tiers)
         missing = [t.name for t in Tier if t not in tiers]
         if missing:

@@ -4,6 +4,7 @@ process's flags live in entrypoints/gateway.py:
 
     tandem gateway --model DIR --port 50051 --worker 127.0.0.1:50061
     tandem gateway --prefill 127.0.0.1:50071 --decode 127.0.0.1:50081 --redis-url redis://...
+    tandem gateway --worker 127.0.0.1:50061 --http-port 8000    # + the OpenAI-compatible HTTP API
 
 SIGTERM / SIGINT drain: health turns NOT_SERVING, new calls get UNAVAILABLE, running streams
 get `grace_s` to finish, then the server stops.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Waiter
 from gateway.metrics import GatewayMetrics
@@ -62,14 +64,17 @@ class Gateway:
         self.dispatcher = Dispatcher(queues, self.registry, self.placer, self.metrics)
         self.runner = RequestRunner(dispatcher=self.dispatcher, placer=self.placer, block_size=config.block_size,
                                     max_retries=config.max_retries, metrics=self.metrics)
-        self.service = TandemService(config=config, model=self.model, runner=self.runner, placer=self.placer,
-                                     dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
+        self.admission = Admission(config=config, model=self.model, runner=self.runner, placer=self.placer,
+                                   dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
+        self.service = TandemService(config=config, model=self.model, admission=self.admission, metrics=self.metrics)
         self.metrics.bind_queue_depth(queues.depth)
         self.metrics.running.set_function(lambda: sum(h.inflight for h in self.registry.decode_workers()))
         self.metrics.index_degraded.set_function(lambda: float(self.index is not None and self.index.degraded))
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http: Any = None
         self._health: Any = None
 
     def _make_index(self) -> tuple[PrefixIndex | None, bool]:
@@ -105,17 +110,28 @@ class Gateway:
         await self.server.start()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+        if cfg.http_port is not None:
+            from gateway.http.app import HttpServer  # FastAPI is loaded only when HTTP is on
+
+            self._http = HttpServer(self.admission, cfg.host, cfg.http_port, cfg.grace_s)
+            self.http_port = await self._http.start()
         logger.info("gateway serving %s on %s:%d (%d workers)", self.model.name, cfg.host, self.port,
                     cfg.workers.num_workers)
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: refuse new requests, let running ones finish for `grace_s`, then stop."""
-        self.service.draining = True
+        self.admission.draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        grace = self.config.grace_s if grace_s is None else grace_s
+        stops = []
         if self.server is not None:
-            await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+            stops.append(self.server.stop(grace))
+        if self._http is not None:
+            self._http.grace_s = grace
+            stops.append(self._http.stop())
+        await asyncio.gather(*stops)
         await self.runner.close()
         await self.dispatcher.close()
         await self.registry.close()
@@ -131,7 +147,8 @@ async def serve(config: GatewayConfig, model: ServedModel | None = None) -> None
     gateway = Gateway(config, model)
     port = await gateway.start()
     metrics = f" (metrics on port {gateway.metrics_port})" if gateway.metrics_port is not None else ""
-    print(f"tandem gateway listening on {config.host}:{port}{metrics}", flush=True)
+    http = f" (OpenAI-compatible HTTP on port {gateway.http_port})" if gateway.http_port is not None else ""
+    print(f"tandem gateway listening on {config.host}:{port}{metrics}{http}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

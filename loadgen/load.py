@@ -1,7 +1,9 @@
-"""`tandem bench`: offer load to a running Tandem gateway and report latency and throughput.
+"""`tandem bench`: offer load to a running Tandem gateway (or any OpenAI-compatible server) and
+report latency and throughput.
 
     tandem bench --target 127.0.0.1:50051 --dataset shared-prefix --groups 8 --prompts-per-group 16 \\
         --request-rate 1,2,4 --max-concurrency 64 --slo-ttft-ms 500 --slo-tpot-ms 50 --out bench.json
+    tandem bench --backend openai --target http://127.0.0.1:8000/v1 --baseline bench.json --tolerance 10
 
 `LoadRun` is the driver (fixed concurrency, or Poisson arrivals under a concurrency cap); the
 datasets live in loadgen.datasets and the statistics in loadgen.report.
@@ -11,11 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
+import importlib.metadata
 import json
 import logging
 import math
 import random
 import secrets
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -24,8 +29,9 @@ from typing import Any
 
 from loadgen import datasets as ds
 from loadgen.report import SLO, Progress, RequestResult, format_run, format_sweep, summarize, write_plots
-from tandem.client import AsyncClient
-from tandem.errors import TandemError
+from loadgen.backends import BACKENDS, BackendError, GrpcBackend, OpenAIBackend, ServerInfo, make_backend
+from loadgen.baseline import DEFAULT_TOLERANCE_PCT, compare, load_results
+from loadgen.baseline import report as baseline_report
 from tandem.types import MAX_SEED, Tier
 
 logger = logging.getLogger(__name__)
@@ -106,16 +112,19 @@ def poisson_offsets(rate: float, n: int, rng: random.Random) -> list[float]:
 
 
 class LoadRun:
-    """Runs `conversations` against `client` once, as `spec` says, and returns a RunOutcome.
+    """Runs `conversations` against `backend` once, as `spec` says, and returns a RunOutcome.
+    `backend` is a loadgen.backends backend, or a tandem AsyncClient (driven over gRPC).
 
     A conversation's turns go one after another (turn k+1 is sent after turn k ended, with
     prompt = turn k's prompt + its answer + the new text); a failed turn ends its
     conversation. Every loop is bounded by the dataset and stops by itself."""
 
-    def __init__(self, client: AsyncClient, conversations: Sequence[ds.Conversation], spec: LoadSpec,
+    def __init__(self, backend: GrpcBackend | OpenAIBackend | Any, conversations: Sequence[ds.Conversation], spec: LoadSpec,
                  options: RequestOptions = RequestOptions(), *, progress: Progress | None = None,
                  id_prefix: str | None = None) -> None:
-        self.client, self.spec, self.options, self.progress = client, spec, options, progress
+        if not isinstance(backend, (GrpcBackend, OpenAIBackend)):
+            backend = GrpcBackend(client=backend)
+        self.backend, self.spec, self.options, self.progress = backend, spec, options, progress
         self.conversations = _truncate(conversations, spec.num_requests)
         self.id_prefix = id_prefix or f"bench-{secrets.token_hex(4)}"
         self.results: list[RequestResult] = []
@@ -196,9 +205,9 @@ class LoadRun:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            async with self.client.stream(prompt, max_tokens=output_len, temperature=opts.temperature,
-                                          ignore_eos=opts.ignore_eos, seed=seed, tier=opts.tier,
-                                          request_id=res.request_id, timeout=opts.timeout_s) as stream:
+            async with self.backend.stream(prompt, max_tokens=output_len, temperature=opts.temperature,
+                                           ignore_eos=opts.ignore_eos, seed=seed, tier=opts.tier,
+                                           request_id=res.request_id, timeout=opts.timeout_s) as stream:
                 async for chunk in stream:
                     now = time.perf_counter()
                     if chunk.token_ids or chunk.text:
@@ -211,8 +220,8 @@ class LoadRun:
                     ids.extend(chunk.token_ids)
                     if chunk.finish_reason is not None and final is None:
                         final = chunk
-        except TandemError as exc:
-            res.status, res.detail = exc.code.name, exc.details
+        except BackendError as exc:
+            res.status, res.detail = exc.status, exc.detail
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -306,8 +315,13 @@ def _tier(text: str) -> Tier:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem bench", description="Load benchmark against a running Tandem gateway.")
-    p.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    p = argparse.ArgumentParser(prog="tandem bench", description="Load benchmark against a running Tandem gateway "
+                                "or any OpenAI-compatible server.")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="grpc: gateway HOST:PORT; openai: base URL (http://HOST:PORT/v1) or HOST:PORT")
+    p.add_argument("--backend", choices=BACKENDS, default="grpc",
+                   help="grpc: Tandem's gRPC API; openai: streaming /v1/completions of any OpenAI-compatible server")
+    p.add_argument("--model", default=None, help="openai: the model to request (default: the first /v1/models lists)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=ds.DATASETS, default="random")
     d.add_argument("--num-requests", type=_flag_type("pos_int"), default=None,
@@ -353,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--per-request", action="store_true", help="include every request's timings in --out")
     out.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    out.add_argument("--baseline", default=None, metavar="FILE",
+                     help="compare with a saved --out file; exit 3 naming each metric that regressed")
+    out.add_argument("--tolerance", type=_flag_type("nonneg_float"), default=DEFAULT_TOLERANCE_PCT, metavar="PCT",
+                     help="--baseline: allowed regression per metric, percent (default %(default)g)")
+    out.add_argument("--compare-only", default=None, metavar="RESULTS",
+                     help="with --baseline: compare this saved --out file instead of running load")
     return p
 
 
@@ -370,6 +390,16 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[LoadS
         p.error(f"--input-len: not used by {a.dataset} (see --system-prompt-len and --question-len)")
     if a.token_range is not None and a.prompt_format != "tokens":
         p.error("--token-range: only with --prompt-format tokens")
+    if a.compare_only is not None and a.baseline is None:
+        p.error("--compare-only: needs --baseline")
+    if a.backend == "openai" and a.prompt_format == "tokens":
+        if a.token_range is None:
+            p.error("--token-range: --backend openai with --prompt-format tokens needs it (the server's "
+                    "vocabulary size is not known over HTTP)")
+        if a.dataset == "multi-turn":
+            p.error("--prompt-format: --backend openai streams text, so multi-turn needs --prompt-format text")
+    if a.model is not None and a.backend != "openai":
+        p.error("--model: only with --backend openai")
     if a.concurrency is not None:
         return [LoadSpec(concurrency=c, num_requests=a.num_requests, duration_s=a.duration, seed=a.seed + i)
                 for i, c in enumerate(a.concurrency)]
@@ -393,30 +423,40 @@ def build_dataset(a: argparse.Namespace, vocab: ds.Vocab, seed: int) -> list[ds.
                                  system_prompt_len=a.system_prompt_len or 0)
 
 
-async def _vocab(client: AsyncClient, a: argparse.Namespace) -> ds.Vocab:
+async def _vocab(info: ServerInfo, a: argparse.Namespace) -> ds.Vocab:
     if a.prompt_format == "text":
         return ds.Vocab("text")
-    info = await client.model_info(timeout=a.timeout or 30.0)
-    lo, hi = a.token_range if a.token_range else (0, info.vocab_size - 1)
+    if a.token_range:
+        lo, hi = a.token_range
+    elif info.vocab_size is not None:
+        lo, hi = 0, info.vocab_size - 1
+    else:
+        raise ValueError("--token-range: the server's vocabulary size is unknown; give the range")
     return ds.Vocab("tokens", low=lo, high=hi + 1, exclude=frozenset(info.eos_token_ids))
 
 
-async def _bench(a: argparse.Namespace, specs: list[LoadSpec]) -> int:
+async def _bench(a: argparse.Namespace, specs: list[LoadSpec], argv: Sequence[str]) -> int:
     options = RequestOptions(tier=a.tier, temperature=a.temperature, ignore_eos=a.ignore_eos,
                              timeout_s=a.timeout, seed=a.seed)
     slo = SLO(a.slo_ttft_ms, a.slo_tpot_ms)
     runs: list[dict[str, Any]] = []
     per_run_results: list[list[RequestResult]] = []
-    async with AsyncClient(a.target) as client:
+    try:
+        backend = make_backend(a.backend, a.target, a.model)
+    except BackendError as exc:
+        print(f"tandem bench: {exc.detail}", file=sys.stderr)
+        return 2
+    async with backend:
         try:
-            vocab = await _vocab(client, a)
-        except (TandemError, ValueError) as exc:
-            print(f"tandem bench: cannot build token prompts for {a.target}: {exc}", file=sys.stderr)
+            info = await backend.info(a.timeout or 30.0)
+            vocab = await _vocab(info, a)
+        except (BackendError, ValueError) as exc:
+            print(f"tandem bench: cannot reach {a.target} ({a.backend}): {exc}", file=sys.stderr)
             return 1
         if a.warmup:
             warm = [ds.Conversation(c.id, c.turns[:1]) for c in build_dataset(a, vocab, a.seed + 1_000_003)]
             spec = LoadSpec(concurrency=min(a.warmup, 16), num_requests=a.warmup, duration_s=a.duration)
-            outcome = await LoadRun(client, warm, spec, options, id_prefix=f"warmup-{secrets.token_hex(4)}").run()
+            outcome = await LoadRun(backend, warm, spec, options, id_prefix=f"warmup-{secrets.token_hex(4)}").run()
             if outcome.results and not any(r.ok for r in outcome.results):
                 first = outcome.results[0]
                 print(f"tandem bench: every warmup request failed ({first.status}: {first.detail})", file=sys.stderr)
@@ -425,7 +465,7 @@ async def _bench(a: argparse.Namespace, specs: list[LoadSpec]) -> int:
             convs = build_dataset(a, vocab, spec.seed)
             progress = Progress(spec.label, min(ds.num_turns(convs), spec.num_requests or math.inf),
                                 enabled=a.progress)
-            outcome = await LoadRun(client, convs, spec, options, progress=progress).run()
+            outcome = await LoadRun(backend, convs, spec, options, progress=progress).run()
             summary = summarize(outcome.results, outcome.wall_s, slo, cancelled=outcome.cancelled,
                                 skipped=outcome.skipped, max_in_flight=outcome.max_in_flight)
             run = {"label": spec.label, "concurrency": spec.concurrency, "request_rate": spec.request_rate,
@@ -439,14 +479,43 @@ async def _bench(a: argparse.Namespace, specs: list[LoadSpec]) -> int:
         print(format_sweep(runs))
     if a.out:
         config = {k: (v.name.lower() if isinstance(v, Tier) else v) for k, v in vars(a).items()}
+        record = {"tool": "tandem bench", **run_record(info.model, a.backend, argv), "config": config, "runs": runs}
         with open(a.out, "w") as f:
-            json.dump(_jsonable({"tool": "tandem bench", "config": config, "runs": runs}), f, indent=1,
-                      allow_nan=False)
+            json.dump(_jsonable(record), f, indent=1, allow_nan=False)
             f.write("\n")
     if a.plot_dir:
-        for path in write_plots(runs, per_run_results, a.plot_dir):
+        for path in write_plots(runs, per_run_results, a.plot_dir, title=f"{info.model} ({a.backend}, {a.dataset})"):
             print(f"plot: {path}")
-    return 0 if any(r.ok for rs in per_run_results for r in rs) else 1
+    if not any(r.ok for rs in per_run_results for r in rs):
+        return 1
+    return _check_baseline(a, runs)
+
+
+def run_record(model: str, backend: str, argv: Sequence[str]) -> dict[str, Any]:
+    """What a results file records about the run: when (UTC, ISO 8601), the model, the backend,
+    Tandem's version and the command line."""
+    try:
+        version = importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "model": model,
+            "backend": backend, "version": version, "command": shlex.join(["tandem", "bench", *argv])}
+
+
+def _check_baseline(a: argparse.Namespace, runs: Sequence[dict[str, Any]]) -> int:
+    """0 without --baseline or when every metric is within --tolerance; 3 naming the regressions;
+    2 when a file cannot be read."""
+    if a.baseline is None:
+        return 0
+    try:
+        base = load_results(a.baseline)
+        comparisons = compare(runs, base["runs"], a.tolerance)
+    except ValueError as exc:
+        print(f"tandem bench: --baseline: {exc}", file=sys.stderr)
+        return 2
+    text, ok = baseline_report(comparisons, a.tolerance, a.baseline)
+    print(text, flush=True)
+    return 0 if ok else 3
 
 
 def _jsonable(obj: Any) -> Any:
@@ -461,15 +530,24 @@ def _jsonable(obj: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `tandem bench ARGS`: 0 on success, 1 when nothing completed, 2 on bad flags."""
+    """Entry point of `tandem bench ARGS`: 0 on success, 1 when nothing completed, 2 on bad flags
+    (or an unreadable --baseline), 3 when --baseline found a regression."""
+    p_argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     try:
         a = p.parse_args(argv)
         specs = _check_args(p, a)
     except SystemExit as exc:  # argparse exits 2 on bad flags (naming them) and 0 on --help
         return int(exc.code or 0)
+    if a.compare_only is not None:
+        try:
+            runs = load_results(a.compare_only)["runs"]
+        except ValueError as exc:
+            print(f"tandem bench: --compare-only: {exc}", file=sys.stderr)
+            return 2
+        return _check_baseline(a, runs)
     try:
-        return asyncio.run(_bench(a, specs))
+        return asyncio.run(_bench(a, specs, p_argv))
     except KeyboardInterrupt:
         print("tandem bench: interrupted", file=sys.stderr)
         return 130

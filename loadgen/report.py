@@ -240,54 +240,74 @@ def format_sweep(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def write_plots(runs: Sequence[dict[str, Any]], results: Sequence[Sequence[RequestResult]],
-                plot_dir: str | Path) -> list[Path]:
-    """Latency CDFs per run and, for a sweep, throughput-vs-latency curves, as PNGs under
-    plot_dir. Returns the files written; [] (with a log line) when matplotlib is missing."""
-    try:
-        import matplotlib
+def plot_figures(runs: Sequence[dict[str, Any]], results: Sequence[Sequence[RequestResult]],
+                 title: str = "") -> list[tuple[str, Any]]:
+    """(file name, matplotlib Figure) for each plot: latency CDFs per run and, for a sweep,
+    latency against throughput. Every axes has a title and labels with units; `title` (model,
+    backend, dataset) heads each figure. Raises ImportError without matplotlib."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plots written")
-        return []
-    out_dir = Path(plot_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    metrics = (("TTFT", lambda r: r.ttft_s), ("TPOT", lambda r: r.tpot_s), ("E2E", lambda r: r.e2e_s))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (name, get) in zip(axes, metrics):
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: list[tuple[str, Any]] = []
+    metrics = (("TTFT", "time to first token", lambda r: r.ttft_s),
+               ("TPOT", "time per output token", lambda r: r.tpot_s),
+               ("E2E", "end-to-end latency", lambda r: r.e2e_s))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (name, what, get) in zip(axes, metrics):
         for run, rs in zip(runs, results):
             xs = sorted(v * 1e3 for r in rs if r.ok and (v := get(r)) is not None)
             if xs:
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=run["label"])
+        ax.set_title(f"{name} CDF ({what})")
         ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests")
+        ax.set_ylabel("fraction of requests (0-1)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
+    fig.suptitle(f"Latency distributions{': ' + title if title else ''}")
     fig.tight_layout()
-    written.append(out_dir / "latency_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    figures.append(("latency_cdf.png", fig))
     if len(runs) > 1:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
         xs = [run["summary"]["output_token_throughput"] for run in runs]
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
+            name = key[:-3].upper()
             for q in ("p50", "p99"):
                 ax.plot(xs, [run["summary"][key][q] for run in runs], marker="o", label=q.upper())
             for x, run in zip(xs, runs):
                 ax.annotate(run["label"], (x, run["summary"][key]["p50"] or 0), fontsize="x-small")
-            ax.set_xlabel("output tokens/s")
-            ax.set_ylabel(f"{key[:-3].upper()} (ms)")
+            ax.set_title(f"{name} vs output throughput")
+            ax.set_xlabel("output throughput (tokens/s)")
+            ax.set_ylabel(f"{name} (ms)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")
+        fig.suptitle(f"Load sweep{': ' + title if title else ''}")
         fig.tight_layout()
-        written.append(out_dir / "sweep.png")
-        fig.savefig(written[-1], dpi=110)
+        figures.append(("sweep.png", fig))
+    return figures
+
+
+def write_plots(runs: Sequence[dict[str, Any]], results: Sequence[Sequence[RequestResult]],
+                plot_dir: str | Path, title: str = "") -> list[Path]:
+    """The plot_figures PNGs under plot_dir (each with its title in the PNG's Title text).
+    Returns the files written; [] (with a log line) when matplotlib is missing."""
+    try:
+        figures = plot_figures(runs, results, title)
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install 'tandem[bench]'): no plots written")
+        return []
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(plot_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name, fig in figures:
+        written.append(out_dir / name)
+        fig.savefig(written[-1], dpi=110, metadata={"Title": fig.get_suptitle() or name})
         plt.close(fig)
     return written
 
 
 __all__ = ["OK", "PERCENTILES", "Progress", "RequestResult", "SLO", "distribution", "format_run", "format_sweep",
-           "percentile", "summarize", "write_plots"]
+           "percentile", "plot_figures", "summarize", "write_plots"]
