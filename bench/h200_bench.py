@@ -180,14 +180,15 @@ def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
 
 
 def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: str = "auto",
-            max_running: int = 384, budget_s: float | None = None, overlap: bool | None = None) -> dict:
+            max_running: int = 384, budget_s: float | None = None, overlap: bool | None = None,
+            quantization: str | None = None) -> dict:
     """Offline throughput. With `budget_s`, a pilot of 64 prompts first estimates the rate and the
     prompt count is cut (never raised) so the main run fits the budget; the count used is reported."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=max_running,
               max_model_len=in_len + out_len + 16, max_batched_tokens=8192, kv_cache_dtype=kv,
-              enable_prefix_cache=False, overlap_schedule=overlap)
+              enable_prefix_cache=False, overlap_schedule=overlap, quantization=quantization)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)  # engine/quant
 
 _DTYPES = {
     "float32": torch.float32,
@@ -77,6 +78,10 @@ class EngineConfig:
     # Run a few synthetic steps at start-up on CUDA devices (`Engine.warm_up`), so that Triton's
     # compiles land before the first request rather than in its latency.
     warm_up: bool = True
+    # Weight quantization at load: "fp8" (e4m3 weights, per-channel scales, per-token activation
+    # scales; engine/quant/fp8.py) or None (the checkpoint's weights as they are; an FP8
+    # checkpoint loads as FP8 either way).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -107,6 +112,8 @@ class EngineConfig:
         for name in ("enable_prefix_cache", "cuda_graphs", "fused_decode_gemv", "warm_up"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ValueError(f"overlap_schedule: must be a bool or None, got {self.overlap_schedule!r}")
 

@@ -83,6 +83,10 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
+        if config.quantization is not None:
+            from engine.quant import apply_quantization
+
+            apply_quantization(self.model, config.quantization)
 
         if config.fused_decode_gemv:
             enabled = [layer.enable_fused_decode() for layer in self.model.layers]

@@ -76,14 +76,22 @@ class Attention(nn.Module):
         return attend(q, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
 
 
+class SiluAndMul(nn.Module):
+    """[T, 2I] -> [T, I] = silu(gate) * up; a module so that a rewrite (engine/quant) can swap it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

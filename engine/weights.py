@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from engine.config import LOAD_FORMATS, ModelConfig
 from engine.model import CausalLM
+from engine.quant.formats import UNUSED_SUFFIXES, Fp8CheckpointFormat, checkpoint_fp8_format
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,18 @@ def load_model(
     `dummy_draw_device` (default `device`; see init_dummy_weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
+    fp8 = checkpoint_fp8_format(config.raw)  # an FP8 checkpoint loads as FP8 (engine/quant)
     with torch.device(device), default_dtype(dtype):
         model = CausalLM(config)
     model.cos_sin_cache = model.cos_sin_cache.to(device=device, dtype=torch.float32)
     if load_format == "dummy":
         init_dummy_weights(model, draw_device=dummy_draw_device)
+        if fp8 is not None:
+            from engine.quant.fp8 import apply_quantization
+
+            apply_quantization(model, "fp8")
+    elif fp8 is not None:
+        load_fp8_safetensors(model, Path(model_dir), fp8)
     else:
         load_safetensors(model, Path(model_dir))
     return model.eval().requires_grad_(False)
@@ -105,7 +113,7 @@ def checkpoint_placement(name: str, cfg: ModelConfig) -> Placement | None:
             off, rows = offsets[parts[-2]]
             target = ".".join(parts[:-2] + [merged, parts[-1]])
             return Placement(target, off, rows, (f"{target}#{off}",))
-    if target.endswith("gate_up_proj.weight"):  # GLM ships it merged
+    if target.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale")):  # GLM ships it merged
         return Placement(target, 0, None, tuple(f"{target}#{off}" for off, _ in gate_up.values()))
     return Placement(target, 0, None, (target,))
 
@@ -115,9 +123,9 @@ def expected_keys(param_names: Iterable[str], cfg: ModelConfig) -> set[str]:
     qkv, gate_up = _merged_offsets(cfg)
     keys: set[str] = set()
     for name in param_names:
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
             keys |= {f"{name}#{off}" for off, _ in qkv.values()}
-        elif name.endswith("gate_up_proj.weight"):
+        elif name.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale")):
             keys |= {f"{name}#{off}" for off, _ in gate_up.values()}
         else:
             keys.add(name)
@@ -125,13 +133,23 @@ def expected_keys(param_names: Iterable[str], cfg: ModelConfig) -> set[str]:
 
 
 def stream_checkpoint(model_dir: Path, cfg: ModelConfig, param_names: Iterable[str],
-                      ) -> Iterator[tuple[str, Placement, torch.Tensor]]:
+                      fp8: Fp8CheckpointFormat | None = None) -> Iterator[tuple[str, Placement, torch.Tensor]]:
     """(checkpoint name, Placement, tensor) for every tensor the model keeps, one tensor in host
     memory at a time; ValueError naming the tensor for one with no place, and at the end for
-    tensors the checkpoint lacks."""
+    tensors the checkpoint lacks. An FP8 checkpoint streams only with its format `fp8` (its
+    weight scales are placed as `<projection>.weight_scale`, static input scales skipped)."""
+    if fp8 is None and cfg.raw.get("quantization_config"):
+        raise ValueError("quantization: this checkpoint is quantized (config.json quantization_config); FP8 "
+                         "checkpoints load into a whole model in one process, not with tensor parallelism (--tp > 1)")
     names = set(param_names)
     loaded: set[str] = set()
     for name, tensor in _iter_tensors(safetensors_files(model_dir)):
+        if fp8 is not None:
+            suffix = name.rsplit(".", 1)[-1]
+            if suffix in UNUSED_SUFFIXES:
+                continue
+            if suffix == fp8.scale_name:
+                name = name[: -len(suffix)] + "weight_scale"
         placement = checkpoint_placement(name, cfg)
         if placement is None:
             continue
@@ -153,6 +171,70 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
         if dest.shape != tensor.shape:
             raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor)
+
+
+def load_fp8_safetensors(model: CausalLM, model_dir: Path, fp8: Fp8CheckpointFormat) -> None:
+    """Load an FP8 checkpoint (engine/quant/formats.py): the projections it quantized become
+    Fp8Linear and take its e4m3 weights; per-tensor scales fill each merged part's rows of the
+    per-channel `weight_scale`, per-channel ones copy, block ones are folded in at the end."""
+    from engine.quant.fp8 import convert_to_fp8, quantize_weight_per_channel
+
+    convert_to_fp8(model, quantize_weights=False, skip=lambda name: _fp8_skipped(name, fp8))
+    params = dict(model.named_parameters())
+    blocks: list[tuple[str, Placement, torch.Tensor]] = []
+    for name, placement, tensor in stream_checkpoint(model_dir, model.config, params, fp8):
+        param = params[placement.target].data
+        dest = param if placement.rows is None else param.narrow(0, placement.row_offset, placement.rows)
+        if placement.target.endswith(".weight_scale"):
+            if fp8.block is not None:
+                blocks.append((name, placement, tensor))
+            elif tensor.numel() in (1, dest.numel()):
+                dest.copy_(tensor.float().reshape(-1).expand(dest.shape))
+            else:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}; expected one scale per "
+                                 f"tensor or {dest.numel()} (one per output channel)")
+            continue
+        if dest.shape != tensor.shape:
+            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        if (param.dtype == torch.float8_e4m3fn) != (tensor.dtype == torch.float8_e4m3fn):
+            raise ValueError(f"weights: {name!r} is {tensor.dtype} where the model holds {param.dtype} "
+                             "(quantization_config's ignored modules disagree with the checkpoint)")
+        dest.copy_(tensor)
+    for name, placement, scales in blocks:  # weights ~= q * block scale: requantize per channel
+        weight = params[placement.target.removesuffix("_scale")].data
+        rows = placement.rows if placement.rows is not None else weight.shape[0]
+        w = weight.narrow(0, placement.row_offset, rows)
+        (bn, bk), k = fp8.block, w.shape[1]
+        if tuple(scales.shape) != (-(-rows // bn), -(-k // bk)):
+            raise ValueError(f"weights: {name!r} has shape {tuple(scales.shape)}, expected block scales "
+                             f"{(-(-rows // bn), -(-k // bk))} for a [{rows}, {k}] weight in {bn}x{bk} blocks")
+        s = scales.to(w.device, torch.float32).repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :k]
+        q, channel_scale = quantize_weight_per_channel(w.float() * s)
+        w.copy_(q)
+        params[placement.target].data.narrow(0, placement.row_offset, rows).copy_(channel_scale)
+    if weight_device(model).type == "cuda":
+        torch.cuda.empty_cache()  # the unquantized modules' memory goes back before the KV cache is sized
+    logger.info("loaded FP8 checkpoint (%s%s)", fp8.method, f", {fp8.block[0]}x{fp8.block[1]} blocks" if fp8.block else "")
+
+
+def weight_device(model: CausalLM) -> torch.device:
+    return model.embed_tokens.weight.device
+
+
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fp8_skipped(name: str, fp8: Fp8CheckpointFormat) -> bool:
+    """Whether model projection `name` (e.g. "layers.0.self_attn.qkv_proj") is one the checkpoint
+    left unquantized; ValueError when it quantized only some parts of a merged projection."""
+    if fp8.ignored(f"model.{name}"):
+        return True
+    prefix, leaf = name.rsplit(".", 1)
+    flags = [fp8.ignored(f"model.{prefix}.{part}") for part in _MERGED_PARTS.get(leaf, (leaf,))]
+    if any(flags) and not all(flags):
+        raise ValueError(f"quantization_config: {name} is merged from {_MERGED_PARTS[leaf]}, of which only some "
+                         "are quantized; quantize all or none of them")
+    return all(flags)
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02, draw_device: torch.device | None = None) -> None:

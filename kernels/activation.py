@@ -5,6 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant import FP8_MIN_SCALE, block_for, check_rows, row_scale, to_e4m3_range
+from kernels.triton_common import soft_fp8_round
+
 BLOCK = 2048
 
 
@@ -36,3 +39,49 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     grid = (rows, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_row_stride, inter,
+                             BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    # One program per row, two passes: the product's largest magnitude, then the quantized
+    # stores (the second pass recomputes the product from the row, by then in cache).
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * x_row_stride
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = row_scale(tl.max(amax, axis=0))
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        q = to_e4m3_range(y, scale, SOFT_ROUND)
+        tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2*I] -> (q [T, I] e4m3, scale [T, 1] float32): silu_and_mul rounded to x.dtype,
+    quantized per token in the same kernel (see kernels.reference.silu_and_mul_fp8)."""
+    x = check_rows(x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x last dim must be even (gate and up halves), got shape {tuple(x.shape)}")
+    rows, inter = x.shape[0], x.shape[1] // 2
+    q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    if inter == 0:
+        return q, scale.fill_(FP8_MIN_SCALE)
+    block, warps = block_for(inter)
+    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, x.stride(0), inter, BLOCK=block,
+                                      SOFT_ROUND=soft_fp8_round(), num_warps=warps)
+    return q, scale

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import next_pow2
+from kernels.quant import FP8_MIN_SCALE, check_rows, row_scale, to_e4m3_range
+from kernels.triton_common import next_pow2, soft_fp8_round
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
 ELEMS_PER_WARP = 512  # tile elements per warp
@@ -100,3 +101,77 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (rms_norm(x + residual), x + residual), the sum rounded to x.dtype; new tensors."""
     return _launch(x, residual, weight, eps)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_fp8_kernel(
+    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr,
+    n_rows, x_s0, r_s0, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_ROUND: tl.constexpr,
+):
+    # _rms_norm_kernel on 2-D rows, its output rounded to x.dtype (as the unfused norm stores it)
+    # and then quantized per row: the GEMM after it reads e4m3 and one scale per token.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + (rows * x_s0)[:, None] + cols[None, :], mask=mask, other=0.0)
+    dense = rows[:, None] * n_cols + cols[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + (rows * r_s0)[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + dense, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=1) / n_cols
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    y = (xf * rstd[:, None] * w[None, :]).to(x.dtype).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(y), axis=1))
+    q = to_e4m3_range(y, scale[:, None], SOFT_ROUND)
+    tl.store(q_ptr + dense, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    x = check_rows(x)
+    n_rows, n_cols = x.shape
+    if weight.dim() != 1 or weight.shape[0] != n_cols:
+        raise ValueError(f"weight must have shape [{n_cols}], got {tuple(weight.shape)}")
+    if n_cols > MAX_HIDDEN:
+        raise ValueError(f"x hidden size {n_cols} exceeds {MAX_HIDDEN}")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        residual = check_rows(residual, "residual")
+    weight = weight.contiguous()
+    q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    if n_rows == 0:
+        return q, scale, res_out
+    if n_cols == 0:
+        return q, scale.fill_(FP8_MIN_SCALE), res_out
+    block_n = next_pow2(n_cols)
+    block_m = max(1, min(64, 2048 // block_n))
+    num_warps = min(32, max(4, block_n * block_m // ELEMS_PER_WARP))
+    rv = residual if residual is not None else x
+    _rms_norm_fp8_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, rv, weight, q, scale, res_out if res_out is not None else x,
+        n_rows, x.stride(0), rv.stride(0), n_cols, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, SOFT_ROUND=soft_fp8_round(),
+        num_warps=num_warps,
+    )
+    return q, scale, res_out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (q [T, H] e4m3, scale [T, 1] float32) of rms_norm(x); see kernels.reference."""
+    q, scale, _ = _launch_fp8(x, None, weight, eps)
+    return q, scale
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, x + residual): fused_add_rms_norm with its output quantized per token, one kernel."""
+    return _launch_fp8(x, residual, weight, eps)

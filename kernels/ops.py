@@ -171,3 +171,65 @@ def paged_decode_attention(
     if _use_triton(q):
         return _triton("decode_attention", "paged_decode_attention")(*args)
     return reference.paged_decode_attention(*args)
+
+
+# ---- FP8 weights: activation quantization fused into the ops before each GEMM, and the GEMM ----
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.quantize_fp8_per_token."""
+    if _use_triton(x):
+        return _triton("quant", "quantize_fp8_per_token")(x)
+    return reference.quantize_fp8_per_token(x)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.rms_norm_fp8."""
+    if _use_triton(x):
+        return _triton("norm", "rms_norm_fp8")(x, weight, eps)
+    return reference.rms_norm_fp8(x, weight, eps)
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See kernels.reference.fused_add_rms_norm_fp8."""
+    if _use_triton(x):
+        return _triton("norm", "fused_add_rms_norm_fp8")(x, residual, weight, eps)
+    return reference.fused_add_rms_norm_fp8(x, residual, weight, eps)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.silu_and_mul_fp8."""
+    if _use_triton(x):
+        return _triton("activation", "silu_and_mul_fp8")(x)
+    return reference.silu_and_mul_fp8(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def scaled_mm_applies(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether fp8_linear runs as cuBLASLt's FP8 GEMM (torch._scaled_mm, row-wise scales): CUDA
+    tensors on an sm_89+ device, bf16 output, K and N multiples of 16, kernels not forced to
+    the reference. Otherwise it runs the float32 reference."""
+    if not q.is_cuda or backend_mode() == "reference" or out_dtype != torch.bfloat16:
+        return False
+    n, k = weight.shape
+    if k % 16 or n % 16:
+        return False
+    return _scaled_mm_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def fp8_linear(
+    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """See kernels.reference.fp8_linear. On the GPU: torch._scaled_mm with a [T, 1] scale per token
+    and a [1, N] scale per output channel (`weight` is [N, K] row-major, so weight.t() is the
+    column-major operand cuBLASLt wants), the bias added after."""
+    if not scaled_mm_applies(q, weight, out_dtype):
+        return reference.fp8_linear(q, x_scale, weight, weight_scale, bias, out_dtype)
+    y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    return y if bias is None else y.add_(bias)

@@ -212,3 +212,53 @@ def _dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     if x.dtype == torch.float8_e4m3fn:
         return x.float() * scale
     return x.float()
+
+
+# ---- FP8 weights (W8A8): per-token activation quantization and the scaled GEMM ---------------
+# An activation row x is stored as q = clamp(x / s, +-448) in e4m3 with one float32 scale
+# s = max(amax(|x|) / 448, FP8_MIN_SCALE); a weight as e4m3 rows with one float32 scale per
+# output channel. The GEMM is y = (q_x @ q_w^T) * s_x * s_w (+ bias), accumulated in float32:
+# products of e4m3 values are exact in float32, so a GPU GEMM differs only in summation order.
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)  # keeps an all-zero row's scale finite (its q is 0)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] e4m3, scale [T, 1] float32) with x ~= q * scale, one scale per row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_per_token(rms_norm(x)): the norm's output rounded to x.dtype first, as the
+    unfused ops would."""
+    return quantize_fp8_per_token(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, x + residual): fused_add_rms_norm with its normalized output quantized per token."""
+    y, summed = fused_add_rms_norm(x, residual, weight, eps)
+    q, scale = quantize_fp8_per_token(y)
+    return q, scale, summed
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_per_token(silu_and_mul(x)), the product rounded to x.dtype first."""
+    return quantize_fp8_per_token(silu_and_mul(x))
+
+
+def fp8_linear(
+    q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y [T, N] = (q [T, K] @ weight [N, K]^T) * x_scale [T, 1] * weight_scale [N] + bias, in
+    float32, returned in out_dtype: the float32 emulation of the cuBLASLt FP8 GEMM."""
+    y = torch.matmul(q.float(), weight.float().t()) * x_scale * weight_scale.float().view(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

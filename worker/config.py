@@ -199,6 +199,8 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
     p.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler for unseeded requests")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: quantize the weights to e4m3 at load (per-channel scales; FP8 checkpoints load as FP8 anyway)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.90)
     p.add_argument("--swap-space", type=float, default=1.0, dest="swap_space_gb",
                    help="GiB of host memory (per rank) for the KV of preempted requests")
@@ -250,6 +252,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         enable_prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         gpu_memory_fraction=args.gpu_memory_fraction,
         swap_space_gb=args.swap_space_gb,
         cuda_graphs=not args.no_cuda_graphs,

@@ -1,0 +1,165 @@
+"""FP8 weights (W8A8, e4m3): `Fp8Linear` and the rewrite that puts it into a built CausalLM.
+
+Each decoder layer's four projections become `Fp8Linear`: e4m3 weights with one float32 scale
+per output channel, GEMMs through kernels.ops.fp8_linear (cuBLASLt's FP8 GEMM on the GPU, its
+float32 emulation elsewhere), activations quantized per token at run time. The quantization of
+the activations rides on the kernel that already runs before each GEMM:
+
+    input_layernorm -> qkv_proj            Fp8RMSNorm: residual add + RMSNorm + quantize, one kernel
+    attention -> o_proj                    Fp8Linear quantizes its bf16 input (one small kernel)
+    post_attention_layernorm -> gate_up    Fp8RMSNorm
+    gate_up -> mlp.act -> down_proj        SiluAndMulFp8: SiLU-and-multiply + quantize, one kernel
+
+The norm and the activation hand the projection an `Fp8Activation` (e4m3 rows + [T, 1] scales)
+in place of a tensor; the model's forward passes it through untouched. Embeddings, the final
+norm, q/k norms and lm_head stay in the model dtype. Tensor-parallel models are refused: their
+projections are not plain nn.Linear (ValueError naming --quantization).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine.model import MLP, CausalLM, RMSNorm
+from kernels import ops
+from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("fp8",)
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class Fp8Activation(NamedTuple):
+    """Activation rows quantized per token: x ~= data * scale."""
+
+    data: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], float32 scale [N]) with weight ~= q * scale[:, None]."""
+    wf = weight.float()
+    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+class Fp8Linear(nn.Module):
+    """y [T, N] = x [T, K] W^T (+ b), W held as e4m3 `weight` [N, K] times float32
+    `weight_scale` [N]; x a tensor (quantized here, per token) or an Fp8Activation."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, out_dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=out_dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """Quantize `linear`'s weight per output channel (its bias kept in the model dtype)."""
+        w = linear.weight.data
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
+        q, scale = quantize_weight_per_channel(w)
+        layer.weight.data, layer.weight_scale.data = q, scale
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.data
+        return layer
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        q, scale = x if isinstance(x, Fp8Activation) else ops.quantize_fp8_per_token(x)
+        return ops.fp8_linear(q, scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+
+
+class Fp8RMSNorm(RMSNorm):
+    """RMSNorm (with the residual add) whose output is quantized per token for an Fp8Linear."""
+
+    @classmethod
+    def from_norm(cls, norm: RMSNorm) -> Fp8RMSNorm:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.weight, layer.eps = norm.weight, norm.eps
+        return layer
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return Fp8Activation(*ops.rms_norm_fp8(x, self.weight, self.eps))
+        q, scale, summed = ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
+        return Fp8Activation(q, scale), summed
+
+
+class SiluAndMulFp8(nn.Module):
+    """MLP.act for an Fp8Linear down_proj: [T, 2I] -> Fp8Activation of silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> Fp8Activation:
+        return Fp8Activation(*ops.silu_and_mul_fp8(x))
+
+
+Skip = Callable[[str], bool]  # model module name (e.g. "layers.0.mlp.down_proj") -> keep unquantized
+
+
+def convert_to_fp8(model: CausalLM, quantize_weights: bool = True, skip: Skip | None = None) -> list[str]:
+    """Rewrite `model`'s projections (in place) to Fp8Linear, and the norm / activation before
+    each to its FP8 variant. quantize_weights: quantize the weights the modules hold; else
+    leave empty FP8 modules for a checkpoint loader to fill. Projections already FP8 stay.
+    Returns the names of the projections left unquantized (`skip`)."""
+    kept: list[str] = []
+    for i, layer in enumerate(model.layers):
+        for path in PROJECTIONS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            module = getattr(owner, attr)
+            name = f"layers.{i}.{path}"
+            if isinstance(module, Fp8Linear):
+                continue
+            if type(module) is not nn.Linear:
+                raise ValueError(
+                    f"quantization: {name} is a {type(module).__name__}, not a plain Linear; FP8 weights "
+                    "(--quantization fp8, or an FP8 checkpoint) need the whole model in one process, not "
+                    "tensor parallelism (--tp > 1)")
+            if skip is not None and skip(name):
+                kept.append(name)
+                continue
+            if quantize_weights:
+                new = Fp8Linear.from_linear(module)
+            else:
+                w = module.weight
+                new = Fp8Linear(module.in_features, module.out_features, module.bias is not None, w.dtype, w.device)
+            setattr(owner, attr, new)
+            del module
+        attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(attn.qkv_proj, Fp8Linear) and not isinstance(layer.input_layernorm, Fp8RMSNorm):
+            layer.input_layernorm = Fp8RMSNorm.from_norm(layer.input_layernorm)
+        if isinstance(mlp.gate_up_proj, Fp8Linear) and not isinstance(layer.post_attention_layernorm, Fp8RMSNorm):
+            layer.post_attention_layernorm = Fp8RMSNorm.from_norm(layer.post_attention_layernorm)
+        if isinstance(mlp.down_proj, Fp8Linear) and isinstance(mlp, MLP):
+            mlp.act = SiluAndMulFp8()
+    return kept
+
+
+def apply_quantization(model: CausalLM, method: str | None) -> CausalLM:
+    """Quantize a loaded model's weights in place (`EngineConfig.quantization`); None: no-op.
+    Frees the replaced weights' device memory before returning (the KV cache is sized after)."""
+    if method is None:
+        return model
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {method!r}")
+    device = model.embed_tokens.weight.device
+    with torch.no_grad():
+        convert_to_fp8(model, quantize_weights=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    fp8 = sum(isinstance(m, Fp8Linear) for m in model.modules())
+    logger.info("FP8 weights: %d projections in e4m3 with per-channel scales", fp8)
+    return model

@@ -1,0 +1,141 @@
+"""The FP8 activation-quantization kernels (kernels/quant.py, the FP8 variants in kernels/norm.py
+and kernels/activation.py) against their torch references, under TRITON_INTERPRET=1.
+
+As in tests/test_kernels.py each case runs in a fresh interpreter (TRITON_INTERPRET must be set
+before triton is imported), through kernels.ops, on fresh random inputs; the seed is printed on
+failure. e4m3 outputs may differ from the reference by one e4m3 step where the interpreter's
+rounding of an intermediate to bf16 differs from torch's (it truncates); scales by that rounding.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_RTOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# (rows, cols): one row, odd widths, a row longer than kernels.quant.CHUNK (the loop's second chunk)
+SHAPES = ((1, 64), (7, 100), (33, 257), (3, 5000))
+
+
+def fp8_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Within one e4m3 step: 1/8 relative for normal values, 2^-9 absolute for subnormal ones."""
+    assert got.dtype == FP8 and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    torch.testing.assert_close(got.float(), want.float(), atol=2.0 ** -8, rtol=0.13, msg=lambda m: f"{what}: {m}")
+
+
+def scales_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    torch.testing.assert_close(got, want, atol=0.0, rtol=SCALE_RTOL[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def rand(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    # A few large entries per row, as real activations have: the scale follows the row's largest.
+    x = torch.randn(rows, cols) * torch.rand(rows, 1) * 4
+    x[:, torch.randint(0, cols, (2,))] *= 20
+    return x.to(dtype)
+
+
+def case_quantize() -> None:
+    from kernels import ops, reference as ref
+
+    for dtype in DTYPES:
+        for rows, cols in SHAPES:
+            x = rand(rows, cols, dtype)
+            q, s = ops.quantize_fp8_per_token(x)
+            rq, rs = ref.quantize_fp8_per_token(x)
+            fp8_close(q, rq, f"quantize {dtype} {x.shape}")
+            scales_close(s, rs, torch.float32, f"quantize scale {dtype} {x.shape}")  # exact: no bf16 rounding
+            assert (q.float().abs() <= 448).all()
+    # A strided view (a column slice), and an all-zero row: scale stays finite, q is 0.
+    x = rand(6, 96, torch.float32)[:, 16:80]
+    x[2] = 0
+    q, s = ops.quantize_fp8_per_token(x)
+    rq, rs = ref.quantize_fp8_per_token(x)
+    fp8_close(q, rq, "quantize strided")
+    assert torch.equal(s, rs) and s[2].item() == torch.tensor(ref.FP8_MIN_SCALE).item() and not q[2].float().any()
+
+
+def case_norm() -> None:
+    from kernels import ops, reference as ref
+
+    for dtype in DTYPES:
+        for rows, cols in SHAPES:
+            x, r = rand(rows, cols, dtype), rand(rows, cols, dtype)
+            w = (torch.rand(cols) + 0.5).to(dtype)
+            q, s = ops.rms_norm_fp8(x, w, 1e-6)
+            rq, rs = ref.rms_norm_fp8(x, w, 1e-6)
+            fp8_close(q, rq, f"rms_norm_fp8 {dtype} {x.shape}")
+            scales_close(s, rs, dtype, f"rms_norm_fp8 scale {dtype} {x.shape}")
+            q, s, summed = ops.fused_add_rms_norm_fp8(x, r, w, 1e-5)
+            rq, rs, rsum = ref.fused_add_rms_norm_fp8(x, r, w, 1e-5)
+            fp8_close(q, rq, f"fused_add_rms_norm_fp8 {dtype} {x.shape}")
+            scales_close(s, rs, dtype, f"fused_add_rms_norm_fp8 scale {dtype} {x.shape}")
+            assert summed.dtype == dtype
+            torch.testing.assert_close(summed, rsum, atol=1e-2, rtol=1e-2)
+
+
+def case_silu() -> None:
+    from kernels import ops, reference as ref
+
+    for dtype in DTYPES:
+        for rows, inter in SHAPES:
+            x = rand(rows, 2 * inter, dtype)
+            q, s = ops.silu_and_mul_fp8(x)
+            rq, rs = ref.silu_and_mul_fp8(x)
+            assert q.shape == (rows, inter)
+            fp8_close(q, rq, f"silu_and_mul_fp8 {dtype} {x.shape}")
+            scales_close(s, rs, dtype, f"silu_and_mul_fp8 scale {dtype} {x.shape}")
+
+
+def case_errors() -> None:
+    from kernels import ops
+
+    for call, arg in ((ops.quantize_fp8_per_token, torch.zeros(2, 3, 4)), (ops.silu_and_mul_fp8, torch.zeros(2, 5))):
+        with pytest.raises(ValueError):
+            call(arg)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm_fp8(torch.zeros(2, 8), torch.ones(4), 1e-6)
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fp8_kernel_matches_reference(case: str) -> None:
+    seed = secrets.randbelow(2**31)
+    env = dict(os.environ, TANDEM_KERNELS="triton", TRITON_INTERPRET="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), case, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"case {case} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"ok {case}" in proc.stdout
+
+
+def test_fp8_linear_reference_is_the_dequantized_product() -> None:
+    """The CPU GEMM is exactly (dequantized x) @ (dequantized W)^T, up to float32 summation order."""
+    from engine.quant.fp8 import quantize_weight_per_channel
+    from kernels import ops, reference as ref
+
+    x, w, b = torch.randn(9, 48), torch.randn(40, 48) * 0.3, torch.randn(40)
+    q, s = ref.quantize_fp8_per_token(x)
+    wq, ws = quantize_weight_per_channel(w)
+    got = ops.fp8_linear(q, s, wq, ws, b, torch.float32)
+    want = (q.float() * s) @ (wq.float() * ws[:, None]).t() + b
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # ... and within e4m3's error of the unquantized product (3 mantissa bits: ~3% relative).
+    exact = x @ w.t() + b
+    assert ((got - exact).norm() / exact.norm()).item() < 0.08
+
+
+if __name__ == "__main__":
+    name, seed_arg = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(seed_arg)
+    CASES[name]()
+    print(f"ok {name}")
