@@ -23,7 +23,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.kv_cache import KVCache
-from engine.memory import (MAX_RUNNING_CEILING_CPU, MAX_RUNNING_CEILING_CUDA, check_weights_fit, derive_max_running,
+from engine.memory import (MAX_RUNNING_CEILING_CPU, MAX_RUNNING_CEILING_CUDA, check_weights_fit, default_max_running,
                            estimate_step, plan_kv, profile_step, too_small)
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
@@ -101,14 +101,8 @@ class Engine:
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
         # Block ids are the scheduling process's, so every process of the replica needs as many.
         num_blocks, num_host = self.shard.agree_block_counts(num_blocks, num_host, device)
-        # An explicit max_running wins; else it follows from a derived pool (engine/memory.py);
-        # beside a hand-sized pool (num_kv_blocks), the device's ceiling, preemption doing the rest.
-        if config.max_running is not None:
-            self.max_running = config.max_running
-        elif config.num_kv_blocks is not None:
-            self.max_running = derive_max_running(2**62, self.max_model_len, device.type)
-        else:
-            self.max_running = derive_max_running(num_blocks * config.block_size, self.max_model_len, device.type)
+        self.max_running = default_max_running(config.max_running, config.num_kv_blocks, num_blocks,
+                                               config.block_size, self.max_model_len, device.type)
         self.sched_config = SchedulerConfig(
             block_size=config.block_size,
             max_running=self.max_running,

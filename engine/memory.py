@@ -54,6 +54,18 @@ def derive_max_running(pool_tokens: int, max_model_len: int, device_type: str) -
     return max(1, min(ceiling, pool_tokens // context))
 
 
+def default_max_running(max_running: int | None, num_kv_blocks: int | None, pool_blocks: int, block_size: int,
+                        max_model_len: int, device_type: str) -> int:
+    """An engine's max_running: the explicit one; beside a hand-sized pool (`num_kv_blocks`
+    given) the device's ceiling (preemption does the rest); else `derive_max_running` of the
+    pool of `pool_blocks` blocks. `tandem up` calls it too, to show and size what each worker runs."""
+    if max_running is not None:
+        return max_running
+    if num_kv_blocks is not None:
+        return derive_max_running(2**62, max_model_len, device_type)
+    return derive_max_running(pool_blocks * block_size, max_model_len, device_type)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """One GPU engine's memory budget, in bytes; `kv` is what is left for the KV pool."""
