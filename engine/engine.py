@@ -112,7 +112,7 @@ class Engine:
         )
         try:
             self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             raise ValueError(f"gpu_memory_fraction: {num_blocks} KV blocks do not fit next to what else uses "
                              f"{device} now; lower --gpu-memory-fraction (or --num-kv-blocks)") from None
         self.allocator = BlockAllocator(num_blocks)

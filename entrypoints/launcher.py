@@ -34,18 +34,6 @@ from worker.config import HelpFormatter
 logger = logging.getLogger("tandem.up")
 
 
-def kv_transport(choice: str) -> str:
-    """The KV transport for `choice` without a placement (kept for callers that have none);
-    `tandem up` takes it from `entrypoints.placement.place`."""
-    if choice != "auto":
-        return choice
-    return place(_gpus(None, visible_gpu_count()), kv_transport="auto").kv_transport or "zmq"
-
-
-def _gpus(choice: str | None, visible: int) -> tuple[int, ...]:
-    return parse_gpus(choice, visible)
-
-
 def placement_for(a: argparse.Namespace, visible: int | None = None) -> Placement:
     """Where each worker of `a` runs (PlacementError naming the flag when it cannot)."""
     visible = visible_gpu_count() if visible is None else visible
@@ -143,7 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (without --colocated)")
     p.add_argument("--decode-workers", type=int, default=1, help="decode workers (role-both ones with --colocated)")
-    p.add_argument("--colocated", action="store_true", help="run --decode-workers role-both workers, no disaggregation (default: disaggregated)")
+    p.add_argument("--colocated", action="store_true",
+                   help="run --decode-workers role-both workers, no disaggregation (default: disaggregated)")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
     p.add_argument("--gpus", default=None,
@@ -181,7 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
-    p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it (default: off)")
+    p.add_argument("--demo-request", action="store_true",
+                   help="send one request once healthy and print it (default: off)")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--restart-backoff", type=float, default=0.5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
