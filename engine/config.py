@@ -56,7 +56,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: the checkpoint's dtype (float32 on CPU)
     block_size: int = 16  # a power of two in [16, 64] (DESIGN §2)
     num_kv_blocks: int | None = None  # None: derived from memory
-    max_running: int = 256
+    max_running: int | None = None  # None: from the KV pool and max_model_len (engine/memory.py)
     max_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     load_format: str = "auto"  # "auto" (the checkpoint's weights) or "dummy" (random weights)
@@ -90,10 +90,10 @@ class EngineConfig:
         bs = self.block_size
         if not (_is_int(bs) and 16 <= bs <= 64 and bs & (bs - 1) == 0):
             raise ValueError(f"block_size: must be a power of two in [16, 64], got {bs!r}")
-        for name in ("max_running", "max_batched_tokens"):
+        for name in ("max_batched_tokens",):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "max_running"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")

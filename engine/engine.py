@@ -21,7 +21,10 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.cuda_graphs import DEFAULT_BUCKETS
 from engine.kv_cache import KVCache
+from engine.memory import (MAX_RUNNING_CEILING_CPU, MAX_RUNNING_CEILING_CUDA, check_weights_fit, default_max_running,
+                           estimate_step, plan_kv, profile_step, too_small)
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.radix_cache import RadixCache
@@ -42,6 +45,7 @@ __all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "EngineStats", "Fi
            "StepObserver", "StepOutput", "StepPlan"]
 
 OVERLAP_ENV = "TANDEM_OVERLAP_SCHEDULE"
+MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]  # decode graphs are captured up to this batch size
 
 
 class Engine:
@@ -82,6 +86,8 @@ class Engine:
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
+                          1 if self.shard.runs_alone else _world_size(self.shard))
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
         if config.quantization is not None:
             from engine.quant import apply_quantization
@@ -95,18 +101,24 @@ class Engine:
                             sum(enabled), len(enabled))
         kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
         block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
-        num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes)
+        num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes, kv_config, kv_dtype)
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
         # Block ids are the scheduling process's, so every process of the replica needs as many.
         num_blocks, num_host = self.shard.agree_block_counts(num_blocks, num_host, device)
+        self.max_running = default_max_running(config.max_running, config.num_kv_blocks, num_blocks,
+                                               config.block_size, self.max_model_len, device.type)
         self.sched_config = SchedulerConfig(
             block_size=config.block_size,
-            max_running=config.max_running,
+            max_running=self.max_running,
             max_batched_tokens=config.max_batched_tokens,
             num_host_blocks=num_host,
             max_model_len=self.max_model_len,
         )
-        self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
+        try:
+            self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"gpu_memory_fraction: {num_blocks} KV blocks do not fit next to what else uses "
+                             f"{device} now; lower --gpu-memory-fraction (or --num-kv-blocks)") from None
         self.allocator = BlockAllocator(num_blocks)
         self.hash_seed = seed_hash(self.identity)
         self.cache = RadixCache(self.allocator, config.block_size, self.hash_seed, config.enable_prefix_cache)
@@ -118,7 +130,8 @@ class Engine:
                                                                  self.eos_token_ids, device)
         alone = self.shard.runs_alone
         if alone and self.runner is not None and config.cuda_graphs and device.type == "cuda":
-            self.runner.capture_decode_graphs(config.max_running, self.max_model_len)
+            # Bounded: larger decode batches than the largest graph run eagerly.
+            self.runner.capture_decode_graphs(min(self.max_running, MAX_GRAPH_BATCH), self.max_model_len)
         overlap = config.overlap_schedule
         if overlap is None:
             overlap = {"1": True, "0": False}.get(os.environ.get(OVERLAP_ENV, ""), device.type == "cuda")
@@ -159,15 +172,44 @@ class Engine:
         logger.info("warm-up steps ran in %.1f s", seconds)
         return seconds
 
-    def _derive_num_blocks(self, block_bytes: int) -> int:
+    def _derive_num_blocks(self, block_bytes: int, kv_config: ModelConfig, kv_dtype: torch.dtype) -> int:
+        """KV blocks for this engine (engine/memory.py says what is accounted for). On CUDA: the
+        whole budget of its --gpu-memory-fraction once weights, the largest step's activations,
+        CUDA graphs, the sampler and the rest are counted; on the CPU: cpu_kv_cache_gb. With an
+        explicit max_running, no more than max_running max-length requests can use. ValueError
+        naming the flag when one request of max_model_len does not fit."""
+        cfg, bs = self.config, self.config.block_size
+        per_request = -(-self.max_model_len // bs)
+        max_batch = cfg.max_running or (MAX_RUNNING_CEILING_CUDA if self.device.type == "cuda" else
+                                        MAX_RUNNING_CEILING_CPU)
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            activation_reserve = 4 * 2**30
-            budget = free * self.config.gpu_memory_fraction - activation_reserve
+            alone = self.shard.runs_alone
+            num_tokens = cfg.max_batched_tokens
+            rows = min(max_batch, num_tokens)
+            if alone:
+                step = profile_step(self.model, kv_config, bs, kv_dtype, self.device, num_tokens,
+                                    self.max_model_len, rows)
+            else:
+                step = estimate_step(self.model_config, self.dtype, num_tokens, rows, _world_size(self.shard))
+            graph_batch = min(max_batch, MAX_GRAPH_BATCH)
+            graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and cfg.cuda_graphs else 0
+            plan = plan_kv(device=self.device, fraction=cfg.gpu_memory_fraction, step_activations=step,
+                           num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
+                           vocab_size=self.model_config.vocab_size)
+            blocks = max(0, plan.kv) // block_bytes
+            logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
+            if blocks < per_request:
+                raise ValueError(too_small(plan, blocks, per_request, block_bytes, cfg.gpu_memory_fraction,
+                                           self.max_model_len))
         else:
-            budget = self.config.cpu_kv_cache_gb * 2**30
-        want = self.config.max_running * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(int(budget // block_bytes), want))
+            blocks = int(cfg.cpu_kv_cache_gb * 2**30 // block_bytes)
+            if blocks < per_request:
+                raise ValueError(f"max_model_len: one request of --max-model-len {self.max_model_len} needs "
+                                 f"{per_request} KV blocks, the CPU KV budget (cpu_kv_cache_gb "
+                                 f"{cfg.cpu_kv_cache_gb:g}) holds {blocks}; lower --max-model-len")
+        if cfg.max_running is not None or self.device.type != "cuda":
+            blocks = min(blocks, max_batch * per_request)
+        return max(1, blocks)
 
     # ---- requests ----------------------------------------------------------------------------
     def admit(
@@ -523,3 +565,8 @@ def _overlap_safe(seq: Sequence) -> bool:
     return (p.seed is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and len(seq.output_token_ids) + seq.num_pending > p.min_tokens)
 
+
+def _world_size(shard: ModelShard) -> int:
+    """Processes one model replica is split over (1 for a whole model)."""
+    tp = getattr(shard, "tp", None)
+    return int(getattr(tp, "world_size", 1) or 1)

@@ -26,7 +26,7 @@ class CompletionOutput:
 class LLM:
     """Load a Hugging Face model directory once; generate for many prompts with continuous batching.
 
-    `LLM(model_path, dtype=None, block_size=16, num_kv_blocks=None, max_running=256,
+    `LLM(model_path, dtype=None, block_size=16, num_kv_blocks=None, max_running=None,
     load_format="auto"|"dummy", ...)`: keyword arguments are EngineConfig fields. `shard`: this
     process's part of the model (see Engine; e.g. tensor-parallel rank 0's
     `parallel.runner.TensorParallelShard`); call `close()` to release the other ranks.

@@ -1,4 +1,5 @@
-"""Build a CausalLM on a device and fill it: Hugging Face safetensors (single or sharded) or dummy weights."""
+"""Build a CausalLM on a device and fill it: Hugging Face safetensors or PyTorch *.bin checkpoints
+(single or sharded; safetensors win when a directory has both) or dummy weights."""
 from __future__ import annotations
 
 import contextlib
@@ -59,25 +60,55 @@ def load_model(
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint files of `model_dir`: its safetensors, else its PyTorch *.bin files
+    (`pytorch_model.bin` or the shards of `pytorch_model.bin.index.json`)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         files = sorted({model_dir / f for f in weight_map.values()})
     else:
-        files = sorted(model_dir.glob("*.safetensors"))
+        files = sorted(model_dir.glob("*.safetensors")) or pytorch_bin_files(model_dir)
     if not files:
-        raise ValueError(f"model_path: no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
+        raise ValueError(f"model_path: no *.safetensors or *.bin weights in {model_dir} "
+                         "(use load_format='dummy' for random weights)")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ValueError(f"model_path: shard files listed in the index are missing: {missing}")
     return files
 
 
+def pytorch_bin_files(model_dir: Path) -> list[Path]:
+    """PyTorch checkpoint shards (`pytorch_model*.bin`, or as listed by their index); [] if none."""
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        return sorted({model_dir / f for f in json.loads(index.read_text()).get("weight_map", {}).values()})
+    return sorted(f for f in model_dir.glob("*.bin") if f.name not in ("training_args.bin", "optimizer.bin"))
+
+
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
+        if f.suffix == ".bin":
+            yield from _iter_bin(f)
+            continue
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
+
+
+def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one PyTorch checkpoint file, memory-mapped and loaded without unpickling
+    code (`weights_only`); ValueError naming the file for anything else."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises pickle / runtime errors of many kinds
+        raise ValueError(f"weights: cannot load {path.name} as a PyTorch checkpoint: {exc}") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise ValueError(f"weights: {path.name} holds a {type(state).__name__}, not a state dict")
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            yield name, tensor
 
 
 @dataclass(frozen=True)

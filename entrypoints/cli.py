@@ -20,14 +20,33 @@ commands:
   convert    convert a checkpoint (llama2c) to a Hugging Face directory
   health     exit 0 when a gateway or worker's gRPC health check says SERVING
 
-`tandem COMMAND --help` shows each command's options.
+`tandem COMMAND --help` shows each command's options; `tandem --version` the version.
 """
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml's when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tandem")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version", "version"):
+        print(f"tandem {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "up":

@@ -62,6 +62,53 @@ def healthy(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether `host:port` cannot be bound now (something listens there, or it is reserved)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP `port` (any address), from /proc/net; None without /proc."""
+    inodes: set[str] = set()
+    found = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found = True
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes if found else None
+
+
+def owns_port(pid: int, port: int) -> bool:
+    """Whether process `pid` itself listens on TCP `port` (Linux /proc; True where it cannot be
+    told), so that a health check on the port reaches that process and not another one."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
+
+
 def command(role: str, argv: Iterable[str]) -> list[str]:
     """The command line of a `role` process (`ps` shows `-m entrypoints <role>`)."""
     return [sys.executable, "-m", "entrypoints", role, *argv]
@@ -131,11 +178,18 @@ class ClusterProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def ready(self) -> bool:
-        """Whether it has written its ready file (if it has one) and its health check says SERVING."""
+        """Whether it has written its ready file (if it has one; it must name this process's pid
+        when it gives one), it listens on its fixed port itself (not some other process that
+        answers there) and its health check says SERVING."""
         if self.ready_file is not None and not self.info:
             if not self.ready_file.is_file():
                 return False
-            self.info = json.loads(self.ready_file.read_text())
+            info = json.loads(self.ready_file.read_text())
+            if info.get("pid") not in (None, self.pid):
+                return False  # a stale file of an earlier process
+            self.info = info
+        if self.port and self.pid is not None and not owns_port(self.pid, self.port):
+            return False
         return healthy(self.address)
 
     def stats(self, timeout: float = 5.0) -> WorkerStatsView:
@@ -252,9 +306,10 @@ class Cluster:
                                    f"{pending[0].log_tail()}")
             time.sleep(POLL_S)
 
-    def watch(self, should_stop: Callable[[], bool], interval: float = 0.5) -> None:
-        """Restart a process that exits (backoff 0.5 s doubling to 10 s) until `should_stop()`;
-        ClusterError once a process has crashed more than MAX_RESTARTS times in RESTART_WINDOW_S."""
+    def watch(self, should_stop: Callable[[], bool], interval: float = 0.5, backoff: float = 0.5) -> None:
+        """Restart a process that exits (after `backoff` s, doubling to 10 s) until `should_stop()`;
+        ClusterError, with the cause and the process's log tail, once a process has exited more
+        than MAX_RESTARTS times in RESTART_WINDOW_S."""
         while not should_stop():
             for p in self.processes:
                 if should_stop() or p.alive():
@@ -263,9 +318,11 @@ class Cluster:
                 now = time.monotonic()
                 p.restarts = [t for t in p.restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(p.restarts) > MAX_RESTARTS:
+                    tail = p.log_tail()
                     raise ClusterError(f"{p.name} exited with code {code}, {len(p.restarts)} times in "
-                                       f"{RESTART_WINDOW_S:g}s; giving up")
-                delay = min(10.0, 0.5 * 2 ** (len(p.restarts) - 1))
+                                       f"{RESTART_WINDOW_S:g}s; giving up"
+                                       + (f". The end of its log ({p.log_path}):\n{tail}" if tail else ""))
+                delay = min(10.0, backoff * 2 ** (len(p.restarts) - 1))
                 logger.error("%s exited with code %s; restarting in %.1fs", p.name, code, delay)
                 time.sleep(delay)
                 if not should_stop():

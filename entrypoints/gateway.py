@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
 from gateway.modelinfo import load_served_model
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
+from tandem.hub import resolve_model
 from tandem.types import Tier
 
 
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.model is not None:  # a directory or a Hugging Face repo id
+            args.model = resolve_model(args.model)
         config = config_from_args(args)
         if not config.workers.num_workers:
             raise ValueError("workers: give at least one --worker, or --prefill and --decode")

@@ -1,123 +1,241 @@
 """`tandem up`: start a gateway and its workers as separate OS processes on loopback, and supervise them.
 
+Order: the flags are checked and the gateway's (and metrics) ports are checked free before
+anything starts (a busy one is a one-line error naming the flag); `--model` is resolved once
+(a directory or a Hugging Face repo id, tandem/hub.py) and every child gets that directory; the
+workers are placed on the visible GPUs (entrypoints/placement.py: CUDA_VISIBLE_DEVICES, its
+memory share and the KV transport per worker) and started; once every worker is healthy (its
+ready file names its own pid, and it listens on the port it was given) the gateway starts, its
+per-decode-worker request cap set to what the workers run. The banner lists each worker's GPU,
+memory share, KV blocks (and the tokens they hold), max running and metrics port, then
+"Tandem is up".
+
 Children run as `python -m entrypoints <role> ...` so `ps` shows each one's role; `entrypoints.cluster`
-starts them, waits until every child's gRPC health check says SERVING, restarts a child that
-crashes (with backoff, giving up on one that keeps crashing), and on Ctrl-C / SIGTERM stops the
-gateway first, then the workers. The launcher prints the endpoint once all are up.
+starts them, restarts a child that crashes (with backoff; after more than MAX_RESTARTS exits in
+RESTART_WINDOW_S it stops the cluster and exits non-zero with the cause and the child's log
+tail), and on Ctrl-C / SIGTERM stops the gateway first, then the workers.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
-from entrypoints.cluster import HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port
+from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port,
+                                 port_in_use)
+from entrypoints.placement import Placement, PlacementError, parse_gpus, place, visible_gpu_count
+from worker.config import HelpFormatter
 
 logger = logging.getLogger("tandem.up")
 
 
-def kv_transport(choice: str) -> str:
-    """The KV transport for `choice`; "auto": every worker of `tandem up` runs on this host, so
-    CUDA IPC where there is a GPU (KV moves GPU to GPU, never through host memory), else ZMQ."""
-    if choice != "auto":
-        return choice
-    try:
-        import torch
-    except ImportError:
-        return "zmq"
-    return "cuda_ipc" if torch.cuda.is_available() else "zmq"
+def placement_for(a: argparse.Namespace, visible: int | None = None) -> Placement:
+    """Where each worker of `a` runs (PlacementError naming the flag when it cannot)."""
+    visible = visible_gpu_count() if visible is None else visible
+    return place(parse_gpus(a.gpus, visible), prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp,
+                 colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport)
 
 
-def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None) -> list[ClusterProcess]:
-    """The cluster's processes on fixed free ports (a restarted child keeps its address), the gateway last."""
+def physical_gpus(gpus: tuple[int, ...]) -> str:
+    """CUDA_VISIBLE_DEVICES for a child: `gpus` index what this process sees, which is its own
+    CUDA_VISIBLE_DEVICES list when it has one."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if parent:
+        names = [x.strip() for x in parent.split(",") if x.strip()]
+        return ",".join(names[g] for g in gpus)
+    return ",".join(map(str, gpus))
+
+
+def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None,
+                   placement: Placement | None = None, ready_dir: Path | None = None) -> list[ClusterProcess]:
+    """The cluster's processes on fixed free ports (a restarted child keeps its address), the
+    gateway last. `placement` None: placed on the GPUs this process sees. With `ready_dir`, each
+    worker writes its ready file there (how `tandem up` knows the worker on a port is its own)."""
+    placement = placement or placement_for(a)
     common = ["--model", model, "--load-format", a.load_format]
     if a.dtype:
         common += ["--dtype", a.dtype]
     if a.redis_url:
         common += ["--redis-url", a.redis_url]
-    for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running)):
-        if value:
+    for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running),
+                        ("--max-batched-tokens", a.max_batched_tokens), ("--max-model-len", a.max_model_len),
+                        ("--block-size", a.block_size), ("--swap-space-gb", a.swap_space_gb)):
+        if value is not None:
             common += [flag, str(value)]
+    if a.kv_cache_dtype != "auto":
+        common += ["--kv-cache-dtype", a.kv_cache_dtype]
+    if not a.enable_prefix_cache:
+        common += ["--no-prefix-cache"]
     if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
         common += ["--tp", str(a.tp)]
-    disagg = common + ["--kv-transport", kv_transport(a.kv_transport)]
     children: list[ClusterProcess] = []
 
     def child(name: str, role: str, argv: list[str], port: int) -> ClusterProcess:
-        return ClusterProcess(name, role, argv, port, log_path=log_dir / f"{name}.log" if log_dir else None)
+        w = placement.worker(name) if role != "gateway" else None
+        env: dict[str, str] = {}
+        if w is not None:
+            if w.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = physical_gpus(w.visible or w.gpus)
+                argv += ["--device", "cuda", "--gpu-memory-fraction", f"{w.memory_fraction:g}"]
+            if a.metrics:
+                argv += ["--metrics-port", str(free_port())]
+            if ready_dir is not None:
+                argv += ["--ready-file", str(ready_dir / f"{name}.ready.json")]
+        return ClusterProcess(name, role, argv, port, env=env,
+                              log_path=log_dir / f"{name}.log" if log_dir else None,
+                              ready_file=ready_dir / f"{name}.ready.json" if ready_dir and w is not None else None)
 
-    if a.colocated:
-        for i in range(a.decode_workers):
-            port = free_port()
-            children.append(child(f"worker-{i}", "worker", ["--role", "both", "--port", str(port),
-                                                            "--worker-id", f"both-{i}", *common], port))
-    else:
-        for i in range(a.prefill_workers):
-            port = free_port()
-            children.append(child(f"prefill-{i}", "prefill", ["--port", str(port), "--worker-id", f"prefill-{i}", *disagg],
-                                  port))
-        for i in range(a.decode_workers):
-            port = free_port()
+    disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
+    for w in placement.workers:
+        port = free_port()
+        if w.role == "both":
+            argv = ["--role", "both", "--port", str(port), "--worker-id", w.name.replace("worker-", "both-"), *common]
+            children.append(child(w.name, "worker", argv, port))
+        elif w.role == "prefill":
+            children.append(child(w.name, "prefill", ["--port", str(port), "--worker-id", w.name, *disagg], port))
+        else:
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
-            children.append(child(f"decode-{i}", "decode", ["--port", str(port), "--worker-id", f"decode-{i}",
-                                                            "--kv-address", kv, *disagg], port))
-    gw = ["--model", model, "--host", a.host, "--port", str(a.port)]
+            children.append(child(w.name, "decode", ["--port", str(port), "--worker-id", w.name,
+                                                     "--kv-address", kv, *disagg], port))
+    gw = ["--model", model, "--host", a.host, "--port", str(a.port), "--load-format", a.load_format]
     for c in children:
         gw += {"prefill": ["--prefill"], "decode": ["--decode"], "worker": ["--worker"]}[c.role] + [c.address]
     if a.redis_url:
         gw += ["--redis-url", a.redis_url]
-    if a.metrics_port:
-        gw += ["--metrics-port", str(a.metrics_port)]
+    if a.metrics_port or a.metrics:
+        gw += ["--metrics-port", str(a.metrics_port or free_port())]
     if a.http_port is not None:
         gw += ["--http-port", str(a.http_port)]
     if a.routing:
         gw += ["--routing", a.routing]
     if a.local_prefill_tokens is not None:
         gw += ["--local-prefill-tokens", str(a.local_prefill_tokens)]
+    if a.max_model_len is not None:
+        gw += ["--max-context", str(a.max_model_len)]
+    if a.block_size is not None:
+        gw += ["--block-size", str(a.block_size)]
     children.append(child("gateway", "gateway", gw, a.port))
     return children
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tandem up", description="Start a local Tandem cluster and supervise it.")
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in demo model)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--colocated", action="store_true", help="run --decode-workers role-both workers, no disaggregation")
-    p.add_argument("--tp", type=int, default=1,
+    p = argparse.ArgumentParser(prog="tandem up", description="Start a local Tandem cluster and supervise it.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="model directory or Hugging Face repo id (default: the built-in demo model)")
+    p.add_argument("--revision", default=None, help="the repo id's revision: branch, tag or commit (default: main)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill workers (without --colocated)")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode workers (role-both ones with --colocated)")
+    p.add_argument("--colocated", action="store_true",
+                   help="run --decode-workers role-both workers, no disaggregation (default: disaggregated)")
+    p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
+    p.add_argument("--gpus", default=None,
+                   help="GPUs to use, e.g. 0,1 (default: every visible one; an empty string: the CPU)")
+    p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float, default=0.90,
+                   dest="gpu_memory_fraction",
+                   help="share of each GPU's memory for the whole cluster on it (split among the workers sharing it)")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
-                   help="prefill -> decode KV transport (auto: cuda_ipc on a GPU host, else zmq)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+                   help="prefill -> decode KV transport (auto: cuda_ipc on shared GPUs, nccl across GPUs, "
+                        "zmq on the CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
+    p.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-running", type=int, default=None)
-    p.add_argument("--metrics-port", type=int, default=None, help="gateway Prometheus port")
-    p.add_argument("--http-port", type=int, default=None, help="gateway's OpenAI-compatible HTTP port")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: sized from its memory share)")
+    p.add_argument("--max-running", "--max-num-seqs", type=int, default=None, dest="max_running",
+                   help="running sequences per worker (default: from its KV pool and the context)")
+    p.add_argument("--max-batched-tokens", "--max-num-batched-tokens", type=int, default=None,
+                   dest="max_batched_tokens", help="per-step token budget of each worker (default: 4096)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: twice the KV tokens")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: 16)")
+    p.add_argument("--enable-prefix-cache", dest="enable_prefix_cache", action="store_true", default=True,
+                   help="reuse the KV of shared prompt prefixes (default: on)")
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_false",
+                   help="disable the prefix cache (default: enabled)")
+    p.add_argument("--swap-space-gb", "--swap-space", type=float, default=None, dest="swap_space_gb",
+                   help="GiB of host memory per worker for preempted requests' KV (default: 1)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="every child serves Prometheus metrics on its own port (listed in the banner)")
+    p.add_argument("--metrics-port", type=int, default=None, help="the gateway's Prometheus port (default: a free one)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the gateway's OpenAI-compatible HTTP port (0: a free one; default: off)")
     p.add_argument("--routing", default=None, choices=["cache_aware", "round_robin", "load"],
                    help="prefill routing policy (default: cache_aware)")
     p.add_argument("--local-prefill-tokens", type=int, default=None,
-                   help="prefill on the decode worker when it lacks fewer tokens than this")
+                   help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
-    p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it")
+    p.add_argument("--demo-request", action="store_true",
+                   help="send one request once healthy and print it (default: off)")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--restart-backoff", type=float, default=0.5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.http_port == 0:  # a fixed port, so a restarted gateway keeps its address
         a.http_port = free_port()
     for name in ("prefill_workers", "decode_workers", "tp"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < a.gpu_memory_fraction <= 1:
+        p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
     return a
+
+
+def busy_port(a: argparse.Namespace) -> str | None:
+    """The one-line error for a port of `a` that is already in use, or None."""
+    for flag, host, port in (("--port", a.host, a.port), ("--metrics-port", a.host, a.metrics_port)):
+        if port and port_in_use(host, port):
+            return (f"tandem up: {flag} {port}: {host}:{port} is already in use (another cluster?); "
+                    f"stop it or choose another {flag}")
+    return None
+
+
+def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, model: str) -> list[str]:
+    """The banner: one line per worker (GPU, memory share, KV blocks and tokens, max running,
+    metrics port) and the KV transport."""
+    from engine.memory import default_max_running
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    longest = int(cfg.get("max_position_embeddings", 2048))
+    max_model_len = min(a.max_model_len or longest, longest)
+    block = a.block_size or 16
+    rows = []
+    for p in cluster.processes:
+        if p.role == "gateway":
+            continue
+        w = placement.worker(p.name)
+        try:
+            blocks = p.stats().total_kv_blocks
+        except Exception as exc:  # the banner must not fail the start
+            logger.warning("%s: no Stats (%s)", p.name, exc)
+            blocks = 0
+        running = default_max_running(a.max_running, a.num_kv_blocks, blocks, block, max_model_len,
+                                       "cuda" if w.gpus else "cpu")
+        p.info.setdefault("max_running", running)
+        where = f"GPU {','.join(map(str, w.gpus))} ({w.memory_fraction:.0%} of memory)" if w.gpus else "CPU"
+        metrics = f", metrics :{p.info['metrics_port']}" if p.info.get("metrics_port") else ""
+        rows.append(f"  {p.name:<10} {where}: {blocks} KV blocks = {blocks * block} tokens "
+                    f"(max {min(max_model_len, blocks * block)} per request), max running {running}{metrics}")
+    if placement.kv_transport:
+        rows.append(f"  KV transport: {placement.kv_transport}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     a = parse_args(argv)
+    busy = busy_port(a)
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
+        return 2
     model = a.model
     if model is None:
         from engine.demo import demo_model_dir
@@ -125,13 +243,26 @@ def main(argv: list[str] | None = None) -> int:
         model = str(demo_model_dir())
         print("Serving the built-in demo model (random weights): its text is not meaningful. "
               "Use --model DIR for a real model.", flush=True)
-    elif not (Path(model) / "config.json").is_file():
-        print(f"tandem up: --model {model}: no config.json there", file=sys.stderr)
+    else:
+        from tandem.hub import ModelSourceError, resolve_model
+
+        try:
+            model = resolve_model(model, a.revision)
+        except ModelSourceError as exc:
+            print(f"tandem up: {exc}", file=sys.stderr, flush=True)
+            return 2
+    try:
+        placement = placement_for(a)
+    except PlacementError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr, flush=True)
         return 2
     log_dir = Path(a.log_dir) if a.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(build_children(a, model, log_dir))
+    ready_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
+    children = build_children(a, model, log_dir, placement, ready_dir)
+    gateway = children.pop()
+    cluster = Cluster(children)
     stopping = False
 
     def on_signal(signum, _frame):
@@ -143,12 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             cluster.start(HEALTH_TIMEOUT_S, should_stop=lambda: stopping)
+            if stopping:
+                return 0
+            rows = worker_rows(cluster, placement, a, model)
+            # The gateway keeps at most what a decode worker runs on it; the rest wait in its tiers.
+            caps = [p.info["max_running"] for p in cluster.processes if p.role in ("decode", "worker")]
+            gateway.argv += ["--max-inflight-per-decode", str(min(caps))]
+            cluster.add(gateway, HEALTH_TIMEOUT_S)
         except ClusterError as exc:
-            logger.error("%s", exc)
+            print(f"tandem up: {exc}", file=sys.stderr, flush=True)
             return 1
         endpoint = f"{a.host}:{a.port}"
+        gw_metrics = gateway.argv[gateway.argv.index("--metrics-port") + 1] if "--metrics-port" in gateway.argv else None
+        print("\n".join(rows + [f"  {'gateway':<10} {endpoint}" + (f", metrics :{gw_metrics}" if gw_metrics else "")]),
+              flush=True)
         print(f"Tandem is up: gRPC endpoint {endpoint} "
-              f"({sum(c.role != 'gateway' for c in cluster.processes)} workers). Ctrl-C stops it.", flush=True)
+              f"({len(children)} workers, model {model}). Ctrl-C stops it.", flush=True)
         if a.http_port is not None:
             print(f"OpenAI-compatible HTTP: http://{a.host}:{a.http_port}/v1", flush=True)
         if a.demo_request:
@@ -156,13 +297,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.exit_after_demo:
                 return 0
         try:
-            cluster.watch(lambda: stopping)
+            cluster.watch(lambda: stopping, backoff=a.restart_backoff)
         except ClusterError as exc:
-            logger.error("%s", exc)
+            print(f"tandem up: stopping the cluster: {exc}", file=sys.stderr, flush=True)
             return 1
         return 0
     finally:
         cluster.stop()
+        for f in ready_dir.glob("*"):
+            f.unlink(missing_ok=True)
+        ready_dir.rmdir()
         print("Tandem stopped.", flush=True)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from tandem import wire
+from tandem.hub import resolve_model
 from worker.config import WorkerConfig, build_parser, config_from_args
 from worker.runtime import WorkerRuntime
 from worker.server import WorkerServer
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None, role: str | None = None, prog: str | Non
     parser = build_parser(role, prog)
     args = parser.parse_args(argv)
     try:
+        args.model = resolve_model(args.model, args.revision)
         config = config_from_args(args, role)
         config.check_tp()
     except ValueError as exc:

@@ -76,6 +76,8 @@ class Gateway:
         self.http_port: int | None = None
         self._http: Any = None
         self._health: Any = None
+        self._serving = False  # what health says: the workers can serve (WorkerRegistry.ready)
+        self._health_tasks: set[asyncio.Task[None]] = set()
 
     def _make_index(self) -> tuple[PrefixIndex | None, bool]:
         """(index or None, whether the gateway feeds it from KvEvents)."""
@@ -93,6 +95,26 @@ class Gateway:
 
     def _wake(self) -> None:
         self.dispatcher.wake()
+        self._update_health()
+
+    def _update_health(self) -> None:
+        """Health says SERVING only while a request can be served: a decode-capable worker is up
+        and, when prefill workers are configured without role-both ones, a prefill worker too
+        (`WorkerRegistry.ready`); NOT_SERVING before that, and from the drain on."""
+        if self._health is None or self.service.draining:
+            return
+        ready = self.registry.ready()
+        if ready == self._serving:
+            return
+        self._serving = ready
+        logger.info("gateway health: %s", "SERVING" if ready else "NOT_SERVING (waiting for workers)")
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", wire.TANDEM_SERVICE):
+            task = asyncio.get_running_loop().create_task(self._health.set(name, status))
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
 
     async def start(self) -> int:
         cfg = self.config
@@ -102,11 +124,16 @@ class Gateway:
         self.server = grpc.aio.server(options=options)
         wire.add_tandem_servicer(self.service, self.server)
         self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE])
+        from grpc_health.v1 import health_pb2
+
+        for name in ("", wire.TANDEM_SERVICE):  # until the workers are up (_update_health)
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"port: cannot bind {cfg.host}:{cfg.port}")
         await self.registry.start()
         self.dispatcher.start()
+        self._update_health()
         await self.server.start()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)

@@ -123,22 +123,88 @@ def test_up_restarts_a_crashed_worker(tmp_path):
 
 def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
     """`--kv-transport` goes to every prefill and decode worker (both ends must agree); auto picks
-    CUDA IPC on a GPU host and ZMQ elsewhere; colocated workers move no KV and get none."""
-    import torch
+    CUDA IPC when both sides share a GPU, NCCL across GPUs and ZMQ on the CPU; colocated workers
+    move no KV and get none."""
+    from entrypoints.launcher import build_children, parse_args, placement_for
 
-    from entrypoints.launcher import build_children, parse_args
-
-    def transports(*argv: str) -> dict[str, str | None]:
-        children = build_children(parse_args(list(argv)), "/models/m")
+    def transports(*argv: str, gpus: int = 0) -> dict[str, str | None]:
+        a = parse_args(list(argv))
+        children = build_children(a, "/models/m", placement=placement_for(a, visible=gpus))
         found = {}
         for c in children:
             found[c.name] = c.argv[c.argv.index("--kv-transport") + 1] if "--kv-transport" in c.argv else None
         return found
 
-    auto = "cuda_ipc" if torch.cuda.is_available() else "zmq"
-    assert transports("--prefill-workers", "2") == {"prefill-0": auto, "prefill-1": auto, "decode-0": auto,
+    assert transports("--prefill-workers", "2") == {"prefill-0": "zmq", "prefill-1": "zmq", "decode-0": "zmq",
                                                     "gateway": None}
-    assert set(transports("--kv-transport", "nccl").values()) == {"nccl", None}
+    assert set(transports("--prefill-workers", "2", gpus=1).values()) == {"cuda_ipc", None}
+    assert set(transports("--prefill-workers", "2", gpus=4).values()) == {"nccl", None}
+    assert set(transports("--kv-transport", "nccl", gpus=1).values()) == {"nccl", None}
     assert transports("--colocated", "--kv-transport", "zmq") == {"worker-0": None, "gateway": None}
     with pytest.raises(SystemExit):
         parse_args(["--kv-transport", "carrier-pigeon"])
+
+
+def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
+    """What each child is handed from the placement and the users' flags (no GPU needed)."""
+    from entrypoints.launcher import build_children, parse_args, placement_for
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the launcher's own view: indices map to these
+    a = parse_args(["--max-model-len", "4096", "--kv-cache-dtype", "fp8", "--no-prefix-cache",
+                    "--max-num-seqs", "64", "--gpus", "1", "--swap-space", "2"])
+    children = {c.name: c for c in build_children(a, "/models/m", placement=placement_for(a, visible=4))}
+    pre, dec, gw = children["prefill-0"], children["decode-0"], children["gateway"]
+    assert pre.env["CUDA_VISIBLE_DEVICES"] == dec.env["CUDA_VISIBLE_DEVICES"] == "5"
+
+    def flag(c, name):
+        return c.argv[c.argv.index(name) + 1]
+
+    assert float(flag(pre, "--gpu-memory-fraction")) == pytest.approx(0.3)
+    assert float(flag(dec, "--gpu-memory-fraction")) == pytest.approx(0.6)
+    for c in (pre, dec):
+        assert flag(c, "--device") == "cuda" and flag(c, "--max-model-len") == "4096"
+        assert flag(c, "--kv-cache-dtype") == "fp8" and "--no-prefix-cache" in c.argv
+        assert flag(c, "--max-running") == "64" and flag(c, "--swap-space-gb") == "2.0"
+        assert int(flag(c, "--metrics-port")) > 0
+    assert flag(gw, "--max-context") == "4096" and int(flag(gw, "--metrics-port")) > 0
+    assert "CUDA_VISIBLE_DEVICES" not in gw.env
+    cpu = build_children(parse_args(["--no-metrics"]), "/models/m", placement=placement_for(parse_args([]), 0))
+    assert all("CUDA_VISIBLE_DEVICES" not in c.env and "--device" not in c.argv and "--metrics-port" not in c.argv
+               for c in cpu)
+
+
+def test_busy_port_fails_at_once_and_a_crash_loop_stops_with_the_log_tail(tmp_path):
+    """A second `tandem up` on the first one's port fails before starting anything, naming
+    --port, and leaves the first serving; a worker that keeps crashing is restarted a bounded
+    number of times, then `tandem up` exits non-zero with the cause and the worker's log tail."""
+    model = tmp_path / "model"
+    from engine.demo import make_random_model
+
+    make_random_model(model, "llama", seed=3)
+    proc, port, log_dir = start_up(tmp_path, "--colocated", "--model", str(model), "--restart-backoff", "0.05")
+    try:
+        t0 = time.time()
+        second = subprocess.run([sys.executable, "-m", "entrypoints", "up", "--port", str(port), "--model",
+                                 str(model), "--log-dir", str(tmp_path / "second")],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert f"--port {port}: 127.0.0.1:{port} is already in use" in second.stderr
+        assert "starting" not in second.stderr + second.stdout and not (tmp_path / "second").exists()
+        assert time.time() - t0 < 30
+        with Client(f"127.0.0.1:{port}") as client:  # the first cluster is untouched
+            assert len(client.generate("hello", max_tokens=3, temperature=0.0).token_ids) == 3
+
+        # From now on the worker cannot start: each restart exits at once.
+        (model / "config.json").rename(model / "config.json.away")
+        victims = [p for p in processes_with(str(model)) if " worker " in cmdline(p)]
+        assert len(victims) == 1
+        os.kill(victims[0], signal.SIGKILL)
+        code = proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert code == 1
+    assert "worker-0 exited with code" in out and "giving up" in out
+    assert "no config.json" in out  # the worker's own log tail says why
+    assert "Tandem stopped." in out

@@ -178,38 +178,66 @@ class WorkerConfig:
         return self.engine if device == self.engine.device else replace(self.engine, device=device)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every flag's default: appended unless the help text already says it
+    (a None or False default means "off" or "derived", which the help text spells out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(role: str | None, prog: str | None = None) -> argparse.ArgumentParser:
-    """Flags for `role` (None: a --role flag is required)."""
+    """Flags for `role` (None: a --role flag is required). Names follow vLLM / SGLang where they
+    exist; their spellings there are accepted as aliases."""
     desc = {"prefill": "Tandem prefill worker", "decode": "Tandem decode worker", None: "Tandem worker"}
-    p = argparse.ArgumentParser(prog=prog, description=desc.get(role, "Tandem worker"))
+    p = argparse.ArgumentParser(prog=prog, description=desc.get(role, "Tandem worker"),
+                                formatter_class=HelpFormatter)
     if role is None:
         p.add_argument("--role", choices=ROLES, required=True, help="prefill, decode, or both (no KV transfer)")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", required=True,
+                   help="model directory, or a Hugging Face repo id (resolved through the local Hugging Face cache)")
+    p.add_argument("--revision", default=None, help="the repo id's revision: branch, tag or commit (default: main)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from config.json")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's; float32 on CPU)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
     p.add_argument("--port", type=int, default=None, help="gRPC port (0: any free port; default per role: %s)" % DEFAULT_PORTS)
-    p.add_argument("--worker-id", default=None, help="default: {role}-{host}-{port}")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: derived from memory")
-    p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--max-batched-tokens", type=int, default=4096, help="per-step token budget")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable the radix prefix cache")
-    p.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler for unseeded requests")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--worker-id", default=None, help="the name the gateway and metrics use (default: {role}-{host}-{port})")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16, 32 or 64)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks (default: what --gpu-memory-fraction leaves after weights, activations, "
+                        "CUDA graphs and the sampler)")
+    p.add_argument("--max-running", "--max-num-seqs", "--max-running-requests", type=int, default=None,
+                   dest="max_running",
+                   help="cap on running sequences (default: KV pool tokens / min(max-model-len, 2048), at most 512)")
+    p.add_argument("--max-batched-tokens", "--max-num-batched-tokens", type=int, default=4096,
+                   dest="max_batched_tokens", help="per-step token budget")
+    p.add_argument("--max-model-len", "--context-length", type=int, default=None, dest="max_model_len",
+                   help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--enable-prefix-cache", "--enable-prefix-caching", dest="enable_prefix_cache",
+                   action="store_true", default=True, help="reuse the KV of shared prompt prefixes (radix cache; default: on)")
+    p.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", "--disable-radix-cache",
+                   dest="enable_prefix_cache", action="store_false",
+                   help="disable the radix prefix cache (default: enabled)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the engine's sampler for unseeded requests (default: random)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fp8: e4m3 KV cache, twice the tokens")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize the weights to e4m3 at load (per-channel scales; FP8 checkpoints load as FP8 anyway)")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.90)
-    p.add_argument("--swap-space", type=float, default=1.0, dest="swap_space_gb",
+    p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static", type=float,
+                   default=0.90, dest="gpu_memory_fraction",
+                   help="share of the GPU's total memory this worker may use (weights, activations, graphs, KV)")
+    p.add_argument("--swap-space-gb", "--swap-space", type=float, default=1.0, dest="swap_space_gb",
                    help="GiB of host memory (per rank) for the KV of preempted requests")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (default: graphs on)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip the synthetic steps that compile the GPU kernels before the worker reports ready "
-                        "(faster start; the first requests then wait for the compiles)")
+                        "(faster start; the first requests then wait for the compiles; default: warm up)")
     p.add_argument("--kv-transport", default="zmq", help="KV transfer transport: zmq, nccl, or cuda_ipc (one host)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks: this process is rank 0 and starts the others (one GPU each "
                         "on CUDA: cuda:0..N-1 of CUDA_VISIBLE_DEVICES); prefill and decode workers that "
                         "exchange KV must use the same value")
@@ -222,7 +250,7 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--batch-window-ms", type=float, default=None,
                    help="collect arrivals this long before stepping an idle engine (default 2 for prefill, 0 otherwise)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
-    p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index")
+    p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index (default: none; the gateway's embedded index)")
     p.add_argument("--namespace", default=None, help="prefix-index namespace (default: the model identity)")
     p.add_argument("--index-heartbeat", type=float, default=2.0, dest="index_heartbeat_s",
                    help="seconds between heartbeats to the Redis prefix index; entries of a worker that "
@@ -231,8 +259,8 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="seconds a Redis prefix-index entry lives unless republished or looked up")
     p.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                    help="seconds to finish in-flight requests after SIGTERM")
-    p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving (default: none)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
@@ -249,7 +277,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         max_model_len=args.max_model_len,
         load_format=args.load_format,
         device=args.device,
-        enable_prefix_cache=not args.no_prefix_cache,
+        enable_prefix_cache=args.enable_prefix_cache,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,

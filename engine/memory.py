@@ -1,0 +1,173 @@
+"""How much of a GPU the KV cache gets, and how many sequences run at once by default.
+
+`Engine` sizes its KV pool here, after its weights are loaded and before the pool exists:
+
+    kv bytes = gpu_memory_fraction × the GPU's total memory
+               − weights (what this process has allocated once they are loaded)
+               − activations of the largest step (measured: a forward of max_batched_tokens
+                 prompt tokens and the logits of the largest decode batch, as vLLM profiles)
+               − CUDA graphs of the decode batches (estimated from the measured per-token
+                 activations, plus a fixed amount per captured batch size)
+               − the sampler's buffers for the largest decode batch (probabilities, sorted
+                 copies and indices of vocab-wide rows)
+               − NON_TORCH_BYTES (CUDA context, cuBLAS and Triton workspaces, KV transfer staging)
+
+It is computed from this process's own allocations and the GPU's total memory, never from the
+free memory of the moment, so two workers that start together on one GPU, each with its own
+share (`tandem up` gives each one), both come up. A share that cannot hold the weights, or the
+KV of one request of max_model_len tokens, is a ValueError naming the flag to change.
+
+`derive_max_running` is the default cap on running sequences: the tokens the pool holds over
+the context a running sequence is expected to hold (as SGLang derives max_running_requests), so
+an FP8 KV cache (twice the tokens) runs twice the sequences.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+GiB = 2**30
+NON_TORCH_BYTES = int(1.5 * GiB)
+GRAPH_BYTES_PER_BATCH_SIZE = 8 * 2**20  # each captured graph's own (non-pool) memory
+SAMPLER_BYTES_PER_LOGIT = 24  # fp32 probabilities, a sorted fp32 copy, int64 indices, fp32 noise
+# Running sequences: the context one is expected to hold (SGLang-like derivation), and the caps.
+EXPECTED_CONTEXT_TOKENS = 2048
+MAX_RUNNING_CEILING_CUDA = 512  # the largest decode batch with a CUDA graph
+MAX_RUNNING_CEILING_CPU = 256
+
+
+def derive_max_running(pool_tokens: int, max_model_len: int, device_type: str) -> int:
+    """The default max_running: KV pool tokens over the context a running sequence is expected
+    to hold (min(max_model_len, EXPECTED_CONTEXT_TOKENS)), at least 1, at most the device's
+    ceiling (MAX_RUNNING_CEILING_CUDA / _CPU)."""
+    context = max(1, min(max_model_len, EXPECTED_CONTEXT_TOKENS))
+    ceiling = MAX_RUNNING_CEILING_CUDA if device_type == "cuda" else MAX_RUNNING_CEILING_CPU
+    return max(1, min(ceiling, pool_tokens // context))
+
+
+def default_max_running(max_running: int | None, num_kv_blocks: int | None, pool_blocks: int, block_size: int,
+                        max_model_len: int, device_type: str) -> int:
+    """An engine's max_running: the explicit one; beside a hand-sized pool (`num_kv_blocks`
+    given) the device's ceiling (preemption does the rest); else `derive_max_running` of the
+    pool of `pool_blocks` blocks. `tandem up` calls it too, to show and size what each worker runs."""
+    if max_running is not None:
+        return max_running
+    if num_kv_blocks is not None:
+        return derive_max_running(2**62, max_model_len, device_type)
+    return derive_max_running(pool_blocks * block_size, max_model_len, device_type)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One GPU engine's memory budget, in bytes; `kv` is what is left for the KV pool."""
+
+    limit: int
+    weights: int
+    activations: int
+    graphs: int
+    sampler: int
+    other: int
+
+    @property
+    def kv(self) -> int:
+        return self.limit - self.weights - self.activations - self.graphs - self.sampler - self.other
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {getattr(self, name) / GiB:.1f}" for name in
+                          ("weights", "activations", "graphs", "sampler", "other"))
+        return f"{self.limit / GiB:.1f} GiB = {parts}, KV {max(0, self.kv) / GiB:.1f} GiB"
+
+
+def check_weights_fit(config: ModelConfig, dtype: torch.dtype, device: torch.device, fraction: float,
+                      tp: int = 1) -> None:
+    """Before loading: ValueError naming --gpu-memory-fraction (and --tp) when the weights alone
+    exceed this engine's share of the GPU."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    weights = config.num_params() * torch.empty((), dtype=dtype).element_size() // tp
+    if weights + NON_TORCH_BYTES > fraction * total:
+        raise ValueError(
+            f"gpu_memory_fraction: the weights take {weights / GiB:.1f} GiB, more than --gpu-memory-fraction "
+            f"{fraction:g} of this GPU ({fraction * total / GiB:.1f} of {total / GiB:.1f} GiB); raise it, "
+            "give this worker a GPU of its own, or raise --tp")
+
+
+@torch.inference_mode()
+def profile_step(model, kv_config: ModelConfig, block_size: int, kv_dtype: torch.dtype, device: torch.device,
+                 num_tokens: int, max_model_len: int, sample_rows: int) -> int:
+    """Peak bytes a step of `num_tokens` prompt tokens allocates above the weights (the model's
+    activations and the logits of `sample_rows` rows), not counting the temporary KV blocks it
+    writes to. Runs one real forward on `device`; leaves nothing allocated."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    seq_len = max(1, min(num_tokens, max_model_len))
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    per_seq = -(-seq_len // block_size)
+    cache = KVCache(kv_config, per_seq * len(lens), block_size, kv_dtype, device)
+    kv_bytes = torch.cuda.memory_allocated(device) - base
+    torch.cuda.reset_peak_memory_stats(device)
+    slots, positions, starts = [], [], [0]
+    for i, n in enumerate(lens):
+        slots += [i * per_seq * block_size + p for p in range(n)]
+        positions += list(range(n))
+        starts.append(starts[-1] + n)
+    tables = torch.arange(per_seq * len(lens), dtype=torch.int32, device=device).view(len(lens), per_seq)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_tables=tables,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), is_decode=False,
+        k_scale=cache.k_scale, v_scale=cache.v_scale)
+    ids = torch.ones(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(ids, torch.tensor(positions, dtype=torch.int64, device=device), cache.layers, meta)
+    rows = min(sample_rows, num_tokens)
+    logits = model.logits(hidden[num_tokens - rows:]).float()
+    probs = torch.softmax(logits, dim=-1)
+    ordered = probs.sort(dim=-1, descending=True)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - kv_bytes
+    del cache, meta, ids, hidden, logits, probs, ordered, tables
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, sample_rows: int, tp: int = 1) -> int:
+    """An upper estimate of `profile_step` without running the model (tensor-parallel ranks,
+    whose forward needs every rank): the widest intermediate tensors of one layer, a few times
+    over, plus the logits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    width = 4 * config.hidden_size + (2 * config.intermediate_size + config.q_size + 2 * config.kv_size) // tp
+    return 2 * num_tokens * width * elem + sample_rows * config.vocab_size * (elem + 4)
+
+
+def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
+            graph_batches: int, vocab_size: int) -> MemoryPlan:
+    """The budget of an engine on `device` whose weights are loaded: `step_activations` from
+    `profile_step` (or `estimate_step`) for a step of `num_tokens`; `max_batch` the largest
+    decode batch (sampler rows, and the largest CUDA graph when `graph_batches` > 0 graphs are
+    captured)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    per_token = step_activations / max(1, num_tokens)
+    graphs = int(per_token * max_batch * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
+    return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
+                      activations=step_activations, graphs=graphs,
+                      sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
+
+
+def too_small(plan: MemoryPlan, blocks: int, need_blocks: int, block_bytes: int, fraction: float,
+              max_model_len: int) -> str:
+    """The one-line error for a KV pool of `blocks` that cannot hold one request of max_model_len."""
+    need = need_blocks * block_bytes
+    return (f"gpu_memory_fraction: --gpu-memory-fraction {fraction:g} leaves {max(0, plan.kv) / GiB:.2f} GiB "
+            f"for the KV cache ({plan.describe()}); one request of --max-model-len {max_model_len} needs "
+            f"{math.ceil(need / GiB * 100) / 100:.2f} GiB: raise --gpu-memory-fraction or lower --max-model-len")

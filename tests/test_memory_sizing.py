@@ -1,0 +1,45 @@
+"""The KV pool and max_running defaults (engine/memory.py) and the one-line error when one
+request of max_model_len cannot fit. The GPU accounting itself runs in bench/up_bench.py."""
+from __future__ import annotations
+
+import pytest
+
+from engine.memory import (EXPECTED_CONTEXT_TOKENS, MAX_RUNNING_CEILING_CPU, MAX_RUNNING_CEILING_CUDA,
+                           MemoryPlan, default_max_running, derive_max_running, too_small)
+
+
+def test_max_running_follows_the_pool_so_fp8_runs_twice_the_sequences() -> None:
+    bf16_tokens = 100 * EXPECTED_CONTEXT_TOKENS
+    bf16 = derive_max_running(bf16_tokens, 131072, "cuda")
+    fp8 = derive_max_running(2 * bf16_tokens, 131072, "cuda")  # the same bytes hold twice the tokens
+    assert bf16 == 100 and fp8 == 200
+    assert derive_max_running(10**9, 131072, "cuda") == MAX_RUNNING_CEILING_CUDA
+    assert derive_max_running(10**9, 512, "cpu") == MAX_RUNNING_CEILING_CPU
+    assert derive_max_running(100, 4096, "cuda") == 1  # never zero
+    assert derive_max_running(512 * 40, 512, "cuda") == 40  # a short context: more sequences
+
+
+def test_explicit_values_win() -> None:
+    assert default_max_running(7, None, 10**6, 16, 2048, "cuda") == 7
+    assert default_max_running(None, 12, 12, 16, 2048, "cpu") == MAX_RUNNING_CEILING_CPU  # hand-sized pool
+    assert default_max_running(None, None, 1600, 16, 2048, "cuda") == 12
+
+
+def test_too_small_names_the_flags() -> None:
+    plan = MemoryPlan(limit=40 * 2**30, weights=16 * 2**30, activations=2**30, graphs=2**29, sampler=2**29,
+                      other=2**30)
+    msg = too_small(plan, 100, 8192, 2**21, 0.3, 131072)
+    assert msg.startswith("gpu_memory_fraction: --gpu-memory-fraction 0.3 leaves 21.00 GiB")
+    assert "--max-model-len 131072 needs 16.00 GiB" in msg and "\n" not in msg
+
+
+def test_engine_that_cannot_hold_one_request_says_so(tiny_models) -> None:
+    from engine import Engine, EngineConfig
+
+    cfg = EngineConfig(model_path=str(tiny_models["llama"]), cpu_kv_cache_gb=1e-6, device="cpu")
+    with pytest.raises(ValueError, match=r"^max_model_len: one request of --max-model-len \d+ needs \d+ KV blocks"):
+        Engine(cfg)
+    engine = Engine(EngineConfig(model_path=str(tiny_models["llama"]), device="cpu"))
+    assert engine.max_running >= 1 and engine.sched_config.max_running == engine.max_running
+    pinned = Engine(EngineConfig(model_path=str(tiny_models["llama"]), device="cpu", max_running=3))
+    assert pinned.max_running == 3
