@@ -53,7 +53,8 @@ def start_up(model_dir: Path, port: int, log_dir: Path, extra: list[str]) -> tup
     log("starting:", " ".join(cmd[1:]))
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **NVLS_OFF, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, **NVLS_OFF,
+                                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     lines: list[str] = []
     deadline = time.time() + UP_TIMEOUT_S
     for line in proc.stdout:

@@ -101,7 +101,7 @@ class Gateway:
         """Health says SERVING only while a request can be served: a decode-capable worker is up
         and, when prefill workers are configured without role-both ones, a prefill worker too
         (`WorkerRegistry.ready`); NOT_SERVING before that, and from the drain on."""
-        if self._health is None or self.service.draining:
+        if self._health is None or self.admission.draining:
             return
         ready = self.registry.ready()
         if ready == self._serving:
