@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gateway.admin import AdminService
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Waiter
 from gateway.metrics import GatewayMetrics
@@ -96,7 +97,8 @@ class Gateway:
                    ("grpc.so_reuseport", 0)]
         self.server = grpc.aio.server(options=options)
         wire.add_tandem_servicer(self.service, self.server)
-        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE])
+        wire.add_admin_servicer(AdminService(self.registry), self.server)  # on the public port for now
+        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE, wire.ADMIN_SERVICE])
         self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"port: cannot bind {cfg.host}:{cfg.port}")
