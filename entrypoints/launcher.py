@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
 from pathlib import Path
 
 from entrypoints.cluster import HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port
+from entrypoints.supervisor import SupervisorSocket, agent_process
 
 logger = logging.getLogger("tandem.up")
 
@@ -40,6 +42,7 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
     for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running)):
         if value:
             common += [flag, str(value)]
+    common += ["--metrics-port", "0"]  # each worker on a free port; Stats reports it (the agent reads it)
     if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
         common += ["--tp", str(a.tp)]
     disagg = common + ["--kv-transport", kv_transport(a.kv_transport)]
@@ -101,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
+    p.add_argument("--no-agent", action="store_true", help="do not start the infra agent (tandem agent)")
+    p.add_argument("--agent-args", default="", help="extra flags for the agent, e.g. \"--dry-run --config a.json\"")
     p.add_argument("--demo-request", action="store_true", help="send one request once healthy and print it")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(build_children(a, model, log_dir))
+    supervisor: SupervisorSocket | None = None
     stopping = False
 
     def on_signal(signum, _frame):
@@ -142,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", exc)
             return 1
         endpoint = f"{a.host}:{a.port}"
+        if not a.no_agent:  # the agent restarts workers through the supervisor's socket
+            supervisor = SupervisorSocket(cluster)
+            cluster.processes.append(agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir,
+                                                   shlex.split(a.agent_args)))
+            cluster.processes[-1].start()
         print(f"Tandem is up: gRPC endpoint {endpoint} "
               f"({sum(c.role != 'gateway' for c in cluster.processes)} workers). Ctrl-C stops it.", flush=True)
         if a.demo_request:
@@ -156,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
+        if supervisor is not None:
+            supervisor.close()
         print("Tandem stopped.", flush=True)
 
 
