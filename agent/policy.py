@@ -96,6 +96,8 @@ class Policy:
                 samples: Mapping[str, Mapping[str, Sample]]) -> list[Decision]:
         out: list[Decision] = []
         for w in workers:
+            if w.address in self._isolated or w.mark == ISOLATED:
+                continue  # left alone until an operator clears it
             for name, sample in samples.get(w.address, {}).items():
                 det = self.config.detectors.get(name)
                 if det is None:
