@@ -82,6 +82,7 @@ class Policy:
         self._confirmers: dict[tuple[str, str], Confirmer] = {}
         self._drained: dict[str, _Drain] = {}  # address -> why the agent drained it
         self._isolated: set[str] = set()
+        self._seen_isolated: set[str] = set()  # isolated at the gateway when last seen
 
     def state(self, address: str) -> str:
         """The agent's own view: ok, drained, restarting or isolated."""
@@ -96,6 +97,13 @@ class Policy:
                 samples: Mapping[str, Mapping[str, Sample]]) -> list[Decision]:
         out: list[Decision] = []
         for w in workers:
+            if w.mark == ISOLATED:
+                self._seen_isolated.add(w.address)
+            elif w.address in self._seen_isolated:  # an operator cleared it: watch it afresh
+                self._seen_isolated.discard(w.address)
+                self._isolated.discard(w.address)
+                for key in [k for k in self._confirmers if k[0] == w.address]:
+                    del self._confirmers[key]
             if w.address in self._isolated or w.mark == ISOLATED:
                 continue  # left alone until an operator clears it
             for name, sample in samples.get(w.address, {}).items():
