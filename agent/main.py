@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -86,6 +87,7 @@ class Agent:
                                      found))
         views: list[WorkerView] = []
         samples = {}
+        peers = self._peer_means(found)
         for w, ok, scrape, failed in probes:
             starting, restarts = self._process(now, w, ok, procs)
             sig = self._signals.get(w.address)
@@ -93,7 +95,8 @@ class Agent:
                 sig = self._signals[w.address] = WorkerSignals(w.role, self._signal_config(),
                                                                self._latency_warn(w.role))
             samples[w.address] = sig.update(now, healthy=ok, scrape=scrape, starting=starting,
-                                            supervisor_restarts=restarts, scrape_failed=failed)
+                                            supervisor_restarts=restarts, scrape_failed=failed,
+                                            peer_step_s=peers.get(w.address))
             views.append(WorkerView(w.name, w.address, w.role, w.up, w.mark, w.routable, starting))
         decisions = self.policy.observe(now, views, samples)
         for d in decisions:
@@ -104,6 +107,18 @@ class Agent:
             self.metrics.decisions.labels(d.action, d.detector, kind).inc()
         self._update_metrics(views, samples)
         return decisions
+
+    def _peer_means(self, found: list[Discovered]) -> dict[str, float]:
+        """address -> the median of the last poll's mean step time over the other workers of its
+        role group (prefill, or decode-capable)."""
+        out = {}
+        for w in found:
+            group = w.role == "prefill"
+            others = [s.mean_step_s for x in found if x.address != w.address and (x.role == "prefill") == group
+                      and (s := self._signals.get(x.address)) is not None and s.mean_step_s is not None]
+            if others:
+                out[w.address] = statistics.median(others)
+        return out
 
     def _process(self, now: float, w: Discovered, ok: bool,
                  procs: dict[str, dict[str, Any]] | None) -> tuple[bool, int | None]:

@@ -6,10 +6,13 @@
 - `unresponsive`: 1 when the health check or the scrape failed, 0 when both answered, None
   while the supervisor is (re)starting the process (it is not yet expected to answer).
 - `itl` (decode and role-both workers) and `ttft` (prefill workers): the mean engine step time
-  over the last `span_s` (from `tandem_engine_step_seconds`' sum and count), divided by the
-  worker's own rolling baseline. On a decode worker every running stream gets one token per
-  step, so the step time is its inter-token latency; a prefill worker's steps are the compute
-  part of time to first token. None while idle or until the baseline has enough values.
+  over the last `span_s` (from `tandem_engine_step_seconds`' sum and count), divided by a
+  reference: the larger of the worker's own rolling baseline and its peers' current mean (the
+  median over the other workers of its role group), so a load or host-wide slowdown that every
+  worker shares is not one worker's regression, and the baseline follows it. On a decode
+  worker every running stream gets one token per step, so the step time is its inter-token
+  latency; a prefill worker's steps are the compute part of time to first token. None while
+  idle or until the baseline has enough values.
 - `error_rate`: server-side failures (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS) among the
   worker's RPCs over `span_s`; None below `min_rpcs` calls.
 - `stuck`: seconds the engine step counter has not moved while requests are running.
@@ -100,15 +103,19 @@ class WorkerSignals:
         self._last_moved: float | None = None
         self._restarts_seen: deque[float] = deque(maxlen=64)
         self._current: dict[str, Sample] = {}
+        self.mean_step_s: float | None = None  # this poll's mean step time, for its peers
 
     @property
     def latency_detector(self) -> str:
         return "ttft" if self.role == "prefill" else "itl"
 
     def update(self, now: float, *, healthy: bool, scrape: Scrape | None, starting: bool,
-               supervisor_restarts: int | None, scrape_failed: bool = False) -> dict[str, Sample]:
+               supervisor_restarts: int | None, scrape_failed: bool = False,
+               peer_step_s: float | None = None) -> dict[str, Sample]:
         """Compute this poll's samples. `scrape` None: no metrics (`scrape_failed`: the worker
-        has a metrics port that did not answer)."""
+        has a metrics port that did not answer). `peer_step_s`: the peers' mean step time (the
+        agent passes the last poll's median of the others' `mean_step_s`)."""
+        self.mean_step_s = None
         if scrape is not None and self._history and scrape.steps < self._history[-1].steps:
             self._restarts_seen.append(now)  # counters went backwards: a new process
             self._history.clear()
@@ -129,7 +136,7 @@ class WorkerSignals:
         if scrape is None or starting:
             self._current = out
             return out
-        out[self.latency_detector] = self._latency()
+        out[self.latency_detector] = self._latency(peer_step_s)
         out["error_rate"] = self._error_rate()
         out["stuck"] = self._stuck(now, scrape)
         if scrape.kv_total > 0:
@@ -151,7 +158,7 @@ class WorkerSignals:
                 break
         return (old, new) if old is not None else None
 
-    def _latency(self) -> Sample:
+    def _latency(self, peer_step_s: float | None) -> Sample:
         span = self._span()
         if span is None:
             return Sample(None)
@@ -159,14 +166,15 @@ class WorkerSignals:
         n = new.step_count - old.step_count
         if n <= 0:
             return Sample(None, {"steps": 0})
-        mean = (new.step_sum - old.step_sum) / n
+        mean = self.mean_step_s = (new.step_sum - old.step_sum) / n
         base = self.baseline.value()
         detail: dict[str, Any] = {"mean_step_s": round(mean, 6), "steps": int(n),
-                                  "baseline_s": round(base, 6) if base is not None else None}
+                                  "baseline_s": round(base, 6) if base is not None else None,
+                                  "peers_s": round(peer_step_s, 6) if peer_step_s is not None else None}
         if base is None:
             self.baseline.add(mean)
             return Sample(None, detail)
-        ratio = mean / max(base, self.config.latency_floor_s)
+        ratio = mean / max(base, peer_step_s or 0.0, self.config.latency_floor_s)
         if ratio < self.latency_warn:
             self.baseline.add(mean)
         return Sample(round(ratio, 3), detail)

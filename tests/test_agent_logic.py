@@ -212,3 +212,16 @@ def test_policy_escalates_a_drained_worker_to_a_restart_and_clears_when_healthy(
     assert [d.action for _, d in out] == ["restart"] and p.state("h:1") == "restarting"
     out = run(p, [(13.0, {"h:1": {"unresponsive": Sample(0.0)}})])
     assert [d.action for _, d in out] == ["clear"] and p.state("h:1") == "ok"
+
+
+def test_latency_shared_by_the_peers_is_no_regression():
+    sig = WorkerSignals("decode", SignalConfig(span_s=1.0, latency_floor_s=0.001))
+    count, total = 0, 0.0
+    for i in range(40):
+        t = i * 0.25
+        step = 0.004 if t < 5 else 0.02  # everyone got 5x slower (more load)
+        count, total = count + 10, total + 10 * step
+        s = sig.update(t, healthy=True, scrape=page(t, count, total), starting=False, supervisor_restarts=0,
+                       peer_step_s=step)
+    assert s["itl"].value == pytest.approx(1.0)
+    assert s["itl"].detail["peers_s"] == 0.02

@@ -5,7 +5,8 @@ would. Either a number (from start-up on), or `@PATH`: a file holding the number
 most every 0.1 s, so a test can make a running worker slow, spike it once, or heal it (a
 missing or empty file means no delay). Read once at worker start; the delay is slept on the
 engine thread right after the step and counted in that step's duration, so every stream on the
-worker sees it and `tandem_engine_step_seconds` shows it.
+worker sees it and `tandem_engine_step_seconds` shows it. `{worker_id}` in the value is replaced
+by the worker's id, so one setting for a whole cluster gives each worker its own file.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class StepDelay:
         logger.warning("fault injection on: %s=%s", ENV_STEP_DELAY, spec)
 
     @classmethod
-    def from_env(cls) -> StepDelay | None:
-        spec = os.environ.get(ENV_STEP_DELAY, "").strip()
+    def from_env(cls, worker_id: str = "") -> StepDelay | None:
+        spec = os.environ.get(ENV_STEP_DELAY, "").strip().replace("{worker_id}", worker_id)
         return cls(spec) if spec else None
 
     def current(self) -> float:

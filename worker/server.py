@@ -84,7 +84,7 @@ class WorkerServer:
         self.port = 0
         self.kv_address = ""
         self.metrics_port: int | None = None
-        self._step_fault = StepDelay.from_env()  # test-only fault hook (worker/faults.py)
+        self._step_fault = StepDelay.from_env(config.worker_id)  # test-only fault hook (worker/faults.py)
         self._stopping = False
         self._skip_wait = asyncio.Event()
         self._stopped = asyncio.Event()
