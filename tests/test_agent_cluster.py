@@ -29,7 +29,7 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went", "One day a
 MAX_TOKENS = 40
 # Short windows so each scenario fits in CI; the shapes are the production ones.
 AGENT_CONFIG = {
-    "poll_s": 0.25, "span_s": 1.0, "latency_floor_s": 0.002, "startup_grace_s": 60, "recover_s": 600,
+    "poll_s": 0.25, "span_s": 1.0, "health_timeout_s": 0.5, "latency_floor_s": 0.002, "startup_grace_s": 60, "recover_s": 600,
     "escalate_s": 600, "restart_window_s": 120,
     "detectors": {
         "itl": {"warn": 2, "act": 4, "window_s": 3.0, "cooldown_s": 30},
