@@ -256,3 +256,6 @@ def test_hung_worker_restarted_killed_one_back_and_repeated_restarts_isolate(up)
     # An operator clears it; it is routed again.
     c.admin.Clear(admin_pb2.WorkerMarkRequest(worker="both-1"), timeout=5)
     wait_until(lambda: c.workers()["both-1"].routable, 10, what="both-1 routable after Clear")
+    with pytest.raises(grpc.RpcError) as err:
+        c.admin.Drain(admin_pb2.WorkerMarkRequest(worker="no-such-worker"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-worker" in err.value.details()

@@ -38,8 +38,8 @@ class StepDelay:
         logger.warning("fault injection on: %s=%s", ENV_STEP_DELAY, spec)
 
     @classmethod
-    def from_env(cls, worker_id: str = "") -> StepDelay | None:
-        spec = os.environ.get(ENV_STEP_DELAY, "").strip().replace("{worker_id}", worker_id)
+    def from_env(cls, worker_id: str | None = "") -> StepDelay | None:
+        spec = os.environ.get(ENV_STEP_DELAY, "").strip().replace("{worker_id}", worker_id or "")
         return cls(spec) if spec else None
 
     def current(self) -> float:
