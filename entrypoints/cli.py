@@ -15,6 +15,7 @@ commands:
   prefill    run a prefill worker
   decode     run a decode worker
   worker     run a worker with --role prefill|decode|both
+  agent      run the infra agent (drains, restarts, isolates unhealthy workers)
   generate   send one request to a running cluster
   bench      run a load benchmark against a running cluster
   convert    convert a checkpoint (llama2c) to a Hugging Face directory
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         from entrypoints.worker import decode_main as run
     elif cmd == "worker":
         from entrypoints.worker import main as run
+    elif cmd == "agent":
+        from agent.main import main as run
     elif cmd == "generate":
         return generate_main(rest)
     elif cmd == "bench":

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, Cluste
                                  port_in_use)
 from entrypoints.placement import Placement, PlacementError, parse_gpus, place, visible_gpu_count
 from worker.config import HelpFormatter
+from entrypoints.cluster import HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port
+from entrypoints.supervisor import SupervisorSocket, agent_process
 
 logger = logging.getLogger("tandem.up")
 
@@ -174,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
+    p.add_argument("--no-agent", action="store_true", help="do not start the infra agent (tandem agent)")
+    p.add_argument("--agent-args", default="", help="extra flags for the agent, e.g. \"--dry-run --config a.json\"")
     p.add_argument("--demo-request", action="store_true",
                    help="send one request once healthy and print it (default: off)")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     children = build_children(a, model, log_dir, placement, ready_dir)
     gateway = children.pop()
     cluster = Cluster(children)
+    supervisor: SupervisorSocket | None = None
     stopping = False
 
     def on_signal(signum, _frame):
@@ -288,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         gw_metrics = gateway.argv[gateway.argv.index("--metrics-port") + 1] if "--metrics-port" in gateway.argv else None
         print("\n".join(rows + [f"  {'gateway':<10} {endpoint}" + (f", metrics :{gw_metrics}" if gw_metrics else "")]),
               flush=True)
+        if not a.no_agent:  # the agent restarts workers through the supervisor's socket
+            supervisor = SupervisorSocket(cluster)
+            cluster.processes.append(agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir,
+                                                   shlex.split(a.agent_args)))
+            cluster.processes[-1].start()
         print(f"Tandem is up: gRPC endpoint {endpoint} "
               f"({len(children)} workers, model {model}). Ctrl-C stops it.", flush=True)
         if a.http_port is not None:
@@ -307,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in ready_dir.glob("*"):
             f.unlink(missing_ok=True)
         ready_dir.rmdir()
+        if supervisor is not None:
+            supervisor.close()
         print("Tandem stopped.", flush=True)
 
 

@@ -33,6 +33,7 @@ class WorkerStatsView:
     draining: bool
     kv_bytes_sent: int = 0  # KV-transfer payload bytes this worker pushed (prefill) ...
     kv_bytes_received: int = 0  # ... or took in (decode), since it started
+    metrics_port: int = 0  # its Prometheus port on its host; 0: none
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def stats_from_proto(msg: wpb.WorkerStats) -> WorkerStatsView:
         total_kv_blocks=msg.total_kv_blocks, running=msg.running, waiting=msg.waiting,
         queued_prefill_tokens=msg.queued_prefill_tokens, prefix_query_tokens=msg.prefix_query_tokens,
         prefix_hit_tokens=msg.prefix_hit_tokens, preemptions=msg.preemptions, draining=msg.draining,
-        kv_bytes_sent=msg.kv_bytes_sent, kv_bytes_received=msg.kv_bytes_received,
+        kv_bytes_sent=msg.kv_bytes_sent, kv_bytes_received=msg.kv_bytes_received, metrics_port=msg.metrics_port,
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from gateway.admin import AdminService
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Waiter
@@ -123,7 +124,8 @@ class Gateway:
                    ("grpc.so_reuseport", 0)]
         self.server = grpc.aio.server(options=options)
         wire.add_tandem_servicer(self.service, self.server)
-        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE])
+        wire.add_admin_servicer(AdminService(self.registry), self.server)  # on the public port for now
+        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE, wire.ADMIN_SERVICE])
         from grpc_health.v1 import health_pb2
 
         for name in ("", wire.TANDEM_SERVICE):  # until the workers are up (_update_health)

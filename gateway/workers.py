@@ -42,6 +42,7 @@ class WorkerHandle:
     up: bool = False
     inflight: int = 0
     last_error: str = ""
+    mark: str = ""  # "drained" or "isolated" by the Admin service (gateway/admin.py): never routable
     client: WorkerClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class WorkerHandle:
 
     @property
     def routable(self) -> bool:
-        return self.up and not (self.stats is not None and self.stats.draining)
+        return self.up and not self.mark and not (self.stats is not None and self.stats.draining)
 
     @property
     def has_slot(self) -> bool:

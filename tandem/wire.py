@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
-from tandem._proto.tandem.v1 import tandem_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem._proto.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem.types import SamplingParams, Tier
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 TANDEM_SERVICE = pb.DESCRIPTOR.services_by_name["Tandem"].full_name  # "tandem.v1.Tandem"
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name  # "tandem.v1.Admin"
 
 TandemStub = tandem_pb2_grpc.TandemStub
 TandemServicer = tandem_pb2_grpc.TandemServicer
@@ -34,6 +35,9 @@ add_prefill_worker_servicer = worker_pb2_grpc.add_PrefillWorkerServicer_to_serve
 DecodeWorkerStub = worker_pb2_grpc.DecodeWorkerStub
 DecodeWorkerServicer = worker_pb2_grpc.DecodeWorkerServicer
 add_decode_worker_servicer = worker_pb2_grpc.add_DecodeWorkerServicer_to_server
+AdminStub = admin_pb2_grpc.AdminStub
+AdminServicer = admin_pb2_grpc.AdminServicer
+add_admin_servicer = admin_pb2_grpc.add_AdminServicer_to_server
 
 # SamplingParams fields carried as proto3 `optional` scalars (unset -> dataclass default).
 _OPTIONAL_SCALARS = (

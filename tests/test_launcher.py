@@ -60,7 +60,7 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
         # Every child serves the demo model made under this test's HOME, so its path marks our processes.
         ours = [p for p in processes_with(str(tmp_path)) if p != proc.pid]
         roles = sorted(cmdline(p).split(" -m entrypoints ")[1].split()[0] for p in ours if " -m entrypoints " in cmdline(p))
-        assert roles == ["decode", "gateway", "prefill"]
+        assert roles == ["agent", "decode", "gateway", "prefill"]  # tandem up starts the infra agent too
         with Client(f"127.0.0.1:{port}") as client:
             a = client.generate("Once upon a time", max_tokens=12, temperature=0.0)
             b = client.generate("Once upon a time", max_tokens=12, temperature=0.0)

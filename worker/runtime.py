@@ -60,10 +60,12 @@ class WorkerRuntime:
 
     def stats_proto(self) -> worker_pb2.WorkerStats:
         kv = self.kv_stats()
-        return adapters.stats_to_proto(
+        msg = adapters.stats_to_proto(
             self.loop.stats, self.worker_id, self.role,
             kv.get("sent", {}).get("bytes_sent", 0), kv.get("received", {}).get("bytes_received", 0), self.draining,
         )
+        msg.metrics_port = (self.metrics.port or 0) if self.metrics is not None else 0
+        return msg
 
     async def kv_events(self, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
         """Reset batch, then deltas, until the client leaves or falls too far behind."""

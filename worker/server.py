@@ -34,6 +34,7 @@ import grpc
 from tandem import wire
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
+from worker.faults import StepDelay
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
 
@@ -83,6 +84,7 @@ class WorkerServer:
         self.port = 0
         self.kv_address = ""
         self.metrics_port: int | None = None
+        self._step_fault = StepDelay.from_env(config.worker_id)  # test-only fault hook (worker/faults.py)
         self._stopping = False
         self._skip_wait = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -148,6 +150,8 @@ class WorkerServer:
         runtime.metrics = metrics
 
     def _observe_step(self, seconds: float) -> None:
+        if self._step_fault is not None:
+            seconds += self._step_fault.after_step()
         if self.runtime is not None and self.runtime.metrics is not None:
             self.runtime.metrics.observe_step(seconds)
 
