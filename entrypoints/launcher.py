@@ -30,9 +30,8 @@ from pathlib import Path
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port,
                                  port_in_use)
 from entrypoints.placement import Placement, PlacementError, parse_gpus, place, visible_gpu_count
-from worker.config import HelpFormatter
-from entrypoints.cluster import HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port
 from entrypoints.supervisor import SupervisorSocket, agent_process
+from worker.config import HelpFormatter
 
 logger = logging.getLogger("tandem.up")
 
