@@ -19,7 +19,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SCALE_RTOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# A row's scale is its amax over 448, and the amax is of outputs rounded to the input dtype: the
+# kernel and the reference may round the largest element to neighbouring values (the product
+# w * x * rsqrt is formed in another order), two steps of that dtype at most (bf16: 2**-7 each).
+SCALE_RTOL = {torch.float32: 1e-6, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}
 # (rows, cols): one row, odd widths, a row longer than kernels.quant.CHUNK (the loop's second chunk)
 SHAPES = ((1, 64), (7, 100), (33, 257), (3, 5000))
 
