@@ -13,6 +13,7 @@ import grpc
 
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
+from gateway.malformed import MalformedMessage
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel
 from gateway.placement import PlacementNeeds, Placer
@@ -31,9 +32,10 @@ logger = logging.getLogger(__name__)
 class TandemService(wire.TandemServicer):
     """Generate / Abort / GetModelInfo over the gateway's runner.
 
-    Status codes: INVALID_ARGUMENT (a field, named in the message), ALREADY_EXISTS (a
-    client-chosen request_id already running), RESOURCE_EXHAUSTED (tier queue full; oversize
-    messages are refused by gRPC itself), UNAVAILABLE (draining, or no worker could serve the
+    Status codes: INVALID_ARGUMENT (a field, named in the message; or a message that does not
+    parse, gateway.malformed), ALREADY_EXISTS (a client-chosen request_id already running),
+    RESOURCE_EXHAUSTED (tier queue full, or more than `max_calls` Generate calls in flight: the
+    message names the tier; oversize messages are refused by gRPC itself), UNAVAILABLE (draining, or no worker could serve the
     request within the retry bound), DEADLINE_EXCEEDED (the call's deadline or the tier's
     default deadline). The first chunk of a stream is sent at admission and carries the
     request id; tokens follow; the last chunk has finish_reason and usage.
@@ -50,14 +52,37 @@ class TandemService(wire.TandemServicer):
         self.metrics = metrics
         self.running: dict[str, RequestState] = {}
         self.draining = False
+        pool = config.workers
+        self.max_calls = config.liveness.call_bound(
+            sum(t.capacity for t in config.tiers.values()),
+            (len(pool.decode) + len(pool.both)) * pool.max_inflight_per_decode)
+        self.calls = 0  # Generate calls in this servicer, admitted or not
+        metrics.calls_inflight.set_function(lambda: self.calls)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        self.calls += 1
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        finally:
+            self.calls -= 1
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         arrival = time.monotonic()
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
+            return
         try:
             inp = wire.generate_request_from_proto(request)
             admitted = validate_request(inp, self.model, max_tokens_set=request.params.HasField("max_tokens"))
         except ValueError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        if self.calls > self.max_calls:
+            self.metrics.calls_refused.labels(admitted.tier.name.lower(), "max_inflight_calls").inc()
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"tier: {admitted.tier.name} request refused: the gateway holds {self.max_calls} calls "
+                             f"(max_inflight_calls); retry later")
             return
         if self.draining:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
@@ -85,20 +110,24 @@ class TandemService(wire.TandemServicer):
                              f"worker holds {largest}")
             return
         needs = PlacementNeeds(request_id, len(admitted.prompt_ids), needed)
-        await self.placer.match_prompt(needs, admitted.prompt_ids)
         assembler = OutputAssembler(self.model.tokenizer, admitted.prompt_ids, admitted.params,
                                     self.model.eos_token_ids, self.model.max_context, admitted.stream_text)
         st = RequestState(request_id, admitted, assembler, arrival, deadline, needs)
-        try:
-            st.ticket = self.dispatcher.enqueue(needs, admitted.tier, deadline)
-        except QueueFull as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
+        # Abort finds the request from here on (its id is known), whatever happens next.
         self.running[request_id] = st
-        self.metrics.tokens_in.inc(len(admitted.prompt_ids))
-        st.task = asyncio.create_task(self.runner.run(st), name=f"request:{request_id}")
         status = "ok"
         try:
+            await self.placer.match_prompt(needs, admitted.prompt_ids)
+            if not st.ended:  # else an Abort came while the prompt was matched: its chunk is on st.out
+                try:
+                    st.ticket = self.dispatcher.enqueue(needs, admitted.tier, deadline)
+                except QueueFull as exc:
+                    status = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+                    self.metrics.calls_refused.labels(admitted.tier.name.lower(), "queue_full").inc()
+                    await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                    return
+                self.metrics.tokens_in.inc(len(admitted.prompt_ids))
+                self.runner.start(st)
             yield pb.GenerateChunk(request_id=request_id)
             async for item in drain_output(st):
                 if isinstance(item, RequestFailed):
@@ -108,24 +137,25 @@ class TandemService(wire.TandemServicer):
                 yield wire.chunk_to_proto(item)
                 if item.finish_reason is not None:
                     status = item.finish_reason
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             status = "cancelled"
             raise
         finally:
-            if st.task is not None and not st.task.done():
-                st.task.cancel()  # client went away: the runner aborts the request on the workers
-            self.running.pop(request_id, None)
+            self.runner.cancel(st)  # no-op once it ended; else it stops and frees what it holds
+            if self.running.get(request_id) is st:
+                del self.running[request_id]
             self.metrics.requests.labels(status).inc()
             self.metrics.e2e.labels(admitted.tier.name.lower()).observe(time.monotonic() - arrival)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
         st = self.running.get(request.request_id)
-        if st is None or st.task is None or st.task.done():
-            return pb.AbortResponse(found=False)
-        st.abort()
-        return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=st is not None and self.runner.abort(st))
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
         pool = self.config.workers
         info = wire.ModelInfo(
             model=self.model.name, model_identity=self.model.identity, vocab_size=self.model.vocab_size,
