@@ -175,7 +175,7 @@ def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultRes
 # ---------------------------------------------------------------- one call
 
 def request(prompt: str, max_tokens: int, rid: str = "", tier: Tier = Tier.STANDARD) -> pb.GenerateRequest:
-    return pb.GenerateRequest(text=prompt, request_id=rid, tier=int(tier),
+    return pb.GenerateRequest(text=prompt, request_id=rid, tier=wire.tier_to_proto(tier),
                               params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
@@ -360,25 +360,12 @@ def burst(r: Rig, n: int, *, interactive_every: int = 20, channels: int = 4, lib
     finally:
         server_mod.overload_options = saved
     try:
-        peak = [0]
-        stop = False
-
-        async def watch() -> None:
-            while not stop:
-                peak[0] = max(peak[0], gw.call(lambda: gw.gateway.service.calls))
-                await asyncio.sleep(0.01)
-
         async def run() -> list[tuple[Tier, CallOutcome]]:
-            nonlocal stop
-            watcher = asyncio.ensure_future(watch())
-            try:
-                return await _burst_calls(gw.target, n, interactive_every, channels)
-            finally:
-                stop = True
-                await watcher
+            return await _burst_calls(gw.target, n, interactive_every, channels)
 
         outs = asyncio.run(run())
         bound = gw.call(lambda: gw.gateway.service.max_calls)
+        peak = [gw.call(lambda: gw.gateway.service.calls_peak)]
         for tier, out in outs:
             result.outcomes[f"{tier.name}:{out.code}"] += 1
             if out.code == "OK":

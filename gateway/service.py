@@ -57,10 +57,12 @@ class TandemService(wire.TandemServicer):
             sum(t.capacity for t in config.tiers.values()),
             (len(pool.decode) + len(pool.both)) * pool.max_inflight_per_decode)
         self.calls = 0  # Generate calls in this servicer, admitted or not
+        self.calls_peak = 0  # the most held at once (tests and fault runs read it)
         metrics.calls_inflight.set_function(lambda: self.calls)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         self.calls += 1
+        self.calls_peak = max(self.calls_peak, self.calls)
         try:
             async for chunk in self._generate(request, context):
                 yield chunk
