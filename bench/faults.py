@@ -218,6 +218,7 @@ async def reference_tokens(target: str, prompts: Sequence[str], max_tokens: int)
 
 # ---------------------------------------------------------------- scenario: request lifecycle
 
+LONG = 200  # tokens of a stream a deadline should cut
 LIFECYCLE_ACTIONS = ("complete", "abort_now", "abort_after", "disconnect_now", "disconnect_after", "deadline")
 
 
@@ -235,7 +236,8 @@ async def _lifecycle_calls(gw: GatewayThread, n: int, seed: int, max_tokens: int
             rid = f"life-{seed}-{i}"
             after = rng.randint(0, 6)
             timeout = rng.uniform(0.05, 1.0) if action == "deadline" else WAIT
-            call = stub.Generate(request(prompt, max_tokens, rid), timeout=timeout)
+            length = max_tokens if action != "deadline" else LONG  # a deadline should hit a running stream
+            call = stub.Generate(request(prompt, length, rid), timeout=timeout)
             acted: list[float] = []
 
             async def abort() -> None:
@@ -267,18 +269,18 @@ async def _lifecycle_calls(gw: GatewayThread, n: int, seed: int, max_tokens: int
                 await background
             kind = out.finish_reason or out.code
             result.outcomes[kind] += 1
-            want = ref[prompt]
+            want = ref[prompt][:length]
             if out.code == "HANG":
                 result.failures += 1
             elif action == "complete" and out.code not in ("OK",):
                 result.failures += 1
                 result.notes.append(f"{rid}: {out.code} {out.details}")
-            elif out.code not in ("OK", "CANCELLED", "DEADLINE_EXCEEDED"):
+            elif out.code not in ("OK", "CANCELLED_BY_US", "DEADLINE_EXCEEDED"):
                 result.failures += 1
                 result.notes.append(f"{rid} ({action}): {out.code} {out.details}")
             elif out.code == "DEADLINE_EXCEEDED" and action != "deadline":
                 result.failures += 1
-            elif out.code == "CANCELLED" and not action.startswith("disconnect"):
+            elif out.code == "CANCELLED_BY_US" and not action.startswith("disconnect"):
                 result.failures += 1
             if out.tokens != want[:len(out.tokens)]:
                 result.tokens_lost += len(want)  # a wrong token: the whole stream counts as lost
@@ -308,10 +310,10 @@ def lifecycle(r: Rig, n: int, seed: int = 0, *, kill: str | None = None, decode:
     result = FaultResult("lifecycle" + ("+kill" if kill else ""), fault, requests=n)
     gw = r.gateway(["p0"], list(decode))
     try:
-        ref = asyncio.run(reference_tokens(gw.target, PROMPTS, max_tokens))
+        ref = asyncio.run(reference_tokens(gw.target, PROMPTS, LONG))
         asyncio.run(_lifecycle_calls(gw, n, seed, max_tokens, ref, r.workers[kill] if kill else None, result))
         settle(gw, [r.workers[x] for x in ("p0", *decode)], result)
-        after = asyncio.run(reference_tokens(gw.target, PROMPTS[:2], max_tokens))
+        after = asyncio.run(reference_tokens(gw.target, PROMPTS[:2], LONG))
         if after != {p: ref[p] for p in PROMPTS[:2]}:
             result.failures += 1
             result.notes.append("the gateway did not serve normally afterwards")
@@ -388,17 +390,24 @@ def burst(r: Rig, n: int, *, interactive_every: int = 20, channels: int = 4, lib
 # ---------------------------------------------------------------- scenario: frozen worker (SIGSTOP)
 
 async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: int, min_tokens_before: int,
-                              inject: Any) -> list[CallOutcome]:
+                              inject: Any, gaps: list[float] | None = None) -> list[CallOutcome]:
     """Start one stream per prompt; once every stream has `min_tokens_before` tokens, call
-    `inject()` (in a thread); return every stream's outcome."""
+    `inject()` (in a thread); return every stream's outcome. `gaps[i]`: the longest wait for a
+    chunk of stream i after the injection."""
+    gaps = gaps if gaps is not None else [0.0] * len(prompts)
     counts = [0] * len(prompts)
     ready = asyncio.Event()
+    injected: list[float] = []
+    last = [0.0] * len(prompts)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = wire.TandemStub(ch)
 
         def watcher(i: int) -> Any:
             async def on_chunk(got: int) -> None:
-                counts[i] = got
+                now = time.monotonic()
+                if injected and last[i]:
+                    gaps[i] = max(gaps[i], now - max(last[i], injected[0]))
+                counts[i], last[i] = got, now
                 if all(c >= min_tokens_before for c in counts):
                     ready.set()
             return on_chunk
@@ -406,11 +415,12 @@ async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: i
         tasks = [asyncio.ensure_future(consume(stub.Generate(request(p, max_tokens), timeout=WAIT * 2), watcher(i)))
                  for i, p in enumerate(prompts)]
         await asyncio.wait_for(ready.wait(), WAIT)
+        injected.append(time.monotonic())
         await asyncio.to_thread(inject)
         return list(await asyncio.gather(*tasks))
 
 
-def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_tokens: int = 96,
+def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_tokens: int = 200,
                   stall_timeout_s: float = 2.0) -> FaultResult:
     """`n_streams` streams on two decode workers (the split is checked: no worse than 20/12 for
     32); SIGSTOP the busier decode worker (role "decode") or the only prefill worker of two
@@ -445,7 +455,11 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
         if role == "prefill":
             outs = asyncio.run(_prefill_stall(gw.target, prompts, max_tokens, freeze))
         else:
-            outs = asyncio.run(_streams_with_fault(gw.target, prompts, max_tokens, min_before, freeze))
+            gaps = [0.0] * len(prompts)
+            outs = asyncio.run(_streams_with_fault(gw.target, prompts, max_tokens, min_before, freeze, gaps))
+            result.extra["max_gap_s"] = max(gaps)
+            result.notes.append(f"longest wait for a chunk after the freeze {max(gaps):.1f} s "
+                                f"(stall timeout {stall_timeout_s:.1f} s)")
         result.extra["finished_frozen"] = all(v.alive() for v in stopped)
         for p, out in zip(prompts, outs):
             result.outcomes[out.code] += 1
@@ -469,7 +483,7 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
             with contextlib.suppress(ProcessLookupError):
                 os.kill(v.pid, signal.SIGCONT)
         gw.stop()
-    if "split" in result.extra:
+    if result.extra.get("split") and role == "decode":
         result.notes.insert(0, f"burst split {'/'.join(map(str, result.extra['split']))}")
     return result
 
@@ -503,9 +517,13 @@ def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 96) 
             async def run() -> list[CallOutcome]:
                 async with grpc.aio.insecure_channel(gw.target) as ch:
                     stub = wire.TandemStub(ch)
-                    tasks = [asyncio.ensure_future(consume(stub.Generate(request(p, max_tokens), timeout=WAIT * 2)))
-                             for p in prompts]
-                    await asyncio.sleep(0.05)  # prefills under way on both prefill workers
+
+                    async def later(i: int, p: str) -> CallOutcome:
+                        await asyncio.sleep(i * 1.0 / len(prompts))  # arrivals over 1 s: prefills keep coming
+                        return await consume(stub.Generate(request(p, max_tokens), timeout=WAIT * 2))
+
+                    tasks = [asyncio.ensure_future(later(i, p)) for i, p in enumerate(prompts)]
+                    await asyncio.sleep(0.5)
                     await asyncio.to_thread(victim.kill)
                     return list(await asyncio.gather(*tasks))
             outs = asyncio.run(run())
