@@ -147,9 +147,13 @@ def gateway_in_flight(gw: GatewayThread) -> dict[str, int]:
     return gw.call(read)
 
 
+_LOG_SEEN: dict[str, int] = {}  # log file -> characters already checked
+
+
 def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultResult, timeout: float = WAIT) -> None:
     """Wait for the gateway to hold nothing and every live worker to free every block; what is
-    still held after `timeout` is recorded as a failure / leaked blocks."""
+    still held after `timeout` is recorded as a failure / leaked blocks, and so is an ERROR or
+    a traceback a worker logged since the last check."""
     deadline = time.monotonic() + timeout
     held = gateway_in_flight(gw)
     while any(held.values()) and time.monotonic() < deadline:
@@ -159,6 +163,11 @@ def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultRes
         result.failures += 1
         result.notes.append(f"gateway still holds {held}")
     for w in workers:
+        full = w.log_tail(1 << 24)
+        log, _LOG_SEEN[str(w.log_path)] = full[_LOG_SEEN.get(str(w.log_path), 0):], len(full)
+        if "Traceback" in log or " ERROR " in log:
+            result.failures += 1
+            result.notes.append(f"{w.name} logged an ERROR: {log[log.find('ERROR') - 200:][:400]!r}")
         if not w.alive():
             continue
         leaked = 0
@@ -420,7 +429,7 @@ async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: i
         return list(await asyncio.gather(*tasks))
 
 
-def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_tokens: int = 200,
+def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_tokens: int = 400,
                   stall_timeout_s: float = 2.0) -> FaultResult:
     """`n_streams` streams on two decode workers (the split is checked: no worse than 20/12 for
     32); SIGSTOP the busier decode worker (role "decode") or the only prefill worker of two

@@ -70,14 +70,14 @@ def test_frozen_decode_worker_streams_migrate_token_for_token(rig: Rig) -> None:
     result = frozen_worker(rig, 32, role="decode", stall_timeout_s=2.0)
     clean(result)
     assert result.extra["finished_frozen"]  # every stream ended while the worker was still stopped
-    assert result.extra["stalls"] >= 1
+    assert result.extra["stalls"] >= 1, result.row()
     assert max(result.extra["split"]) <= 20 and sum(result.extra["split"]) == 32, result.extra["split"]
 
 
 def test_frozen_prefill_worker_prefills_migrate(rig: Rig) -> None:
     result = frozen_worker(rig, 6, role="prefill", stall_timeout_s=2.0)
     clean(result)
-    assert result.extra["stalls"] >= 1
+    assert result.extra["stalls"] >= 1, result.row()
 
 
 def test_malformed_protobuf_is_invalid_argument(rig: Rig) -> None:
