@@ -168,6 +168,9 @@ class Scheduler:
         need = blocks_needed(seq.num_prompt_tokens, 1, self.config.max_model_len, bs) - len(match.block_ids)
         if self.allocator.num_free < need:
             self.cache.evict(need - self.allocator.num_free)
+            # The eviction may have taken the matched blocks themselves: match again.
+            match = self.cache.match_prefix(seq.prompt_token_ids)
+            need = blocks_needed(seq.num_prompt_tokens, 1, self.config.max_model_len, bs) - len(match.block_ids)
         if self.allocator.num_free < need:
             return None
         self.cache.lock(match)

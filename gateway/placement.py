@@ -139,6 +139,7 @@ class Placer:
         the longest prefix (e.g. the previous turn)."""
         preferred = [h for h in free if h.name not in needs.avoid]
         cands = preferred or list(free)
+        cands = [h for h in cands if h.trusted] or cands  # a suspect only when nothing else is free
         if len(cands) == 1:
             return cands[0]
         # Requests admitted together were matched before any of them was placed.
@@ -165,6 +166,7 @@ class Placer:
         if d.role == Role.BOTH:
             return Placement(d, COLOCATED)
         prefill = [h for h in self.registry.prefill_workers() if h.routable]
+        prefill = [h for h in prefill if h.trusted] or prefill
         if not prefill or self._prefill_locally(needs, d, num_tokens):
             self.metrics.routing.labels(LOCAL).inc()
             self.router.remember(d.name, needs.hashes)

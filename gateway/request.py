@@ -234,12 +234,7 @@ class RequestRunner:
         # the answer before aborting, so a late reservation cannot leak.
         reserve = d.client.reserve(wrid, tokens, params.max_tokens - n_out, st.admitted.tier, n_out, st.deadline)
         self._hold(st, d, wrid, reserve)
-        limit = self.liveness.prefill_timeout(d)
-        try:
-            async with asyncio.timeout(limit):
-                resv = await asyncio.shield(reserve)
-        except TimeoutError:
-            raise self._stalled(d, "reserve", limit) from None
+        resv = await self._unless_stalled(d, "reserve", self.liveness.prefill_timeout(d), asyncio.shield(reserve))
         if not resv.ok:
             self._unhold(st, d, wrid)
             raise _NoRoom(resv.reason or "reservation refused")
@@ -248,13 +243,10 @@ class RequestRunner:
         p = placement.computes_prompt
         self._note_prefill(st, wrid, placement)
         self._hold(st, p, wrid)
-        limit = self.liveness.prefill_timeout(p)
         try:
-            async with asyncio.timeout(limit):
-                first = await p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out,
-                                               st.deadline)
-        except TimeoutError:
-            raise self._stalled(p, "prefill", limit) from None
+            first = await self._unless_stalled(
+                p, "prefill", self.liveness.prefill_timeout(p),
+                p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out, st.deadline))
         finally:
             self.placer.release(st.needs)
         self._unhold(st, p, wrid)  # P released its blocks once the KV was handed to the sender
@@ -281,13 +273,10 @@ class RequestRunner:
             while True:
                 limit = self.liveness.stream_timeout(w) if got_first else self.liveness.prefill_timeout(w)
                 try:
-                    async with asyncio.timeout(limit):
-                        chunk = await chunks.__anext__()
+                    chunk = await self._unless_stalled(w, "stream", limit, chunks.__anext__())
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
-                    raise self._stalled(w, "stream", limit) from None
-                now = time.monotonic()
+                now = w.last_progress = time.monotonic()
                 if got_first and chunk.token_ids:
                     self.liveness.observe_chunk(w, (now - last) / len(chunk.token_ids))
                 last = now
@@ -311,12 +300,31 @@ class RequestRunner:
             stream.cancel()
         raise WorkerUnavailable("stream", "ended without a final chunk", w)
 
-    def _stalled(self, w: WorkerHandle, stage: str, limit: float) -> WorkerUnavailable:
-        """`w` made no progress on this attempt for `limit` seconds: suspect it, and fail the
-        attempt like a dead worker's (the caller retries elsewhere; holders get Abort)."""
+    async def _unless_stalled(self, w: WorkerHandle, stage: str, limit: float, awaitable: Any) -> Any:
+        """Await `awaitable` (a call on `w`) unless `w` stalls: it is stalled when this call got
+        nothing for `limit` seconds AND no other call on `w` made progress in that time (a
+        request waiting or preempted inside a busy worker is not a stall; a frozen worker
+        stalls every call on it). Then `w` is suspect and the attempt fails like a dead
+        worker's (WorkerUnavailable: the caller retries elsewhere; holders get Abort)."""
+        task = asyncio.ensure_future(awaitable)
+        wait = limit
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=wait)
+                if done:
+                    result = task.result()
+                    w.last_progress = time.monotonic()
+                    return result
+                idle = time.monotonic() - w.last_progress
+                if idle >= limit:
+                    break
+                wait = max(limit - idle, 0.05)  # the worker is alive: wait until `limit` of silence on it
+        finally:
+            if not task.done():
+                task.cancel()
         self.metrics.stalls.labels(stage).inc()
         self.placer.registry.suspect(w, f"no progress on a {stage} for {limit:.1f} s")
-        return WorkerUnavailable(stage, f"stalled: no progress for {limit:.1f} s", w)
+        raise WorkerUnavailable(stage, f"stalled: no progress on the worker for {limit:.1f} s", w)
 
     # ---------------------------------------------------------------- cleanup
 

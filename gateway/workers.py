@@ -50,6 +50,7 @@ class WorkerHandle:
     pending_blocks: int = 0
     step_s: float = 0.0
     suspect_since: float | None = None
+    last_progress: float = 0.0  # when any stream or prefill on it last made progress (monotonic)
     client: WorkerClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,8 +66,13 @@ class WorkerHandle:
 
     @property
     def routable(self) -> bool:
-        return (self.up and self.suspect_since is None
-                and not (self.stats is not None and self.stats.draining))
+        return self.up and not (self.stats is not None and self.stats.draining)
+
+    @property
+    def trusted(self) -> bool:
+        """Not suspect (a stall was seen on it and it has not answered Stats for a stall timeout
+        since). Placement skips suspects unless every candidate is one."""
+        return self.suspect_since is None
 
     @property
     def has_slot(self) -> bool:
@@ -158,8 +164,9 @@ class WorkerRegistry:
         return None
 
     def suspect(self, h: WorkerHandle, why: str) -> None:
-        """A stream or prefill on `h` stalled: route nothing to it until it is trusted again
-        (it answers Stats for a stall timeout after this; gateway.liveness.trusted_again)."""
+        """A stream or prefill on `h` stalled: place nothing on it (unless every candidate is
+        suspect) until it is trusted again (it answers Stats for a stall timeout after this;
+        gateway.liveness.trusted_again)."""
         first = h.suspect_since is None
         h.suspect_since = time.monotonic()
         if first:

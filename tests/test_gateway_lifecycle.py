@@ -160,13 +160,21 @@ def test_a_suspect_worker_is_not_routed_to_until_trusted_again() -> None:
         registry, _, _ = _gateway(1)
         h = registry.handles[0]
         registry.liveness = LivenessConfig(stall_timeout_s=0.05)
-        assert h.has_slot
+        other = WorkerHandle("127.0.0.1:41100", "decode", grpc.aio.insecure_channel("127.0.0.1:41100"), 32)
+        other.worker_id, other.stats, other.up = "d9", _stats("d9", 10), True
+        registry.handles.append(other)
+        placer = Placer(registry=registry, router=CacheAwareRouter(RoutingConfig(), block_size=16), index=None,
+                        hash_seed=0, block_size=16, local_prefill_tokens=0, sticky_bonus=0.25,
+                        metrics=GatewayMetrics())
+        needs = PlacementNeeds("r", 16, 1)
+        assert placer.decode_worker(needs, [h, other]) is h  # more room
         registry.suspect(h, "test")
-        assert not h.routable and not h.has_slot
+        assert not h.trusted and placer.decode_worker(needs, [h, other]) is other
+        assert placer.decode_worker(needs, [h]) is h  # a suspect only when nothing else is free
         registry._on_stats(h, _stats("d0", 160))  # answers at once: still on probation
-        assert not h.routable
+        assert not h.trusted
         await asyncio.sleep(0.06)
         registry._on_stats(h, _stats("d0", 160))
-        assert h.routable
+        assert h.trusted and placer.decode_worker(needs, [h, other]) is h
 
     asyncio.run(body())
