@@ -209,7 +209,7 @@ async def consume(call: Any, on_chunk: Any = None) -> CallOutcome:
                 await on_chunk(len(tokens))
         return CallOutcome("OK", tokens, finish, ended_at=time.monotonic())
     except asyncio.CancelledError:
-        return CallOutcome("CANCELLED_BY_US", tokens, ended_at=time.monotonic())
+        return CallOutcome("DISCONNECTED", tokens, ended_at=time.monotonic())
     except grpc.aio.AioRpcError as exc:
         return CallOutcome(exc.code().name, tokens, details=exc.details() or "", ended_at=time.monotonic())
 
@@ -284,12 +284,12 @@ async def _lifecycle_calls(gw: GatewayThread, n: int, seed: int, max_tokens: int
             elif action == "complete" and out.code not in ("OK",):
                 result.failures += 1
                 result.notes.append(f"{rid}: {out.code} {out.details}")
-            elif out.code not in ("OK", "CANCELLED_BY_US", "DEADLINE_EXCEEDED"):
+            elif out.code not in ("OK", "DISCONNECTED", "DEADLINE_EXCEEDED"):
                 result.failures += 1
                 result.notes.append(f"{rid} ({action}): {out.code} {out.details}")
             elif out.code == "DEADLINE_EXCEEDED" and action != "deadline":
                 result.failures += 1
-            elif out.code == "CANCELLED_BY_US" and not action.startswith("disconnect"):
+            elif out.code == "DISCONNECTED" and not action.startswith("disconnect"):
                 result.failures += 1
             if out.tokens != want[:len(out.tokens)]:
                 result.tokens_lost += len(want)  # a wrong token: the whole stream counts as lost
@@ -458,7 +458,10 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
             os.kill(victim.pid, signal.SIGSTOP)
             stopped.append(victim)
             result.extra["frozen_at"] = time.monotonic()
-            result.notes.append(f"SIGSTOP {name} with {placed.get(victim.worker_id, 0)} streams placed on it")
+            if role == "decode":
+                result.notes.append(f"SIGSTOP {name} with {placed.get(victim.worker_id, 0)} streams placed on it")
+            else:
+                result.notes.append(f"SIGSTOP {name} (one of 2 prefill workers), then the requests")
 
         min_before = 2 if role == "decode" else 0
         if role == "prefill":
@@ -508,7 +511,7 @@ async def _prefill_stall(target: str, prompts: Sequence[str], max_tokens: int, f
 
 # ---------------------------------------------------------------- scenario: kill -9
 
-def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 96) -> FaultResult:
+def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400) -> FaultResult:
     """SIGKILL a decode worker mid-stream (streams resume elsewhere, exactly once) or the prefill
     worker of two (its prefills retry on the other)."""
     result = FaultResult(f"kill-{role}", f"kill -9 a {role} worker mid-stream", requests=n_streams)
