@@ -93,11 +93,12 @@ class Rig:
     workers: dict[str, WorkerProcess]
 
     def gateway(self, prefill: Sequence[str], decode: Sequence[str], *, tiers: dict | None = None,
-                liveness: LivenessConfig | None = None, max_inflight_per_decode: int = 32) -> GatewayThread:
+                liveness: LivenessConfig | None = None, max_inflight_per_decode: int = 32,
+                index_url: str | None = None) -> GatewayThread:
         pool = WorkerPoolConfig(prefill=tuple(self.workers[n].address for n in prefill),
                                 decode=tuple(self.workers[n].address for n in decode),
                                 max_inflight_per_decode=max_inflight_per_decode)
-        kw: dict[str, Any] = {"liveness": liveness or LivenessConfig()}
+        kw: dict[str, Any] = {"liveness": liveness or LivenessConfig(), "index_url": index_url}
         if tiers is not None:
             kw["tiers"] = tiers
         gw = GatewayThread(GatewayConfig(model_dir=str(self.model), port=0, workers=pool, **kw))
@@ -633,10 +634,87 @@ def malformed(r: Rig, n: int) -> FaultResult:
     return result
 
 
+# ---------------------------------------------------------------- scenario: Redis down
+
+def redis_down(model: Path, work: Path, n: int = 120, max_tokens: int = 16) -> FaultResult:
+    """The shared prefix index (a redis-server of its own) killed while requests arrive, and
+    restarted empty later: routing turns load-only meanwhile, no request fails."""
+    import shutil
+    import socket
+    import subprocess
+
+    result = FaultResult("redis-down", "the prefix index's Redis killed mid-run, restarted empty", requests=n)
+    if shutil.which("redis-server") is None:
+        result.notes.append("skipped: no redis-server")
+        return result
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def start_redis() -> subprocess.Popen:
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(work)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.RedisError):
+                if client.ping():
+                    return proc
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer")
+
+    redis_proc = start_redis()
+    flags = [*worker_flags(), "--redis-url", url, "--index-heartbeat", "0.3"]
+    try:
+        with rig(model, work / "redis", {"p0": ("prefill", flags), "p1": ("prefill", flags),
+                                        "d0": ("decode", flags)}) as r:
+            gw = r.gateway(["p0", "p1"], ["d0"], index_url=url)
+            try:
+                ref = asyncio.run(reference_tokens(gw.target, PROMPTS, max_tokens))
+                degraded = []
+
+                async def run() -> list[tuple[str, CallOutcome]]:
+                    nonlocal redis_proc
+                    async with grpc.aio.insecure_channel(gw.target) as ch:
+                        stub = wire.TandemStub(ch)
+
+                        async def one(i: int) -> tuple[str, CallOutcome]:
+                            await asyncio.sleep(3.0 * i / n)
+                            p = PROMPTS[i % len(PROMPTS)]
+                            return p, await consume(stub.Generate(request(p, max_tokens), timeout=WAIT))
+
+                        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+                        await asyncio.sleep(1.0)
+                        redis_proc.kill()
+                        redis_proc.wait(30)
+                        await asyncio.sleep(1.0)
+                        degraded.append(await asyncio.to_thread(gw.metric, "tandem_gateway_prefix_index_degraded"))
+                        redis_proc = await asyncio.to_thread(start_redis)
+                        return list(await asyncio.gather(*tasks))
+
+                for p, out in asyncio.run(run()):
+                    result.outcomes[out.code] += 1
+                    result.failures += out.code != "OK"
+                    if out.tokens != ref[p]:
+                        result.tokens_lost += len(ref[p])
+                result.notes.append(f"index degraded while Redis was down: {bool(degraded and degraded[0])}")
+                settle(gw, list(r.workers.values()), result)
+            finally:
+                gw.stop()
+    finally:
+        redis_proc.kill()
+        redis_proc.wait(30)
+    return result
+
+
 # ---------------------------------------------------------------- main
 
 SCENARIOS = ("lifecycle", "lifecycle_kill", "burst", "sigstop_decode", "sigstop_prefill", "kill_decode",
-             "kill_prefill", "corrupt", "malformed")
+             "kill_prefill", "corrupt", "malformed", "redis_down")
 
 
 def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: int, with_defaults: bool) -> list[FaultResult]:
@@ -652,6 +730,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
              "d0": ("decode", worker_flags(), overlap), "d1": ("decode", worker_flags(), overlap),
              "dv": ("decode", worker_flags(), overlap)}
     results: list[FaultResult] = []
+    if "redis_down" in only:
+        results.append(redis_down(model, work, n(120)))
     with rig(model, work, specs) as r:
         for name in only:
             logger.info("scenario %s", name)
