@@ -151,6 +151,21 @@ def gateway_in_flight(gw: GatewayThread) -> dict[str, int]:
 _LOG_SEEN: dict[str, int] = {}  # log file -> characters already checked
 
 
+class _Errors(logging.Handler):
+    """ERROR records logged in this process (the gateway runs here), drained by `settle`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(f"{record.name}: {record.getMessage()[:200]}")
+
+
+_ERRORS = _Errors()
+logging.getLogger().addHandler(_ERRORS)
+
+
 def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultResult, timeout: float = WAIT) -> None:
     """Wait for the gateway to hold nothing and every live worker to free every block; what is
     still held after `timeout` is recorded as a failure / leaked blocks, and so is an ERROR or
@@ -163,6 +178,10 @@ def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultRes
     if any(held.values()):
         result.failures += 1
         result.notes.append(f"gateway still holds {held}")
+    if _ERRORS.records:
+        result.failures += 1
+        result.notes.append(f"the gateway process logged {len(_ERRORS.records)} ERRORs, e.g. {_ERRORS.records[0]!r}")
+        _ERRORS.records.clear()
     for w in workers:
         full = w.log_tail(1 << 24)
         log, _LOG_SEEN[str(w.log_path)] = full[_LOG_SEEN.get(str(w.log_path), 0):], len(full)
@@ -183,6 +202,18 @@ def settle(gw: GatewayThread, workers: Sequence[WorkerProcess], result: FaultRes
 
 
 # ---------------------------------------------------------------- one call
+
+_CLIENT_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def run_client(coro: Any) -> Any:
+    """Run a client coroutine on this process's one client event loop (grpc.aio keeps state
+    per loop: a fresh loop per scenario would leave callbacks aimed at closed ones)."""
+    global _CLIENT_LOOP
+    if _CLIENT_LOOP is None or _CLIENT_LOOP.is_closed():
+        _CLIENT_LOOP = asyncio.new_event_loop()
+    return _CLIENT_LOOP.run_until_complete(coro)
+
 
 def request(prompt: str, max_tokens: int, rid: str = "", tier: Tier = Tier.STANDARD) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=prompt, request_id=rid, tier=wire.tier_to_proto(tier),
@@ -320,10 +351,10 @@ def lifecycle(r: Rig, n: int, seed: int = 0, *, kill: str | None = None, decode:
     result = FaultResult("lifecycle" + ("+kill" if kill else ""), fault, requests=n)
     gw = r.gateway(["p0"], list(decode))
     try:
-        ref = asyncio.run(reference_tokens(gw.target, PROMPTS, LONG))
-        asyncio.run(_lifecycle_calls(gw, n, seed, max_tokens, ref, r.workers[kill] if kill else None, result))
+        ref = run_client(reference_tokens(gw.target, PROMPTS, LONG))
+        run_client(_lifecycle_calls(gw, n, seed, max_tokens, ref, r.workers[kill] if kill else None, result))
         settle(gw, [r.workers[x] for x in ("p0", *decode)], result)
-        after = asyncio.run(reference_tokens(gw.target, PROMPTS[:2], LONG))
+        after = run_client(reference_tokens(gw.target, PROMPTS[:2], LONG))
         if after != {p: ref[p] for p in PROMPTS[:2]}:
             result.failures += 1
             result.notes.append("the gateway did not serve normally afterwards")
@@ -375,7 +406,7 @@ def burst(r: Rig, n: int, *, interactive_every: int = 20, channels: int = 4, lib
         async def run() -> list[tuple[Tier, CallOutcome]]:
             return await _burst_calls(gw.target, n, interactive_every, channels)
 
-        outs = asyncio.run(run())
+        outs = run_client(run())
         bound = gw.call(lambda: gw.gateway.service.max_calls)
         peak = [gw.call(lambda: gw.gateway.service.calls_peak)]
         for tier, out in outs:
@@ -444,7 +475,7 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} Stream {i}." for i in range(n_streams)]
     stopped: list[WorkerProcess] = []
     try:
-        ref = asyncio.run(reference_tokens(gw.target, prompts, max_tokens))
+        ref = run_client(reference_tokens(gw.target, prompts, max_tokens))
         mark = gw.call(lambda: len(gw.gateway.dispatcher.log))
 
         def freeze() -> None:
@@ -466,10 +497,10 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
 
         min_before = 2 if role == "decode" else 0
         if role == "prefill":
-            outs = asyncio.run(_prefill_stall(gw.target, prompts, max_tokens, freeze))
+            outs = run_client(_prefill_stall(gw.target, prompts, max_tokens, freeze))
         else:
             gaps = [0.0] * len(prompts)
-            outs = asyncio.run(_streams_with_fault(gw.target, prompts, max_tokens, min_before, freeze, gaps))
+            outs = run_client(_streams_with_fault(gw.target, prompts, max_tokens, min_before, freeze, gaps))
             result.extra["max_gap_s"] = max(gaps)
             result.notes.append(f"longest wait for a chunk after the freeze {max(gaps):.1f} s "
                                 f"(stall timeout {stall_timeout_s:.1f} s)")
@@ -521,11 +552,11 @@ def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400)
     gw = r.gateway(prefill, decode)
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} Kill {i}." for i in range(n_streams)]
     try:
-        ref = asyncio.run(reference_tokens(gw.target, prompts, max_tokens))
+        ref = run_client(reference_tokens(gw.target, prompts, max_tokens))
         victim = r.workers["dv" if role == "decode" else "p1"]
 
         if role == "decode":
-            outs = asyncio.run(_streams_with_fault(gw.target, prompts, max_tokens, 2, victim.kill))
+            outs = run_client(_streams_with_fault(gw.target, prompts, max_tokens, 2, victim.kill))
         else:
             async def run() -> list[CallOutcome]:
                 async with grpc.aio.insecure_channel(gw.target) as ch:
@@ -539,7 +570,7 @@ def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400)
                     await asyncio.sleep(0.5)
                     await asyncio.to_thread(victim.kill)
                     return list(await asyncio.gather(*tasks))
-            outs = asyncio.run(run())
+            outs = run_client(run())
         for p, out in zip(prompts, outs):
             result.outcomes[out.code] += 1
             if out.code != "OK" or out.tokens != ref[p]:
@@ -561,7 +592,7 @@ def corrupt_frames(r: Rig, n: int = 8, max_tokens: int = 16) -> FaultResult:
     gw_ref = r.gateway(["p0"], ["d0"])
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} Corrupt {i}." for i in range(n)]
     try:
-        ref = asyncio.run(reference_tokens(gw_ref.target, prompts, max_tokens))
+        ref = run_client(reference_tokens(gw_ref.target, prompts, max_tokens))
     finally:
         gw_ref.stop()
     gw = r.gateway(["p_bad"], ["d0"])
@@ -570,7 +601,7 @@ def corrupt_frames(r: Rig, n: int = 8, max_tokens: int = 16) -> FaultResult:
             async with grpc.aio.insecure_channel(gw.target) as ch:
                 stub = wire.TandemStub(ch)
                 return [await consume(stub.Generate(request(p, max_tokens), timeout=WAIT)) for p in prompts]
-        for p, out in zip(prompts, asyncio.run(run())):
+        for p, out in zip(prompts, run_client(run())):
             result.outcomes[out.code] += 1
             result.failures += out.code != "OK"
             if out.tokens != ref[p]:
@@ -674,7 +705,7 @@ def redis_down(model: Path, work: Path, n: int = 120, max_tokens: int = 16) -> F
                                         "d0": ("decode", flags)}) as r:
             gw = r.gateway(["p0", "p1"], ["d0"], index_url=url)
             try:
-                ref = asyncio.run(reference_tokens(gw.target, PROMPTS, max_tokens))
+                ref = run_client(reference_tokens(gw.target, PROMPTS, max_tokens))
                 degraded = []
 
                 async def run() -> list[tuple[str, CallOutcome]]:
@@ -696,7 +727,7 @@ def redis_down(model: Path, work: Path, n: int = 120, max_tokens: int = 16) -> F
                         redis_proc = await asyncio.to_thread(start_redis)
                         return list(await asyncio.gather(*tasks))
 
-                for p, out in asyncio.run(run()):
+                for p, out in run_client(run()):
                     result.outcomes[out.code] += 1
                     result.failures += out.code != "OK"
                     if out.tokens != ref[p]:

@@ -177,4 +177,14 @@ class TandemService(wire.TandemServicer):
         self.metrics.errors.labels(code.name).inc()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             logger.info("rejected request: %s", details)
-        await context.abort(code, details)
+        try:
+            await context.abort(code, details)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            if type(exc).__name__ != "ExecuteBatchError":
+                raise
+            # The status could not be sent: the caller is gone (its deadline passed as we ended
+            # the call). Nothing to tell; gRPC expects a cancelled handler then, not an error.
+            logger.debug("%s for a caller already gone: %s", code.name, details)
+            raise asyncio.CancelledError from None

@@ -139,7 +139,7 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             if caller_gone(context, exc):  # e.g. the status could not be sent: nobody to tell
                 logger.debug("%s: the caller went away (%r)", method, exc)
                 finish(self, context, grpc.StatusCode.CANCELLED)
-                return
+                raise asyncio.CancelledError  # what gRPC expects of a handler whose call is over
             code = status_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed", method)
