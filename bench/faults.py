@@ -159,7 +159,12 @@ class _Errors(logging.Handler):
         self.records: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(f"{record.name}: {record.getMessage()[:200]}")
+        message = record.getMessage()
+        if "PollerCompletionQueue" in message and record.exc_info and "closed" in str(record.exc_info[1]):
+            # gRPC's process-wide poller calling into the closed loop of an earlier scenario's
+            # gateway: several gateways in one process is this harness's doing, not a fault.
+            return
+        self.records.append(f"{record.name}: {message[:200]}")
 
 
 _ERRORS = _Errors()
@@ -758,8 +763,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
     overlap = {OVERLAP_ENV: "1"}
     specs = {"p0": ("prefill", worker_flags()), "p1": ("prefill", worker_flags()),
              "p_bad": ("prefill", worker_flags(), {CORRUPT_ENV: "1"}),
-             "d0": ("decode", worker_flags(), overlap), "d1": ("decode", worker_flags(), overlap),
-             "dv": ("decode", worker_flags(), overlap)}
+             "d0": ("decode", worker_flags(640), overlap), "d1": ("decode", worker_flags(640), overlap),
+             "dv": ("decode", worker_flags(640), overlap)}
     results: list[FaultResult] = []
     if "redis_down" in only:
         results.append(redis_down(model, work, n(120)))
@@ -773,7 +778,7 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
                     results.append(burst(r, n(3000), library_defaults=True))
                 results.append(burst(r, n(3000)))
             elif name == "sigstop_decode":
-                results.append(frozen_worker(r, 32, role="decode"))
+                results.append(frozen_worker(r, 64, role="decode"))  # 32 streams on the frozen worker
             elif name == "sigstop_prefill":
                 results.append(frozen_worker(r, n(16), role="prefill"))
             elif name == "corrupt":
