@@ -165,6 +165,11 @@ class _Errors(logging.Handler):
             # gateway: several gateways in one process is this harness's doing, not a fault.
             return
         self.records.append(f"{record.name}: {message[:200]}")
+        if record.exc_info:
+            import traceback
+
+            logger.warning("ERROR logged in the gateway process: %s\n%s", message,
+                           "".join(traceback.format_exception(*record.exc_info)))
 
 
 _ERRORS = _Errors()

@@ -3,6 +3,7 @@ Generate stream, Abort and GetModelInfo. The work after admission is gateway.req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -60,12 +61,23 @@ class TandemService(wire.TandemServicer):
         self.calls_peak = 0  # the most held at once (tests and fault runs read it)
         metrics.calls_inflight.set_function(lambda: self.calls)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Writes the chunks itself (context.write) so that a chunk that cannot be sent because
+        the caller is gone (its deadline passed meanwhile) ends the call as cancelled here,
+        instead of an ERROR logged by gRPC."""
         self.calls += 1
         self.calls_peak = max(self.calls_peak, self.calls)
         try:
-            async for chunk in self._generate(request, context):
-                yield chunk
+            # aclosing: the request's cleanup runs at once on every exit, cancellation included.
+            async with contextlib.aclosing(self._generate(request, context)) as chunks:
+                async for chunk in chunks:
+                    try:
+                        await context.write(chunk)
+                    except Exception as exc:
+                        if type(exc).__name__ != "ExecuteBatchError":
+                            raise
+                        logger.debug("a chunk for a caller already gone was dropped")
+                        raise asyncio.CancelledError from None
         finally:
             self.calls -= 1
 
