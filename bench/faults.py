@@ -472,16 +472,17 @@ async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: i
 
 
 def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_tokens: int = 400,
-                  stall_timeout_s: float = 2.0) -> FaultResult:
+                  stall_timeout_s: float = 2.0, slots: int = 32) -> FaultResult:
     """`n_streams` streams on two decode workers (the split is checked: no worse than 20/12 for
     32); SIGSTOP the busier decode worker (role "decode") or the only prefill worker of two
     (role "prefill", while new requests prefill) mid-stream; every stream must finish with the
     fault-free tokens while the worker is still frozen (so it was migrated), then SIGCONT and
     every block must come back."""
-    prefill = ["p0", "p1"] if role == "prefill" else ["p0"]
+    prefill = ["p0", "p1"]  # role prefill: p0 is frozen; role decode: prompts start close together
     result = FaultResult(f"sigstop-{role}", f"SIGSTOP a {role} worker with streams on it", requests=n_streams)
     gw = r.gateway(prefill, ["d0", "d1"], liveness=LivenessConfig(stall_timeout_s=stall_timeout_s,
-                                                                   prefill_stall_s=max(stall_timeout_s, 5.0)))
+                                                                   prefill_stall_s=max(stall_timeout_s, 5.0)),
+                   max_inflight_per_decode=slots)
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} Stream {i}." for i in range(n_streams)]
     stopped: list[WorkerProcess] = []
     try:
@@ -497,11 +498,14 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
             else:
                 name = "p0"
             victim = r.workers[name]
+            running = victim.stats().running
             os.kill(victim.pid, signal.SIGSTOP)
+            result.extra["running_at_freeze"] = running
             stopped.append(victim)
             result.extra["frozen_at"] = time.monotonic()
             if role == "decode":
-                result.notes.append(f"SIGSTOP {name} with {placed.get(victim.worker_id, 0)} streams placed on it")
+                result.notes.append(f"SIGSTOP {name} with {running} of its {placed.get(victim.worker_id, 0)} streams "
+                                    f"running")
             else:
                 result.notes.append(f"SIGSTOP {name} (one of 2 prefill workers), then the requests")
 
@@ -768,8 +772,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
     overlap = {OVERLAP_ENV: "1"}
     specs = {"p0": ("prefill", worker_flags()), "p1": ("prefill", worker_flags()),
              "p_bad": ("prefill", worker_flags(), {CORRUPT_ENV: "1"}),
-             "d0": ("decode", worker_flags(640), overlap), "d1": ("decode", worker_flags(640), overlap),
-             "dv": ("decode", worker_flags(640), overlap)}
+             "d0": ("decode", worker_flags(640, 64), overlap), "d1": ("decode", worker_flags(640, 64), overlap),
+             "dv": ("decode", worker_flags(640, 64), overlap)}
     results: list[FaultResult] = []
     if "redis_down" in only:
         results.append(redis_down(model, work, n(120)))
@@ -783,7 +787,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
                     results.append(burst(r, n(3000), library_defaults=True))
                 results.append(burst(r, n(3000)))
             elif name == "sigstop_decode":
-                results.append(frozen_worker(r, 64, role="decode"))  # 32 streams on the frozen worker
+                # 32 streams on the frozen worker; the other has room for all 64
+                results.append(frozen_worker(r, 64, role="decode", slots=64))
             elif name == "sigstop_prefill":
                 results.append(frozen_worker(r, n(16), role="prefill"))
             elif name == "corrupt":
