@@ -1,6 +1,6 @@
 """Fault injection on a real cluster (CPU, loopback): every fault RELIABILITY.md lists, each a
 function that starts what it needs, injects the fault, and returns a `FaultResult` (requests,
-failures, tokens lost, leaked KV blocks). The CI tests (tests/test_reliability_*.py) call the
+failures, tokens lost, leaked KV blocks). The CI tests (tests/test_reliability.py) call the
 same functions with small counts; this script runs the full counts and prints the table:
 
     PYTHONPATH=$PWD python bench/faults.py                       # every scenario, full counts
