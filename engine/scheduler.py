@@ -166,8 +166,11 @@ class Scheduler:
         bs = self.config.block_size
         match = self.cache.match_prefix(seq.prompt_token_ids)
         need = blocks_needed(seq.num_prompt_tokens, 1, self.config.max_model_len, bs) - len(match.block_ids)
-        if self.allocator.num_free < need:
-            self.cache.evict(need - self.allocator.num_free)
+        for _ in range(4):  # an eviction may take matched blocks themselves: match again, evict more
+            if self.allocator.num_free >= need or not self.cache.evict(need - self.allocator.num_free):
+                break
+            match = self.cache.match_prefix(seq.prompt_token_ids)
+            need = blocks_needed(seq.num_prompt_tokens, 1, self.config.max_model_len, bs) - len(match.block_ids)
         if self.allocator.num_free < need:
             return None
         self.cache.lock(match)

@@ -12,6 +12,7 @@ import sys
 
 from engine.demo import demo_model_dir  # torch-free
 from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
+from gateway.liveness import LivenessConfig
 from gateway.modelinfo import load_served_model
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=float, default=16.0)
     p.add_argument("--grace", type=float, default=10.0, help="seconds running streams get on shutdown")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--stall-timeout", type=float, default=3.0,
+                   help="seconds without progress (at least 20 of the worker's steps) before a stream migrates")
+    p.add_argument("--max-inflight-calls", type=int, default=None,
+                   help="Generate calls held at once; more get RESOURCE_EXHAUSTED (default: queues + slots + 256)")
     return p
 
 
@@ -66,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         namespace=args.namespace, index_block_ttl_s=args.index_block_ttl, metrics_port=args.metrics_port,
         http_port=args.http_port,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
+        liveness=LivenessConfig(stall_timeout_s=args.stall_timeout, max_inflight_calls=args.max_inflight_calls),
     )
 
 

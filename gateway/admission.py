@@ -3,20 +3,27 @@
 there is one validation, one queue and one routing.
 
 Order for one request: `admit(inp, ...)` validates (gateway/validate.py), checks the request
-fits a decode worker, matches its prompt against the prefix index, puts it in its tier queue
-and starts its `RequestRunner.run` task; it raises `Rejected` (status code + '<field>: why')
-instead. Then `outputs(st)` yields the request's chunks until the final Chunk or a
-RequestFailed; leaving it early (client gone) cancels the runner, which aborts the request on
-every worker. `abort(request_id)` ends a running request with finish reason "abort".
-Everything runs in the gateway's event loop.
+fits a decode worker, registers it (from here on `abort(request_id)` finds it, whatever happens
+next), matches its prompt against the prefix index, puts it in its tier queue and starts its
+runner (`RequestRunner.start`); it raises `Rejected` (status code + '<field>: why') instead.
+Then `outputs(st)` yields the request's chunks until the final Chunk or a RequestFailed;
+leaving it early (client gone) cancels the runner, which frees what the request holds on every
+worker, or withdraws its ticket if it never ran. `abort(request_id)` ends a request with finish
+reason "abort" at any point after its id is known.
+
+Overload: a transport counts each call it holds with `call()`; past `max_calls` (from
+`LivenessConfig.call_bound`) admission answers RESOURCE_EXHAUSTED naming the tier, so the
+RPC library's own limits (set far above it, gateway.server.overload_options) never cancel a
+call silently. Everything runs in the gateway's event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -67,6 +74,23 @@ class Admission:
         self.metrics = metrics
         self.running: dict[str, RequestState] = {}
         self.draining = False
+        pool = config.workers
+        self.max_calls = config.liveness.call_bound(
+            sum(t.capacity for t in config.tiers.values()),
+            (len(pool.decode) + len(pool.both)) * pool.max_inflight_per_decode)
+        self.calls = 0  # calls the transports hold, admitted or not
+        self.calls_peak = 0  # the most held at once (tests and fault runs read it)
+        metrics.calls_inflight.set_function(lambda: self.calls)
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Count one call for as long as the transport holds it (the overload bound)."""
+        self.calls += 1
+        self.calls_peak = max(self.calls_peak, self.calls)
+        try:
+            yield
+        finally:
+            self.calls -= 1
 
     async def admit(self, inp: GenerateInput, *, max_tokens_set: bool, arrival: float,
                     time_remaining: float | None = None) -> RequestState:
@@ -89,6 +113,11 @@ class Admission:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         except ValueError as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), str(exc).partition(":")[0]) from None
+        if self.calls > self.max_calls:
+            self.metrics.calls_refused.labels(admitted.tier.name.lower(), "max_inflight_calls").inc()
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"tier: {admitted.tier.name} request refused: the gateway holds {self.max_calls} calls "
+                           f"(max_inflight_calls); retry later", "tier")
         if self.draining:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
         request_id = admitted.request_id or uuid.uuid4().hex
@@ -109,19 +138,27 @@ class Admission:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                            f"max_tokens: prompt plus max_tokens needs {needed} KV blocks; the largest decode "
                            f"worker holds {largest}", "max_tokens")
-        await self._wait_for_decode_worker()
         needs = PlacementNeeds(request_id, len(admitted.prompt_ids), needed)
-        await self.placer.match_prompt(needs, admitted.prompt_ids)
         assembler = OutputAssembler(self.model.tokenizer, admitted.prompt_ids, admitted.params,
                                     self.model.eos_token_ids, self.model.max_context, admitted.stream_text)
         st = RequestState(request_id, admitted, assembler, arrival, deadline, needs)
+        self.running[request_id] = st  # Abort finds it from here on
         try:
-            st.ticket = self.dispatcher.enqueue(needs, admitted.tier, deadline)
-        except QueueFull as exc:
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "tier") from None
-        self.running[request_id] = st
+            await self._wait_for_decode_worker()
+            await self.placer.match_prompt(needs, admitted.prompt_ids)
+            if st.ended:  # an Abort came meanwhile: its chunk waits on st.out, nothing to run
+                return st
+            try:
+                st.ticket = self.dispatcher.enqueue(needs, admitted.tier, deadline)
+            except QueueFull as exc:
+                self.metrics.calls_refused.labels(admitted.tier.name.lower(), "queue_full").inc()
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "tier") from None
+        except BaseException:
+            if self.running.get(request_id) is st:
+                del self.running[request_id]
+            raise
         self.metrics.tokens_in.inc(len(admitted.prompt_ids))
-        st.task = asyncio.create_task(self.runner.run(st), name=f"request:{request_id}")
+        self.runner.start(st)
         return st
 
     async def _wait_for_decode_worker(self) -> None:
@@ -149,8 +186,7 @@ class Admission:
                     status = item.finish_reason
                 yield item
         finally:
-            if st.task is not None and not st.task.done():
-                st.task.cancel()  # client went away: the runner aborts the request on the workers
+            self.runner.cancel(st)  # no-op once it ended; else it stops and frees what it holds
             if self.running.get(st.request_id) is st:
                 del self.running[st.request_id]
             self.metrics.requests.labels(status or "cancelled").inc()
@@ -162,17 +198,13 @@ class Admission:
         if self.running.get(st.request_id) is not st:
             return
         del self.running[st.request_id]
-        if st.task is not None and not st.task.done():
-            st.task.cancel()  # the runner aborts the request on the workers
+        self.runner.cancel(st)  # it stops and frees what it holds on the workers
         self.metrics.requests.labels("cancelled").inc()
 
     def abort(self, request_id: str) -> bool:
         """End a running request with finish reason "abort"; False when none is running."""
         st = self.running.get(request_id)
-        if st is None or st.task is None or st.task.done():
-            return False
-        st.abort()
-        return True
+        return st is not None and self.runner.abort(st)
 
     def stats(self) -> dict[str, Any]:
         """Queue depths and running count (for logs and tests)."""

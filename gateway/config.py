@@ -9,6 +9,7 @@ from types import MappingProxyType
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.liveness import LivenessConfig
 from gateway.routing import RoutingConfig
 from tandem.types import ROLES, Tier, check_int
 
@@ -124,6 +125,7 @@ class GatewayConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 10.0
     model_name: str | None = None
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stalls, suspects, the call bound
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:

@@ -55,7 +55,10 @@ class Dispatcher:
     for a slot; cancelling it removes the request from its queue), `release` when the attempt
     ends; for a retry, `acquire(..., retry=True)` puts the same ticket back at its arrival
     position. Among workers with a free slot, `Placer.decode_worker` picks (it reads the
-    request's `PlacementNeeds`, which the request flow updates through the placer).
+    request's `PlacementNeeds`, which the request flow updates through the placer). A grant
+    counts the request's blocks on the worker (`reserved_blocks`, and `pending_blocks` until
+    the worker's next Stats answer) until `release(worker, blocks)`. `withdraw(ticket)` is for
+    a request that ends without using its grant (cancelled before its task ran).
     """
 
     def __init__(self, queues: TierQueues[Waiter], registry: WorkerRegistry, placer: Placer,
@@ -102,17 +105,30 @@ class Dispatcher:
             self.queues.requeue(ticket)
         assert waiter.future is not None, "acquire() before enqueue()"
         try:
-            return await waiter.future
+            worker = await waiter.future
         except asyncio.CancelledError:
-            fut = waiter.future
-            if fut.done() and not fut.cancelled():
-                self.release(fut.result())  # granted just as we were cancelled
-            else:
-                self.queues.cancel(ticket)
+            self.withdraw(ticket)
             raise
+        waiter.future = None  # the grant is the caller's now: `withdraw` leaves it alone
+        return worker
 
-    def release(self, worker: WorkerHandle) -> None:
+    def withdraw(self, ticket: Ticket[Waiter]) -> None:
+        """The ticket's request ended without (or before) taking its slot: take it out of its
+        queue, or give back the slot granted meanwhile. Idempotent; safe at any moment, also
+        for a request whose task never started."""
+        fut = ticket.item.future
+        if fut is not None and fut.done() and not fut.cancelled():
+            ticket.item.future = None
+            self.release(fut.result(), ticket.item.needs.needed_blocks)  # granted, never used
+            return
+        self.queues.cancel(ticket)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def release(self, worker: WorkerHandle, blocks: int = 0) -> None:
+        """An attempt on `worker` ended: its slot (and the `blocks` counted for it) are free."""
         worker.inflight = max(0, worker.inflight - 1)
+        worker.reserved_blocks = max(0, worker.reserved_blocks - blocks)
         self.wake()
 
     def note_prefill(self, request_id: str, tier: Tier, worker: WorkerHandle, reason: str) -> None:
@@ -139,6 +155,8 @@ class Dispatcher:
                 self.queues.requeue(ticket)
                 continue
             worker.inflight += 1
+            worker.reserved_blocks += waiter.needs.needed_blocks
+            worker.pending_blocks += waiter.needs.needed_blocks
             tier = ticket.effective_tier if ticket.effective_tier is not None else ticket.tier
             self.log.append(DispatchEvent(next(self._order), "dispatch", waiter.request_id, ticket.tier, tier,
                                           worker.name))

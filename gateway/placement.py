@@ -133,10 +133,13 @@ class Placer:
 
     def decode_worker(self, needs: PlacementNeeds, free: Sequence[WorkerHandle]) -> WorkerHandle:
         """The decode worker among `free` (decode-capable, with a slot; not empty): with role-both
-        workers only, the cache-aware router (they prefill too); otherwise the most KV headroom,
-        with a bonus for the one holding the longest prefix (e.g. the previous turn)."""
+        workers only, the cache-aware router (they prefill too); otherwise the most KV headroom
+        (`expected_free_blocks`: polled free blocks, less what this gateway placed since the
+        poll and what its requests in flight may still need), with a bonus for the one holding
+        the longest prefix (e.g. the previous turn)."""
         preferred = [h for h in free if h.name not in needs.avoid]
         cands = preferred or list(free)
+        cands = [h for h in cands if h.trusted] or cands  # a suspect only when nothing else is free
         if len(cands) == 1:
             return cands[0]
         # Requests admitted together were matched before any of them was placed.
@@ -150,10 +153,10 @@ class Placer:
             return next(h for h in cands if h.name == decision.worker_id)
         by_name = {h.name: h for h in cands}
         sticky = max(cands, key=lambda h: matches.get(h.name, 0))
-        name = pick_decode({h.name: (h.free_blocks, h.inflight) for h in cands}, needs.needed_blocks,
+        name = pick_decode({h.name: (expected_free_blocks(h), h.inflight) for h in cands}, needs.needed_blocks,
                            sticky.name if matches.get(sticky.name) else None, sticky_bonus=self.sticky_bonus)
         if name is None:  # nobody has room by the (slightly stale) stats: least loaded, Reserve decides
-            return min(cands, key=lambda h: (h.inflight, -h.free_blocks, h.name))
+            return min(cands, key=lambda h: (h.inflight, -expected_free_blocks(h), h.name))
         return by_name[name]
 
     # ---------------------------------------------------------------- prompt
@@ -163,6 +166,7 @@ class Placer:
         if d.role == Role.BOTH:
             return Placement(d, COLOCATED)
         prefill = [h for h in self.registry.prefill_workers() if h.routable]
+        prefill = [h for h in prefill if h.trusted] or prefill
         if not prefill or self._prefill_locally(needs, d, num_tokens):
             self.metrics.routing.labels(LOCAL).inc()
             self.router.remember(d.name, needs.hashes)
@@ -210,3 +214,15 @@ class Placer:
         """`worker` failed this request: later decode and prefill placements avoid it (unless
         it is the only candidate)."""
         needs.avoid.add(worker.name)
+
+
+def expected_free_blocks(h: WorkerHandle) -> int:
+    """The KV blocks `h` can still give a new request: its polled free blocks less the blocks of
+    requests granted to it since that poll, and at most its total less every block the requests
+    this gateway has on it may need (in-flight requests grow until they end). A burst placed
+    between two polls thus spreads across workers instead of following one stale number."""
+    if h.stats is None:
+        return 0
+    polled = h.stats.free_kv_blocks - h.pending_blocks
+    committed = h.stats.total_kv_blocks - h.reserved_blocks
+    return max(0, min(polled, committed))

@@ -27,6 +27,7 @@ import grpc
 
 from gateway.adapters import Reservation
 from gateway.dispatch import Dispatcher, Waiter
+from gateway.liveness import LivenessConfig
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement, PlacementNeeds, Placer
 from gateway.streaming import Emission, OutputAssembler
@@ -71,30 +72,64 @@ class RequestState:
     out: asyncio.Queue[Chunk | RequestFailed] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
     aborted: bool = False
+    started: bool = False  # its `run` task has begun (before that, cancelling it runs no code of it)
+    ended: bool = False  # its final item (last chunk or RequestFailed) is on `out`
     cached_tokens: int = 0
     attempts: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     holders: dict[tuple[str, str], tuple[WorkerHandle, asyncio.Future[Reservation] | None]] = field(default_factory=dict)
 
-    def abort(self) -> None:
-        """Client asked (Abort RPC): end with FINISH_REASON_ABORT."""
-        if self.task is not None and not self.task.done():
-            self.aborted = True
-            self.task.cancel()
-
 
 class RequestRunner:
-    """Runs admitted requests (one `run` task each); shared by every request of a gateway."""
+    """Runs admitted requests (one `run` task each); shared by every request of a gateway.
+
+    Lifecycle (event loop only): the service makes a RequestState as soon as the request id is
+    known, `start(st)` once its ticket is queued, and ends it with `abort(st)` (the Abort RPC:
+    the stream gets its final chunk) or `cancel(st)` (the client went away). Both work at any
+    moment: before `start`, before the task ran a line (then the task never runs and its
+    ticket is withdrawn, its slot given back if one was granted), queued, or during any stage
+    of an attempt (the attempt's `finally` gives back the slot and aborts every holder).
+    """
 
     def __init__(self, *, dispatcher: Dispatcher, placer: Placer, block_size: int, max_retries: int,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, liveness: LivenessConfig | None = None) -> None:
         self.dispatcher = dispatcher
         self.placer = placer
         self.block_size = block_size
         self.max_retries = max_retries
         self.metrics = metrics
+        self.liveness = liveness or LivenessConfig()
         self._background: set[asyncio.Task[Any]] = set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, st: RequestState) -> None:
+        """Run `st` (its ticket is queued) in a task of its own."""
+        st.task = asyncio.create_task(self.run(st), name=f"request:{st.request_id}")
+        st.task.add_done_callback(lambda _t: self._after(st))
+
+    def _after(self, st: RequestState) -> None:
+        if not st.started and st.ticket is not None:
+            self.dispatcher.withdraw(st.ticket)  # cancelled before it ran: no code of it ever will
+
+    def abort(self, st: RequestState) -> bool:
+        """The Abort RPC: end the stream with FINISH_REASON_ABORT; False when it already ended."""
+        if st.ended:
+            return False
+        st.aborted = True
+        if st.started and st.task is not None and not st.task.done():
+            st.task.cancel()  # run() ends it with the abort chunk and cleans up
+            return True
+        if st.task is not None:
+            st.task.cancel()  # never ran: `_after` withdraws its ticket
+        self._emit(st, st.assembler.finish("abort", "aborted by request"))
+        return True
+
+    def cancel(self, st: RequestState) -> None:
+        """The client went away: stop the request wherever it is (nothing more is sent)."""
+        if st.task is not None and not st.task.done():
+            st.task.cancel()
 
     async def close(self) -> None:
         """Wait (briefly) for outstanding worker aborts."""
@@ -106,7 +141,10 @@ class RequestRunner:
     async def run(self, st: RequestState) -> None:
         """Drive `st` to its end; the last item put on st.out is a final Chunk or RequestFailed
         (nothing when the client went away)."""
+        st.started = True
         try:
+            if st.aborted:
+                raise asyncio.CancelledError
             async with asyncio.timeout(st.deadline - time.monotonic()):
                 await self._attempts(st)
         except (TimeoutError, DeadlineReached):
@@ -116,9 +154,10 @@ class RequestRunner:
             if not st.aborted:
                 raise
             task = asyncio.current_task()
-            if task is not None:
+            if task is not None and task.cancelling():
                 task.uncancel()
-            self._emit(st, st.assembler.finish("abort", "aborted by request"))
+            if not st.ended:
+                self._emit(st, st.assembler.finish("abort", "aborted by request"))
         except RequestFailed as exc:
             self._put(st, exc)
         except WorkerRejected as exc:
@@ -127,6 +166,8 @@ class RequestRunner:
             logger.exception("request %s failed", st.request_id)
             self._put(st, RequestFailed(grpc.StatusCode.INTERNAL, f"gateway error: {exc!r}"))
         finally:
+            if st.ticket is not None:
+                self.dispatcher.withdraw(st.ticket)  # no-op unless it is still queued
             self._abort_holders(st)
 
     async def _attempts(self, st: RequestState) -> None:
@@ -158,7 +199,7 @@ class RequestRunner:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                                         f"no worker could serve the request ({failures} attempts): {exc.cause}")
             finally:
-                self.dispatcher.release(worker)
+                self.dispatcher.release(worker, st.needs.needed_blocks)
                 self.placer.release(st.needs)
                 self._abort_holders(st)
             if backoff:  # D had no free blocks: give running requests a moment, slot released
@@ -195,7 +236,7 @@ class RequestRunner:
         # the answer before aborting, so a late reservation cannot leak.
         reserve = d.client.reserve(wrid, tokens, params.max_tokens - n_out, st.admitted.tier, n_out, st.deadline)
         self._hold(st, d, wrid, reserve)
-        resv = await asyncio.shield(reserve)
+        resv = await self._unless_stalled(d, "reserve", self.liveness.prefill_timeout(d), asyncio.shield(reserve))
         if not resv.ok:
             self._unhold(st, d, wrid)
             raise _NoRoom(resv.reason or "reservation refused")
@@ -205,7 +246,9 @@ class RequestRunner:
         self._note_prefill(st, wrid, placement)
         self._hold(st, p, wrid)
         try:
-            first = await p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out, st.deadline)
+            first = await self._unless_stalled(
+                p, "prefill", self.liveness.prefill_timeout(p),
+                p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out, st.deadline))
         finally:
             self.placer.release(st.needs)
         self._unhold(st, p, wrid)  # P released its blocks once the KV was handed to the sender
@@ -222,10 +265,23 @@ class RequestRunner:
         await self._consume(st, d, wrid, stream)
 
     async def _consume(self, st: RequestState, w: WorkerHandle, wrid: str, stream: ChunkStream) -> None:
-        """Relay a worker's chunks until the request ends; raises WorkerUnavailable on failure."""
+        """Relay a worker's chunks until the request ends; raises WorkerUnavailable on failure,
+        also when the worker sends nothing for its stall timeout (gateway.liveness: the first
+        chunk, which includes the prompt's computation or KV transfer, gets the prefill bound)."""
         got_first = False
+        chunks = stream.__aiter__()
+        last = time.monotonic()
         try:
-            async for chunk in stream:
+            while True:
+                limit = self.liveness.stream_timeout(w) if got_first else self.liveness.prefill_timeout(w)
+                try:
+                    chunk = await self._unless_stalled(w, "stream", limit, chunks.__anext__())
+                except StopAsyncIteration:
+                    break
+                now = w.last_progress = time.monotonic()
+                if got_first and chunk.token_ids:
+                    self.liveness.observe_chunk(w, (now - last) / len(chunk.token_ids))
+                last = now
                 if not got_first:
                     got_first = True
                     st.cached_tokens = max(st.cached_tokens, chunk.cached_tokens)
@@ -245,6 +301,32 @@ class RequestRunner:
         finally:
             stream.cancel()
         raise WorkerUnavailable("stream", "ended without a final chunk", w)
+
+    async def _unless_stalled(self, w: WorkerHandle, stage: str, limit: float, awaitable: Any) -> Any:
+        """Await `awaitable` (a call on `w`) unless `w` stalls: it is stalled when this call got
+        nothing for `limit` seconds AND no other call on `w` made progress in that time (a
+        request waiting or preempted inside a busy worker is not a stall; a frozen worker
+        stalls every call on it). Then `w` is suspect and the attempt fails like a dead
+        worker's (WorkerUnavailable: the caller retries elsewhere; holders get Abort)."""
+        task = asyncio.ensure_future(awaitable)
+        wait = limit
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=wait)
+                if done:
+                    result = task.result()
+                    w.last_progress = time.monotonic()
+                    return result
+                idle = time.monotonic() - w.last_progress
+                if idle >= limit:
+                    break
+                wait = max(limit - idle, 0.05)  # the worker is alive: wait until `limit` of silence on it
+        finally:
+            if not task.done():
+                task.cancel()
+        self.metrics.stalls.labels(stage).inc()
+        self.placer.registry.suspect(w, f"no progress on a {stage} for {limit:.1f} s")
+        raise WorkerUnavailable(stage, f"stalled: no progress on the worker for {limit:.1f} s", w)
 
     # ---------------------------------------------------------------- cleanup
 
@@ -295,6 +377,10 @@ class RequestRunner:
 
     @staticmethod
     def _put(st: RequestState, item: Chunk | RequestFailed) -> None:
+        if st.ended:
+            return  # one final item per request (an abort racing the last chunk)
+        if isinstance(item, RequestFailed) or item.finish_reason is not None:
+            st.ended = True
         st.out.put_nowait(item)
 
 

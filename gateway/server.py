@@ -22,6 +22,7 @@ from gateway.admin import AdminService
 from gateway.admission import Admission
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Waiter
+from gateway.malformed import add_servicer
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel, load_served_model
 from gateway.placement import Placer
@@ -54,7 +55,7 @@ class Gateway:
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes)]
         self.registry = WorkerRegistry(config.workers, index=self.index, feed_index=feed, metrics=self.metrics,
-                                       channel_options=options, on_change=self._wake)
+                                       channel_options=options, on_change=self._wake, liveness=config.liveness)
         self.router = CacheAwareRouter(config.routing, block_size=config.block_size)
         queues: TierQueues[Waiter] = TierQueues({t: c.capacity for t, c in config.tiers.items()},
                                                 {t: c.aging_s for t, c in config.tiers.items()})
@@ -64,7 +65,7 @@ class Gateway:
                              sticky_bonus=config.routing.decode_sticky_bonus, metrics=self.metrics)
         self.dispatcher = Dispatcher(queues, self.registry, self.placer, self.metrics)
         self.runner = RequestRunner(dispatcher=self.dispatcher, placer=self.placer, block_size=config.block_size,
-                                    max_retries=config.max_retries, metrics=self.metrics)
+                                    max_retries=config.max_retries, metrics=self.metrics, liveness=config.liveness)
         self.admission = Admission(config=config, model=self.model, runner=self.runner, placer=self.placer,
                                    dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
         self.service = TandemService(config=config, model=self.model, admission=self.admission, metrics=self.metrics)
@@ -121,9 +122,9 @@ class Gateway:
         cfg = self.config
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]
+                   ("grpc.so_reuseport", 0), *overload_options(self.admission.max_calls)]
         self.server = grpc.aio.server(options=options)
-        wire.add_tandem_servicer(self.service, self.server)
+        add_servicer(wire.add_tandem_servicer, self.service, self.server)
         wire.add_admin_servicer(AdminService(self.registry), self.server)  # on the public port for now
         self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE, wire.ADMIN_SERVICE])
         from grpc_health.v1 import health_pb2
@@ -167,6 +168,23 @@ class Gateway:
         if self.index is not None:
             self.index.close()
         self.metrics.close()
+
+
+def overload_options(max_calls: int) -> list[tuple[str, Any]]:
+    """gRPC server options that leave overload to the gateway's own admission.
+
+    The C core queues calls the application has not picked up yet, and past
+    `grpc.server.max_pending_requests` (default 1000) it cancels a growing share of new calls
+    (all of them past the hard limit, 3000), and any waiting longer than
+    `grpc.server_max_unrequested_time_in_server` (30 s): a client sees CANCELLED that Tandem
+    never saw. Sized here well above the gateway's own bound (`max_calls`, answered
+    RESOURCE_EXHAUSTED naming the tier), so a burst reaches our admission: calls queue in the
+    core only while the event loop is busy, and our bound keeps what the gateway holds finite.
+    """
+    pending = max(8 * max_calls, 16384)
+    return [("grpc.server.max_pending_requests", pending),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
+            ("grpc.server_max_unrequested_time_in_server", 3600)]
 
 
 # ---------------------------------------------------------------- command line

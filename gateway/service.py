@@ -3,6 +3,7 @@ gRPC. Admission (validation, tier queue, deadline) is gateway.admission's, share
 API; the work after admission is gateway.request's."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -13,6 +14,7 @@ import grpc
 
 from gateway.admission import Admission, Rejected
 from gateway.config import GatewayConfig
+from gateway.malformed import MalformedMessage
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel
 from gateway.request import RequestFailed, RequestState
@@ -25,11 +27,12 @@ logger = logging.getLogger(__name__)
 class TandemService(wire.TandemServicer):
     """Generate / Abort / GetModelInfo over the gateway's admission.
 
-    Status codes: INVALID_ARGUMENT (a field, named in the message), ALREADY_EXISTS (a
-    client-chosen request_id already running), RESOURCE_EXHAUSTED (tier queue full; oversize
-    messages are refused by gRPC itself), UNAVAILABLE (draining, no decode worker up, or no
-    worker could serve the request within the retry bound), DEADLINE_EXCEEDED (the call's deadline or the tier's
-    default deadline). The first chunk of a stream is sent at admission and carries the
+    Status codes: INVALID_ARGUMENT (a field, named in the message; or a message that does not
+    parse, gateway.malformed), ALREADY_EXISTS (a client-chosen request_id already running),
+    RESOURCE_EXHAUSTED (tier queue full, or more than `max_calls` calls in flight: the message
+    names the tier; oversize messages are refused by gRPC itself), UNAVAILABLE (draining, no
+    decode worker up, or no worker could serve the request within the retry bound),
+    DEADLINE_EXCEEDED (the call's deadline or the tier's default deadline). The first chunk of a stream is sent at admission and carries the
     request id; tokens follow; the last chunk has finish_reason and usage.
     """
 
@@ -44,8 +47,40 @@ class TandemService(wire.TandemServicer):
     def running(self) -> dict[str, RequestState]:
         return self.admission.running
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    @property
+    def max_calls(self) -> int:
+        return self.admission.max_calls
+
+    @property
+    def calls(self) -> int:
+        return self.admission.calls
+
+    @property
+    def calls_peak(self) -> int:
+        return self.admission.calls_peak
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Writes the chunks itself (context.write) so that a chunk that cannot be sent because
+        the caller is gone (its deadline passed meanwhile) ends the call as cancelled here,
+        instead of an ERROR logged by gRPC."""
+        with self.admission.call():
+            # aclosing: the request's cleanup runs at once on every exit, cancellation included.
+            async with contextlib.aclosing(self._generate(request, context)) as chunks:
+                async for chunk in chunks:
+                    try:
+                        await context.write(chunk)
+                    except Exception as exc:
+                        if type(exc).__name__ != "ExecuteBatchError":
+                            raise
+                        logger.debug("a chunk for a caller already gone was dropped")
+                        raise asyncio.CancelledError from None
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         arrival = time.monotonic()
+        if isinstance(request, MalformedMessage):
+            self.metrics.errors.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
+            return
         try:
             inp = wire.generate_request_from_proto(request)
         except ValueError as exc:
@@ -67,9 +102,13 @@ class TandemService(wire.TandemServicer):
                 yield wire.chunk_to_proto(item)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
         return pb.AbortResponse(found=self.admission.abort(request.request_id))
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if isinstance(request, MalformedMessage):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(request))
         pool = self.config.workers
         info = wire.ModelInfo(
             model=self.model.name, model_identity=self.model.identity, vocab_size=self.model.vocab_size,
@@ -86,4 +125,14 @@ class TandemService(wire.TandemServicer):
 
     async def _fail(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
         """End the call with `code` (admission already counted the error)."""
-        await context.abort(code, details)
+        try:
+            await context.abort(code, details)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            if type(exc).__name__ != "ExecuteBatchError":
+                raise
+            # The status could not be sent: the caller is gone (its deadline passed as we ended
+            # the call). Nothing to tell; gRPC expects a cancelled handler then, not an error.
+            logger.debug("%s for a caller already gone: %s", code.name, details)
+            raise asyncio.CancelledError from None

@@ -15,6 +15,7 @@ import grpc
 
 from gateway.adapters import KvEventBatch, WorkerStatsView
 from gateway.config import WorkerPoolConfig
+from gateway.liveness import LivenessConfig
 from gateway.metrics import GatewayMetrics
 from gateway.worker_client import KvEventStream, WorkerClient
 from tandem.types import ROLES
@@ -43,6 +44,14 @@ class WorkerHandle:
     inflight: int = 0
     last_error: str = ""
     mark: str = ""  # "drained" or "isolated" by the Admin service (gateway/admin.py): never routable
+    # Placement and liveness (gateway.dispatch, gateway.liveness): blocks the requests this
+    # gateway has on the worker may need, those of them granted since its last Stats answer,
+    # its step time as learnt from its streams, and when a stall made it suspect (None: trusted).
+    reserved_blocks: int = 0
+    pending_blocks: int = 0
+    step_s: float = 0.0
+    suspect_since: float | None = None
+    last_progress: float = 0.0  # when any stream or prefill on it last made progress (monotonic)
     client: WorkerClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +68,12 @@ class WorkerHandle:
     @property
     def routable(self) -> bool:
         return self.up and not self.mark and not (self.stats is not None and self.stats.draining)
+
+    @property
+    def trusted(self) -> bool:
+        """Not suspect (a stall was seen on it and it has not answered Stats for a stall timeout
+        since). Placement skips suspects unless every candidate is one."""
+        return self.suspect_since is None
 
     @property
     def has_slot(self) -> bool:
@@ -80,8 +95,9 @@ class WorkerRegistry:
 
     def __init__(self, pool: WorkerPoolConfig, *, index: PrefixIndex | None = None, feed_index: bool = False,
                  metrics: GatewayMetrics | None = None, channel_options: list[tuple[str, Any]] | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, liveness: LivenessConfig | None = None) -> None:
         self.pool = pool
+        self.liveness = liveness or LivenessConfig()
         self.index = index
         self.feed_index = feed_index and index is not None
         self.metrics = metrics
@@ -148,6 +164,18 @@ class WorkerRegistry:
                 return h
         return None
 
+    def suspect(self, h: WorkerHandle, why: str) -> None:
+        """A stream or prefill on `h` stalled: place nothing on it (unless every candidate is
+        suspect) until it is trusted again (it answers Stats for a stall timeout after this;
+        gateway.liveness.trusted_again)."""
+        first = h.suspect_since is None
+        h.suspect_since = time.monotonic()
+        if first:
+            logger.warning("worker %s (%s) is suspect: %s", h.name, h.address, why)
+            if self.metrics is not None:
+                self.metrics.suspects.labels(h.role).inc()
+            self.on_change()
+
     # ---------------------------------------------------------------- polling
 
     async def _poll(self, h: WorkerHandle) -> None:
@@ -160,11 +188,19 @@ class WorkerRegistry:
                 raise
             except grpc.RpcError as exc:
                 self._set_up(h, False, f"Stats: {exc.code().name}")
+                self._still_suspect(h)
             except Exception as exc:  # a malformed reply must not kill the poller
                 self._set_up(h, False, f"Stats: {exc!r}")
+                self._still_suspect(h)
             else:
                 self._on_stats(h, stats)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    @staticmethod
+    def _still_suspect(h: WorkerHandle) -> None:
+        """A suspect worker that fails a poll starts its probation over."""
+        if h.suspect_since is not None:
+            h.suspect_since = time.monotonic()
 
     def _on_stats(self, h: WorkerHandle, stats: WorkerStatsView) -> None:
         was_draining = h.stats is not None and h.stats.draining
@@ -173,6 +209,11 @@ class WorkerRegistry:
             self._forget_index(h)
         h.worker_id = stats.worker_id or h.address
         h.stats = stats
+        h.pending_blocks = 0  # the poll's free blocks count what was reserved before it
+        if h.suspect_since is not None and self.liveness.trusted_again(h.suspect_since, time.monotonic()):
+            logger.info("worker %s answers again: no longer suspect", h.name)
+            h.suspect_since = None
+            self.on_change()
         if not h.up:
             self._set_up(h, True, "")
         elif was_draining != stats.draining:

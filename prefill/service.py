@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -58,16 +59,24 @@ class PrefillService(wire.PrefillWorkerServicer):
         with self.runtime.tracked():
             await self.runtime.run(lambda e: self.pusher.start(e, job))
             try:
-                done = await asyncio.shield(asyncio.wrap_future(job.done))
+                done = await asyncio.shield(_observed(asyncio.wrap_future(job.done)))
             except PrefillFailed as exc:
                 await context.abort(_FAILURE_STATUS[exc.kind], str(exc))
             except asyncio.CancelledError:
+                logger.debug("prefill of %s cancelled by the caller", inp.request_id)
                 try:
                     self.loop.abort(inp.request_id, "cancelled")
                 except LoopStopped:
                     pass
                 raise
-            sent = await asyncio.shield(asyncio.wrap_future(done.send))
+            # The push honours the request's timeout: a send still pending at the deadline
+            # answers DEADLINE_EXCEEDED (the decode worker's reservation expires on its own).
+            left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+            try:
+                sent = await asyncio.wait_for(asyncio.shield(_observed(asyncio.wrap_future(done.send))), left)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"KV push of {inp.request_id} not handed over within timeout_ms")
             if not sent.ok:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push of {inp.request_id} failed: {sent.error}")
             return ad.prefill_response(done.output, len(inp.token_ids), done.cached_tokens, inp.params.logprobs is not None)
@@ -89,3 +98,11 @@ class PrefillService(wire.PrefillWorkerServicer):
     async def KvEvents(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
         async for batch in self.runtime.kv_events(context):
             yield batch
+
+
+def _observed(fut: asyncio.Future) -> asyncio.Future:
+    """`fut`, with its outcome always retrieved: when the RPC is cancelled while a shielded
+    future is pending, its later exception is expected and must not be logged by asyncio as
+    "exception was never retrieved" (an ERROR with a traceback for every cancelled prefill)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut

@@ -117,6 +117,16 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def caller_gone(context: grpc.aio.ServicerContext, exc: BaseException) -> bool:
+    """Whether `exc` only says the RPC is already over on the caller's side (cancelled, or its
+    deadline passed while the handler was sending its status): nothing to log or send."""
+    if type(exc).__name__ in ("ExecuteBatchError", "UsageError"):  # grpc's cython internals
+        return True
+    with contextlib.suppress(Exception):
+        return bool(context.cancelled())
+    return False
+
+
 def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a servicer method (coroutine or async generator): map escaping exceptions to
     a gRPC status (ValueError -> INVALID_ARGUMENT, ...) and count outcomes in the metrics."""
@@ -128,6 +138,10 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 metrics.count_rpc(method, (code or context.code() or grpc.StatusCode.OK).name)
 
         async def fail(self: Any, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+            if caller_gone(context, exc):  # e.g. the status could not be sent: nobody to tell
+                logger.debug("%s: the caller went away (%r)", method, exc)
+                finish(self, context, grpc.StatusCode.CANCELLED)
+                raise asyncio.CancelledError  # what gRPC expects of a handler whose call is over
             code = status_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed", method)
