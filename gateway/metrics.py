@@ -88,16 +88,16 @@ class GatewayMetrics:
                                     registry=r))
         ProcessCollector(registry=r)
         self._server: Any = None
-        self.calls_inflight = Gauge("tandem_gateway_calls_in_flight", "Generate calls the gateway holds "
-                                    "(admitted or not), bounded by its own max_inflight_calls", registry=r)
-        self.calls_refused = Counter("tandem_gateway_calls_refused", "Generate calls answered RESOURCE_EXHAUSTED by "
-                                     "the gateway's admission, by tier and why (queue_full, max_inflight_calls)",
-                                     ["tier", "reason"], registry=r)
-        self.stalls = Counter("tandem_gateway_stalls", "Attempts migrated because their worker made no progress "
-                              "within the stall timeout, by the stage that stalled (prefill, stream)", ["stage"],
-                              registry=r)
-        self.suspects = Counter("tandem_gateway_suspect_workers", "Times a worker was marked suspect after a stall",
-                                ["role"], registry=r)
+        self.calls_inflight = one(Gauge("tandem_gateway_calls_in_flight", "Generate calls the gateway holds "
+                                        "(admitted or not), bounded by its own max_inflight_calls", m, registry=r))
+        self.calls_refused = per(Counter("tandem_gateway_calls_refused", "Generate calls answered RESOURCE_EXHAUSTED "
+                                         "by the gateway's admission, by tier and why (queue_full, "
+                                         "max_inflight_calls)", [*m, "tier", "reason"], registry=r))
+        self.stalls = per(Counter("tandem_gateway_stalls", "Attempts migrated because their worker made no progress "
+                                  "within the stall timeout, by the stage that stalled (reserve, prefill, stream)",
+                                  [*m, "stage"], registry=r))
+        self.suspects = per(Counter("tandem_gateway_suspect_workers", "Times a worker was marked suspect after a "
+                                    "stall", [*m, "role"], registry=r))
 
     def bind_queue_depth(self, depth: Callable[[Tier], int]) -> None:
         for tier in Tier:
