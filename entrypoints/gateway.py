@@ -11,10 +11,11 @@ import logging
 import sys
 
 from engine.demo import demo_model_dir  # torch-free
-from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
+from gateway.config import GatewayConfig, GatewaySecurity, TierConfig, WorkerPoolConfig
 from gateway.modelinfo import load_served_model
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
+from tandem import security
 from tandem.hub import resolve_model
 from tandem.types import Tier
 
@@ -46,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=float, default=16.0)
     p.add_argument("--grace", type=float, default=10.0, help="seconds running streams get on shutdown")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--auth-token-file", default=None,
+                   help="the cluster token: required on Admin, sent to the workers (default: $TANDEM_AUTH_TOKEN_FILE "
+                        "or $TANDEM_AUTH_TOKEN; none: internal RPCs open, for loopback only)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the public gRPC and HTTP API; @FILE reads it from "
+                        "FILE (default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the workers' certificates (they serve TLS)")
+    p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection (cluster token required)")
     return p
 
 
@@ -66,6 +77,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         namespace=args.namespace, index_block_ttl_s=args.index_block_ttl, metrics_port=args.metrics_port,
         http_port=args.http_port,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
+        security=GatewaySecurity(auth_token=security.load_token(args.auth_token_file),
+                                 api_key=security.load_api_key(args.api_key), tls_cert=args.tls_cert,
+                                 tls_key=args.tls_key, tls_ca=args.tls_ca, reflection=args.reflection),
     )
 
 
