@@ -16,7 +16,7 @@ import grpc
 from gateway.adapters import KvEventBatch, WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.metrics import GatewayMetrics
-from gateway.worker_client import KvEventStream, WorkerClient
+from gateway.worker_client import KvEventStream, WorkerClient, WorkerCredentials
 from tandem.types import ROLES
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class WorkerHandle:
     inflight: int = 0
     last_error: str = ""
     mark: str = ""  # "drained" or "isolated" by the Admin service (gateway/admin.py): never routable
+    credentials: WorkerCredentials | None = field(default=None, repr=False)  # token and TLS CA for its calls
     client: WorkerClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,8 +81,9 @@ class WorkerRegistry:
 
     def __init__(self, pool: WorkerPoolConfig, *, index: PrefixIndex | None = None, feed_index: bool = False,
                  metrics: GatewayMetrics | None = None, channel_options: list[tuple[str, Any]] | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, credentials: WorkerCredentials | None = None) -> None:
         self.pool = pool
+        self.credentials = credentials or WorkerCredentials()
         self.index = index
         self.feed_index = feed_index and index is not None
         self.metrics = metrics
@@ -100,8 +102,9 @@ class WorkerRegistry:
         """Open channels and start polling; returns at once (workers come up as they answer)."""
         for role in ROLES:
             for addr in getattr(self.pool, role):
-                channel = grpc.aio.insecure_channel(addr, options=self._options)
-                self.handles.append(WorkerHandle(addr, role, channel, self.pool.max_inflight_per_decode))
+                channel = self.credentials.channel(addr, self._options)
+                self.handles.append(WorkerHandle(addr, role, channel, self.pool.max_inflight_per_decode,
+                                                 credentials=self.credentials))
         for h in self.handles:
             self._tasks.append(asyncio.create_task(self._poll(h), name=f"stats:{h.address}"))
             if self.feed_index:
