@@ -262,5 +262,6 @@ def test_hung_worker_restarted_killed_one_back_and_repeated_restarts_isolate(up)
     c.admin.Clear(admin_pb2.WorkerMarkRequest(worker="both-1"), timeout=5, metadata=security.token_metadata(c.token))
     wait_until(lambda: c.workers()["both-1"].routable, 10, what="both-1 routable after Clear")
     with pytest.raises(grpc.RpcError) as err:
-        c.admin.Drain(admin_pb2.WorkerMarkRequest(worker="no-such-worker"), timeout=5, metadata=security.token_metadata(c.token))
+        c.admin.Drain(admin_pb2.WorkerMarkRequest(worker="no-such-worker"), timeout=5,
+                      metadata=security.token_metadata(c.token))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-worker" in err.value.details()
