@@ -29,6 +29,7 @@ import zmq
 from entrypoints.cluster import Cluster, ClusterProcess, worker_process
 from gateway.config import GatewayConfig, GatewaySecurity, WorkerPoolConfig
 from harness import GatewayThread
+from kvtransfer import KVTransferError
 from tandem import Client, SamplingParams, security, wire
 from tandem._proto.tandem.v1 import admin_pb2, worker_pb2
 from tandem.errors import TandemError
@@ -186,32 +187,38 @@ def test_kv_handshake_needs_the_cluster_token(workers: dict[str, ClusterProcess]
         assert not result.ok and "timed out" in (result.error or "")
 
 
-def test_kv_handshake_in_process_token_counts_refusals() -> None:
-    """The right token completes a transfer; a wrong one fails at the handshake and is counted."""
+@pytest.mark.parametrize("transport", ["zmq", "cuda_ipc", "nccl"])
+def test_kv_handshake_token_on_every_transport(transport: str) -> None:
+    """Each transport (host memory on the CPU; nccl over gloo): the right token completes a
+    transfer byte for byte; a wrong one fails at the handshake, is counted, and writes nothing."""
     import torch
 
+    from kvtransfer import get_transport
     from kvtransfer.sinks import TensorKVSink
-    from kvtransfer.zmq_transport import ZmqReceiver, ZmqSender
 
+    t = get_transport(transport)
     dst_k, dst_v = [torch.zeros(8, 16, 2, 8)], [torch.zeros(8, 16, 2, 8)]
     src = torch.randn(8, 16, 2, 8)
-    with ZmqReceiver(TensorKVSink(dst_k, dst_v), auth_token=TOKEN) as receiver:
-        for rid, token in (("ok", TOKEN), ("bad", "not-the-token-" + "v" * 20)):
+    with t.create_receiver(TensorKVSink(dst_k, dst_v), bind="tcp://127.0.0.1:*", auth_token=TOKEN) as receiver:
+        for rid, token in (("bad", "not-the-token-" + "v" * 20), ("ok", TOKEN)):
             receiver.expect(rid, [3, 4], 1, deadline_s=3.0)
-            with ZmqSender(send_timeout_s=1.0, auth_token=token) as sender:
+            with t.create_sender(send_timeout_s=1.0, auth_token=token) as sender:
                 sender.open(rid, receiver.address, 1)
-                sender.send_layer(rid, 0, src, src, [0, 1], [3, 4])
-                sent = sender.commit(rid, {"n": 1}).result(timeout=WAIT)
+                try:
+                    sender.send_layer(rid, 0, src, src, [0, 1], [3, 4])
+                    sent_ok = sender.commit(rid, {"n": 1}).result(timeout=WAIT).ok
+                except KVTransferError:
+                    sent_ok = False
             results = []
             deadline = time.monotonic() + WAIT
             while not results and time.monotonic() < deadline:
                 results = receiver.poll_completed(0.5)
             assert results[0].request_id == rid
             if token == TOKEN:
-                assert sent.ok and results[0].ok and torch.equal(dst_k[0][[3, 4]], src[[0, 1]])
-            else:
-                assert not sent.ok and not results[0].ok  # never connected; the deadline ended it
-        assert receiver.stats()["connections_refused"] >= 1
+                assert sent_ok and results[0].ok and torch.equal(dst_k[0][[3, 4]], src[[0, 1]])
+            else:  # never connected; the deadline ended it, and nothing was written
+                assert not sent_ok and not results[0].ok and not dst_k[0].any()
+        assert receiver.stats()["connections_refused"] == 1
 
 
 def test_prefill_refuses_an_unvouched_kv_target(workers: dict[str, ClusterProcess], tls: TlsFiles) -> None:
