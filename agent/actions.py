@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from agent.policy import Decision
-from tandem import wire
+from tandem import security, wire
 from tandem._proto.tandem.v1 import admin_pb2
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,16 @@ class SupervisorError(RuntimeError):
 
 
 class SupervisorClient:
-    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+    """token: the cluster token, sent in every request (the supervisor refuses requests without it)."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0, token: str | None = None) -> None:
         self.path = path
         self.timeout_s = timeout_s
+        self._token = token
 
     def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._token:
+            request = {**request, "token": self._token}
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(self.timeout_s)
@@ -63,11 +68,12 @@ class Actuator:
     """`carry_out(decision)` -> outcome text ("done", "dry-run", "failed: ...")."""
 
     def __init__(self, gateway: str | None, supervisor: SupervisorClient | None, dry_run: bool,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, token: str | None = None, tls_ca: str | None = None) -> None:
         self.dry_run = dry_run
         self.supervisor = supervisor
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(gateway) if gateway else None
+        self._md = security.token_metadata(token)  # Admin needs the cluster token
+        self._channel = security.channel(gateway, tls_ca=tls_ca) if gateway else None
         self._admin = wire.AdminStub(self._channel) if self._channel is not None else None
 
     def carry_out(self, d: Decision) -> str:
@@ -85,7 +91,7 @@ class Actuator:
                 return "failed: no gateway admin (--gateway)"
             call = {"drain": self._admin.Drain, "isolate": self._admin.Isolate, "clear": self._admin.Clear}[d.action]
             call(admin_pb2.WorkerMarkRequest(worker=d.worker.address, reason=f"agent: {d.reason}"),
-                 timeout=self.timeout_s)
+                 timeout=self.timeout_s, metadata=self._md)
             return "done"
         except grpc.RpcError as exc:
             return f"failed: {exc.code().name}: {exc.details()}"

@@ -32,6 +32,7 @@ from agent.metrics import LEVELS, AgentMetrics
 from agent.policy import Decision, Policy, WorkerView
 from agent.signals import SignalConfig, WorkerSignals
 from agent.sources import Discovered, GatewaySource, Prober, RedisSource
+from tandem import security
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any free port; default off)")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--auth-token-file", default=None,
+                   help="the cluster token for the gateway's Admin, the workers and the supervisor (default: "
+                        "$TANDEM_AUTH_TOKEN_FILE or $TANDEM_AUTH_TOKEN)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the gateway's and workers' certificates")
     return p
 
 
@@ -212,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--namespace: required with --redis-url (the registry's namespace)")
     try:
         config = load_config(a.config)
+        token = security.load_token(a.auth_token_file)
     except ValueError as exc:
         parser.error(str(exc))
     source: GatewaySource | RedisSource = (RedisSource(a.redis_url, a.namespace) if a.redis_url
-                                           else GatewaySource(a.gateway, config.health_timeout_s))
-    supervisor = SupervisorClient(a.supervisor) if a.supervisor else None
+                                           else GatewaySource(a.gateway, config.health_timeout_s, token, a.tls_ca))
+    supervisor = SupervisorClient(a.supervisor, token=token) if a.supervisor else None
     metrics = AgentMetrics(a.dry_run)
     if a.metrics_port is not None:
         metrics.serve(a.metrics_port, a.metrics_host)
@@ -228,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None:
             log.write(text + "\n")
 
-    agent = Agent(config, source, Prober(config.health_timeout_s),
-                  Actuator(a.gateway, supervisor, a.dry_run), supervisor, metrics, emit)
+    agent = Agent(config, source, Prober(config.health_timeout_s, token, a.tls_ca),
+                  Actuator(a.gateway, supervisor, a.dry_run, token=token, tls_ca=a.tls_ca), supervisor, metrics, emit)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from agent.signals import Scrape, parse_metrics
-from tandem import wire
+from tandem import security, wire
 from tandem._proto.tandem.v1 import admin_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -32,15 +32,17 @@ class Discovered:
 class GatewaySource:
     """The workers the gateway routes to, with its marks (tandem.v1.Admin/ListWorkers)."""
 
-    def __init__(self, target: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 2.0, token: str | None = None,
+                 tls_ca: str | None = None) -> None:
         self.target = target
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(target)
+        self.channel = security.channel(target, tls_ca=tls_ca)
         self.stub = wire.AdminStub(self.channel)
+        self._md = security.token_metadata(token)
 
     def workers(self) -> list[Discovered]:
         """Raises grpc.RpcError when the gateway does not answer."""
-        resp = self.stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=self.timeout_s)
+        resp = self.stub.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=self.timeout_s, metadata=self._md)
         return [Discovered(w.name, w.address, w.role, w.up, w.mark, w.routable, w.metrics_port) for w in resp.workers]
 
     def close(self) -> None:
@@ -63,10 +65,13 @@ class RedisSource:
 
 
 class Prober:
-    """Health checks and scrapes, with one cached channel per worker address."""
+    """Health checks and scrapes, with one cached channel per worker address (TLS with `tls_ca`;
+    Stats calls carry the cluster `token`)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, token: str | None = None, tls_ca: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self._md = security.token_metadata(token)
+        self._tls_ca = tls_ca
         self._channels: dict[str, grpc.Channel] = {}
         self._metrics_ports: dict[str, int] = {}
 
@@ -88,7 +93,8 @@ class Prober:
         if port is None:
             try:
                 stub = (wire.PrefillWorkerStub if w.role == "prefill" else wire.DecodeWorkerStub)(self._channel(w.address))
-                port = int(stub.Stats(worker_pb2.StatsRequest(), timeout=self.timeout_s).metrics_port)
+                reply = stub.Stats(worker_pb2.StatsRequest(), timeout=self.timeout_s, metadata=self._md)
+                port = int(reply.metrics_port)
             except grpc.RpcError:
                 return 0
             self._metrics_ports[w.address] = port
@@ -122,5 +128,5 @@ class Prober:
     def _channel(self, address: str) -> grpc.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.insecure_channel(address)
+            ch = self._channels[address] = security.channel(address, tls_ca=self._tls_ca)
         return ch

@@ -93,11 +93,17 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--tier", default="standard", choices=[t.name.lower() for t in Tier])
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("--timeout", type=float, default=None, help="seconds")
+    p.add_argument("--api-key", default=None,
+                   help="the gateway's API key (sent as a bearer token); @FILE reads it (default: $TANDEM_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the gateway's certificate (uses TLS)")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's CA roots")
     a = p.parse_args(argv)
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
               stop=a.stop, tier=Tier.parse(a.tier), timeout=a.timeout)
     try:
-        with Client(a.target) as client:
+        from tandem.security import load_api_key
+
+        with Client(a.target, api_key=load_api_key(a.api_key), tls_ca=a.tls_ca, tls=a.tls) as client:
             if a.stream:
                 last = None
                 for chunk in client.stream(a.prompt, **kw):

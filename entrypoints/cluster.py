@@ -49,13 +49,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def healthy(address: str, timeout: float = 1.0) -> bool:
-    """Whether the gRPC health service at `address` says SERVING for the whole server."""
+def healthy(address: str, timeout: float = 1.0, tls_ca: str | None = None) -> bool:
+    """Whether the gRPC health service at `address` says SERVING for the whole server (over TLS
+    verified with `tls_ca` when given; health needs no token)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from tandem.security import channel
+
     try:
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, tls_ca=tls_ca) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -130,7 +133,10 @@ class ClusterProcess:
 
     role: gateway, prefill, decode or worker (give `--role both` in argv). port: the gRPC port
     on 127.0.0.1 (0 with a ready file: read from it). log_path None: the output goes to this
-    process's terminal. After a ready file was read, `info` holds it.
+    process's terminal. After a ready file was read, `info` holds it. auth_token: the cluster
+    token, handed to the child in its environment (TANDEM_AUTH_TOKEN, never on its command
+    line) and sent on this side's Stats calls; tls_ca: the CA its TLS certificate is checked
+    with (health checks, Stats).
     """
 
     name: str
@@ -143,6 +149,8 @@ class ClusterProcess:
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    auth_token: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
 
     @property
     def address(self) -> str:
@@ -167,9 +175,15 @@ class ClusterProcess:
             self.info = {}
         logger.info("starting %s: %s", self.name, " ".join(cmd[1:]))
         out = open(self.log_path, "ab") if self.log_path is not None else None
+        env = {**os.environ, **self.env}
+        if self.auth_token:
+            from tandem.security import TOKEN_ENV, TOKEN_FILE_ENV
+
+            env.pop(TOKEN_FILE_ENV, None)  # it would take precedence over the token given here
+            env[TOKEN_ENV] = self.auth_token
         try:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+                                         env=env, preexec_fn=_die_with_parent)
         finally:
             if out is not None:
                 out.close()
@@ -190,18 +204,17 @@ class ClusterProcess:
             self.info = info
         if self.port and self.pid is not None and not owns_port(self.pid, self.port):
             return False
-        return healthy(self.address)
+        return healthy(self.address, tls_ca=self.tls_ca)
 
     def stats(self, timeout: float = 5.0) -> WorkerStatsView:
         """A worker's Stats RPC (free and total KV blocks, running, prefix-cache counters)."""
-        import grpc
-
         from gateway import adapters
-        from tandem import wire
+        from tandem import security, wire
 
-        with grpc.insecure_channel(self.address) as channel:
+        with security.channel(self.address, tls_ca=self.tls_ca) as channel:
             stub = wire.PrefillWorkerStub(channel) if self.role == "prefill" else wire.DecodeWorkerStub(channel)
-            return adapters.stats_from_proto(stub.Stats(adapters.stats_request(), timeout=timeout))
+            return adapters.stats_from_proto(stub.Stats(adapters.stats_request(), timeout=timeout,
+                                                        metadata=security.token_metadata(self.auth_token)))
 
     def log_tail(self, chars: int = 4000) -> str:
         if self.log_path is None:
@@ -242,15 +255,18 @@ class ClusterProcess:
 
 
 def worker_process(name: str, role: str, model: str | Path, work_dir: Path, argv: Iterable[str] = (),
-                   env: dict[str, str] | None = None, log_level: str = "WARNING") -> ClusterProcess:
+                   env: dict[str, str] | None = None, log_level: str = "WARNING",
+                   auth_token: str | None = None) -> ClusterProcess:
     """A worker on a free port that reports its addresses in `work_dir/<name>.ready.json`
-    (`role`: prefill, decode or both), logging to `work_dir/<name>.log`."""
+    (`role`: prefill, decode or both), logging to `work_dir/<name>.log`; with `auth_token`, it
+    requires that cluster token."""
     ready = work_dir / f"{name}.ready.json"
     head = ["--role", "both"] if role == "both" else []
     return ClusterProcess(name, "worker" if role == "both" else role,
                           [*head, "--model", str(model), "--port", "0", "--ready-file", str(ready),
                            "--log-level", log_level, *argv],
-                          env=dict(env or {}), log_path=work_dir / f"{name}.log", ready_file=ready)
+                          env=dict(env or {}), log_path=work_dir / f"{name}.log", ready_file=ready,
+                          auth_token=auth_token)
 
 
 class Cluster:

@@ -11,11 +11,12 @@ import logging
 import sys
 
 from engine.demo import demo_model_dir  # torch-free
-from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
+from gateway.config import GatewayConfig, GatewaySecurity, TierConfig, WorkerPoolConfig
 from gateway.liveness import LivenessConfig
 from gateway.modelinfo import load_served_model
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
+from tandem import security
 from tandem.hub import resolve_model
 from tandem.types import Tier
 
@@ -51,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without progress (at least 20 of the worker's steps) before a stream migrates")
     p.add_argument("--max-inflight-calls", type=int, default=None,
                    help="Generate calls held at once; more get RESOURCE_EXHAUSTED (default: queues + slots + 256)")
+    p.add_argument("--auth-token-file", default=None,
+                   help="the cluster token: required on Admin, sent to the workers (default: $TANDEM_AUTH_TOKEN_FILE "
+                        "or $TANDEM_AUTH_TOKEN; none: internal RPCs open, for loopback only)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the public gRPC and HTTP API; @FILE reads it from "
+                        "FILE (default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the workers' certificates (they serve TLS)")
+    p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection (cluster token required)")
     return p
 
 
@@ -72,6 +83,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         http_port=args.http_port,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), grace_s=args.grace,
         liveness=LivenessConfig(stall_timeout_s=args.stall_timeout, max_inflight_calls=args.max_inflight_calls),
+        security=GatewaySecurity(auth_token=security.load_token(args.auth_token_file),
+                                 api_key=security.load_api_key(args.api_key), tls_cert=args.tls_cert,
+                                 tls_key=args.tls_key, tls_ca=args.tls_ca, reflection=args.reflection),
     )
 
 

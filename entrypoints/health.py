@@ -19,17 +19,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="service name to ask about (default: the whole server, as the kubelet's gRPC probe asks)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.add_argument("--quiet", action="store_true", help="print nothing")
+    p.add_argument("--tls-ca", default=None, help="PEM CA of the process's TLS certificate (when it serves TLS)")
     return p
 
 
-def check(target: str, service: str = "", timeout: float = 3.0) -> str:
+def check(target: str, service: str = "", timeout: float = 3.0, tls_ca: str | None = None) -> str:
     """The status name the health service at `target` gives for `service` (SERVING, NOT_SERVING,
     SERVICE_UNKNOWN, ...), or "UNREACHABLE: <why>" when no answer came within `timeout` seconds."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from tandem.security import channel as open_channel
+
     try:
-        with grpc.insecure_channel(target) as channel:
+        with open_channel(target, tls_ca=tls_ca) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                                timeout=timeout)
     except grpc.RpcError as exc:
@@ -47,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--target: expected HOST:PORT, got {a.target!r}")
     if not a.timeout > 0:
         parser.error(f"--timeout: must be > 0, got {a.timeout}")
-    status = check(a.target, a.service, a.timeout)
+    try:
+        status = check(a.target, a.service, a.timeout, a.tls_ca)
+    except ValueError as exc:  # an unreadable --tls-ca
+        parser.error(str(exc))
     if not a.quiet:
         print(f"{a.target}{' ' + a.service if a.service else ''}: {status}")
     return 0 if status == "SERVING" else 1

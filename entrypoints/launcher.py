@@ -10,6 +10,13 @@ per-decode-worker request cap set to what the workers run. The banner lists each
 memory share, KV blocks (and the tokens they hold), max running and metrics port, then
 "Tandem is up".
 
+Security (tandem/security.py): a cluster token is generated (or read from --auth-token-file) and
+handed to every child in its environment, so every internal RPC, the supervisor socket and the KV
+handshake require it; --api-key reaches the gateway the same way (never on a command line);
+--tls-cert/--tls-key/--tls-ca make every gRPC port of the cluster serve TLS and every internal
+client verify it. The token is also written, readable by its owner only, to the run directory
+printed in the banner (for `tandem agent --auth-token-file` and admin tools).
+
 Children run as `python -m entrypoints <role> ...` so `ps` shows each one's role; `entrypoints.cluster`
 starts them, restarts a child that crashes (with backoff; after more than MAX_RESTARTS exits in
 RESTART_WINDOW_S it stops the cluster and exits non-zero with the cause and the child's log
@@ -31,6 +38,7 @@ from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, Cluste
                                  port_in_use)
 from entrypoints.placement import Placement, PlacementError, parse_gpus, place, visible_gpu_count
 from entrypoints.supervisor import SupervisorSocket, agent_process
+from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import HelpFormatter
 
 logger = logging.getLogger("tandem.up")
@@ -54,10 +62,12 @@ def physical_gpus(gpus: tuple[int, ...]) -> str:
 
 
 def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None,
-                   placement: Placement | None = None, ready_dir: Path | None = None) -> list[ClusterProcess]:
+                   placement: Placement | None = None, ready_dir: Path | None = None,
+                   auth_token: str | None = None) -> list[ClusterProcess]:
     """The cluster's processes on fixed free ports (a restarted child keeps its address), the
     gateway last. `placement` None: placed on the GPUs this process sees. With `ready_dir`, each
-    worker writes its ready file there (how `tandem up` knows the worker on a port is its own)."""
+    worker writes its ready file there (how `tandem up` knows the worker on a port is its own).
+    `auth_token`: the cluster token every child gets (in its environment)."""
     placement = placement or placement_for(a)
     common = ["--model", model, "--load-format", a.load_format]
     if a.dtype:
@@ -75,6 +85,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         common += ["--no-prefix-cache"]
     if a.tp > 1:  # every worker: prefill and decode workers that exchange KV need the same degree
         common += ["--tp", str(a.tp)]
+    tls = ["--tls-cert", a.tls_cert, "--tls-key", a.tls_key] if a.tls_cert else []
+    common += tls
     children: list[ClusterProcess] = []
 
     def child(name: str, role: str, argv: list[str], port: int) -> ClusterProcess:
@@ -88,9 +100,12 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
                 argv += ["--metrics-port", str(free_port())]
             if ready_dir is not None:
                 argv += ["--ready-file", str(ready_dir / f"{name}.ready.json")]
+        if role == "gateway" and a.api_key:
+            env[API_KEY_ENV] = a.api_key  # the environment, not the command line `ps` shows
         return ClusterProcess(name, role, argv, port, env=env,
                               log_path=log_dir / f"{name}.log" if log_dir else None,
-                              ready_file=ready_dir / f"{name}.ready.json" if ready_dir and w is not None else None)
+                              ready_file=ready_dir / f"{name}.ready.json" if ready_dir and w is not None else None,
+                              auth_token=auth_token, tls_ca=a.tls_ca)
 
     disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
     for w in placement.workers:
@@ -121,6 +136,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         gw += ["--max-context", str(a.max_model_len)]
     if a.block_size is not None:
         gw += ["--block-size", str(a.block_size)]
+    if a.tls_cert:
+        gw += [*tls, "--tls-ca", a.tls_ca]
     children.append(child("gateway", "gateway", gw, a.port))
     return children
 
@@ -176,6 +193,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
+    p.add_argument("--auth-token-file", default=None,
+                   help="the cluster token every process requires on its internal RPCs and KV handshake "
+                        "(default: a fresh random one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the public gRPC and HTTP API; @FILE reads it "
+                        "(default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--tls-cert", default=None,
+                   help="PEM certificate every gRPC port (and the HTTP port) serves TLS with; it must name the "
+                        "hosts clients dial (e.g. 127.0.0.1). With --tls-key and --tls-ca")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed --tls-cert (internal clients verify with it)")
     p.add_argument("--no-agent", action="store_true", help="do not start the infra agent (tandem agent)")
     p.add_argument("--agent-args", default="", help="extra flags for the agent, e.g. \"--dry-run --config a.json\"")
     p.add_argument("--demo-request", action="store_true",
@@ -190,6 +218,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.gpu_memory_fraction <= 1:
         p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
+    if len({bool(a.tls_cert), bool(a.tls_key), bool(a.tls_ca)}) > 1:
+        p.error("--tls-cert: give --tls-cert, --tls-key and --tls-ca together (or none)")
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(a, flag) and not Path(getattr(a, flag)).is_file():
+            p.error(f"--{flag.replace('_', '-')}: no such file {getattr(a, flag)!r}")
+    try:
+        a.api_key = load_api_key(a.api_key)
+        a.auth_token = load_token(a.auth_token_file) if a.auth_token_file else generate_token()
+    except ValueError as exc:
+        p.error(str(exc))
     return a
 
 
@@ -263,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(a.log_dir) if a.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    ready_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    children = build_children(a, model, log_dir, placement, ready_dir)
+    ready_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))  # mode 0700
+    token_file = write_token_file(ready_dir / "auth-token", a.auth_token)
+    children = build_children(a, model, log_dir, placement, ready_dir, a.auth_token)
     gateway = children.pop()
     cluster = Cluster(children)
     supervisor: SupervisorSocket | None = None
@@ -294,16 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(rows + [f"  {'gateway':<10} {endpoint}" + (f", metrics :{gw_metrics}" if gw_metrics else "")]),
               flush=True)
         if not a.no_agent:  # the agent restarts workers through the supervisor's socket
-            supervisor = SupervisorSocket(cluster)
-            cluster.processes.append(agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir,
-                                                   shlex.split(a.agent_args)))
-            cluster.processes[-1].start()
+            supervisor = SupervisorSocket(cluster, token=a.auth_token)
+            agent = agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir,
+                                  (["--tls-ca", a.tls_ca] if a.tls_ca else []) + shlex.split(a.agent_args))
+            agent.auth_token = a.auth_token
+            cluster.processes.append(agent)
+            agent.start()
+        print(f"Cluster token (internal RPCs, Admin, KV handshake): {token_file}"
+              + ("; public API key required" if a.api_key else "") + ("; TLS on" if a.tls_cert else ""), flush=True)
         print(f"Tandem is up: gRPC endpoint {endpoint} "
               f"({len(children)} workers, model {model}). Ctrl-C stops it.", flush=True)
         if a.http_port is not None:
-            print(f"OpenAI-compatible HTTP: http://{a.host}:{a.http_port}/v1", flush=True)
+            scheme = "https" if a.tls_cert else "http"
+            print(f"OpenAI-compatible HTTP: {scheme}://{a.host}:{a.http_port}/v1", flush=True)
         if a.demo_request:
-            demo_request(endpoint)
+            demo_request(endpoint, a.api_key, a.tls_ca)
             if a.exit_after_demo:
                 return 0
         try:
@@ -322,11 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         print("Tandem stopped.", flush=True)
 
 
-def demo_request(endpoint: str) -> None:
+def demo_request(endpoint: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
     from tandem.client import Client
 
     prompt = "Once upon a time"
-    with Client(endpoint) as client:
+    with Client(endpoint, api_key=api_key, tls_ca=tls_ca) as client:
         out = client.generate(prompt, max_tokens=32, temperature=0.0)
     print(f"demo request: {prompt!r} -> {out.text!r}\n  finish={out.finish_reason} usage={out.usage}", flush=True)
 

@@ -1,6 +1,7 @@
 """The supervisor's admin socket: lets the infra agent see `tandem up`'s processes and restart one.
 
-A Unix socket (mode 0600, in a private temp directory) that answers one JSON object per line:
+A Unix socket (mode 0600, in a private temp directory) that answers one JSON object per line;
+with a cluster token every request carries it as "token" (else {"error": "unauthenticated: ..."}):
 {"op": "list"} -> {"processes": [{"name", "role", "address", "pid", "alive"}]};
 {"op": "restart", "address": A} (or "name") -> {"ok": true} | {"error": why}. A restart is a
 SIGKILL of the process (a hung process cannot be asked to stop); the cluster's `watch` loop
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoints.cluster import Cluster, ClusterProcess
+from tandem.security import same_secret
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +28,9 @@ logger = logging.getLogger(__name__)
 class SupervisorSocket:
     """`start()` serves on `path` in a daemon thread; `close()` stops and removes it."""
 
-    def __init__(self, cluster: Cluster, path: str | Path | None = None) -> None:
+    def __init__(self, cluster: Cluster, path: str | Path | None = None, token: str | None = None) -> None:
         self.cluster = cluster
+        self._token = token  # the cluster token every request must carry (None: none needed)
         self._dir = None if path else tempfile.mkdtemp(prefix="tandem-supervisor-")
         self.path = str(path or Path(self._dir) / "supervisor.sock")
         self._server: socketserver.UnixStreamServer | None = None
@@ -51,6 +54,9 @@ class SupervisorSocket:
         return self.path
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self._token is not None and not same_secret(str(request.get("token", "")), self._token):
+            logger.warning("supervisor socket: refused a request without the cluster token")
+            return {"error": "unauthenticated: missing or wrong cluster token"}
         op = request.get("op")
         if op == "list":
             return {"processes": [{"name": p.name, "role": p.role, "address": p.address, "pid": p.pid,

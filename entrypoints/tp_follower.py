@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from tandem import security
 from worker.tp_link import BYE, HELLO, RESULT, FollowerLink
 from worker.tp_ranks import START_TIMEOUT_S, TP_GROUP_TIMEOUT_S, config_from_json
 
@@ -64,7 +65,8 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
         if config.role == "prefill":
             from prefill.tp_push import FollowerPusher
 
-            sender = make_sender(config.transfer.transport, config.transfer.sender_options)
+            sender = make_sender(config.transfer.transport, config.transfer.sender_options,
+                                 security.load_token(config.auth_token_file))
             link = FollowerLink(rank, link_address, lambda kind, body: None)
             on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body)).on_step
         elif config.role == "decode":
@@ -73,7 +75,8 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
             holder: list[FollowerLink] = []
             follower = FollowerReceiver(lambda body: holder[0].send(RESULT, body))
             bind = config.rank_kv_address(rank) or f"tcp://{config.host}:*"
-            receiver = make_receiver(config.transfer.transport, engine, bind, follower.on_transfer)
+            receiver = make_receiver(config.transfer.transport, engine, bind, follower.on_transfer,
+                                     security.load_token(config.auth_token_file))
             follower.receiver = receiver
             link = FollowerLink(rank, link_address, follower.on_command)
             holder.append(link)

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from tandem import wire
+from tandem import security, wire
 from tandem.hub import resolve_model
 from worker.config import WorkerConfig, build_parser, config_from_args
 from worker.runtime import WorkerRuntime
@@ -33,14 +33,14 @@ def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: Wo
     if cfg.role == "prefill":
         from prefill.service import PrefillService
 
-        worker.sender = make_sender(cfg.transfer.transport, cfg.transfer.sender_options)
+        worker.sender = make_sender(cfg.transfer.transport, cfg.transfer.sender_options, worker.auth_token)
         rank_sends = None
         if ranks is not None:
             from prefill.tp_push import RankSends
 
             rank_sends = RankSends(ranks.world_size)
             ranks.link.on_result, ranks.link.on_tick = rank_sends.on_result, rank_sends.tick
-        service = PrefillService(runtime, worker.sender, rank_sends)
+        service = PrefillService(runtime, worker.sender, rank_sends, auth_token=worker.auth_token)
         if ranks is not None:
             worker.engine.runner.step_extras = service.pusher.step_extras
         wire.add_prefill_worker_servicer(service, server)
@@ -59,12 +59,14 @@ def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: Wo
     if cfg.role == "decode":
         bind = cfg.rank_kv_address(0) or f"tcp://{cfg.host}:*"
         if ranks is None:
-            worker.receiver = make_receiver(cfg.transfer.transport, worker.engine, bind, service.on_transfer)
+            worker.receiver = make_receiver(cfg.transfer.transport, worker.engine, bind, service.on_transfer,
+                                            worker.auth_token)
         else:
             from decode.tp_receiver import TPReceiver
 
             worker.receiver = TPReceiver(ranks.world_size, ranks.link, service.on_transfer)
-            local = make_receiver(cfg.transfer.transport, worker.engine, bind, worker.receiver.on_rank0_result)
+            local = make_receiver(cfg.transfer.transport, worker.engine, bind, worker.receiver.on_rank0_result,
+                                  worker.auth_token)
             worker.receiver.attach(local, ranks.kv_addresses(local.address))
             ranks.link.on_result = worker.receiver.on_rank_result
         service.receiver = worker.receiver
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None, role: str | None = None, prog: str | Non
         args.model = resolve_model(args.model, args.revision)
         config = config_from_args(args, role)
         config.check_tp()
+        security.load_token(config.auth_token_file)  # a missing or short token file names its flag here
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, config.role)

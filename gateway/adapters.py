@@ -111,11 +111,11 @@ def reserve_request(request_id: str, token_ids: Sequence[int], max_tokens: int, 
 
 def prefill_request(request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
                     decode_worker_id: str, reservation: Reservation, timeout_s: float | None,
-                    num_output_tokens: int) -> wpb.PrefillRequest:
+                    num_output_tokens: int, voucher: str = "") -> wpb.PrefillRequest:
     target = wpb.KvTarget(worker_id=decode_worker_id, kv_address=reservation.kv_address,
                           reservation_id=reservation.reservation_id,
                           num_cached_blocks=reservation.num_cached_blocks,
-                          dst_block_ids=reservation.dst_block_ids)
+                          dst_block_ids=reservation.dst_block_ids, voucher=voucher)
     return wpb.PrefillRequest(request_id=request_id, token_ids=token_ids, params=wire.params_to_proto(params),
                               tier=wire.tier_to_proto(tier), target=target, timeout_ms=timeout_ms(timeout_s),
                               num_output_tokens=num_output_tokens)

@@ -7,9 +7,8 @@ new request and the placer routes no prompt to it; streams already running on it
 Marks live in this gateway's memory and outlast the worker's restarts (same address).
 
 Callers: the infra agent (`tandem agent`) and operators. Every call runs on the gateway's event
-loop. Served on the gateway's public port for now: the cluster token that will be required on
-internal and admin RPCs does not exist yet, so keep the gateway on loopback (the default) or a
-trusted network.
+loop. Served on the gateway's port; with a cluster token (always under `tandem up`) every call
+must carry it (`x-tandem-cluster-token`), else UNAUTHENTICATED (tandem/security.py).
 """
 from __future__ import annotations
 

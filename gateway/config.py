@@ -92,6 +92,31 @@ class WorkerPoolConfig:
 
 
 @dataclass(frozen=True)
+class GatewaySecurity:
+    """Who may call the gateway, and how it reaches its workers (tandem/security.py).
+
+    auth_token: the cluster token: required on the Admin service (and reflection), sent on
+        every call to a worker, and the key of the KV-push vouchers. None: all open (loopback).
+    api_key: required as `authorization: Bearer <key>` on the public Tandem service and the
+        HTTP API. None: the public port is open.
+    tls_cert / tls_key: serve the gRPC port (and the HTTP port) over TLS.
+    tls_ca: verify the workers' TLS certificates with this CA (the internal links use TLS).
+    reflection: serve gRPC reflection (cluster token required when one is set).
+    """
+
+    auth_token: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    reflection: bool = False
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Everything the gateway needs besides the model directory's files.
 
@@ -126,6 +151,7 @@ class GatewayConfig:
     grace_s: float = 10.0
     model_name: str | None = None
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stalls, suspects, the call bound
+    security: GatewaySecurity = field(default_factory=GatewaySecurity)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:

@@ -30,8 +30,9 @@ from gateway.request import RequestRunner
 from gateway.routing import CacheAwareRouter
 from gateway.service import TandemService
 from gateway.tiers import TierQueues
+from gateway.worker_client import WorkerCredentials
 from gateway.workers import WorkerRegistry
-from tandem import wire
+from tandem import security, wire
 from tandem.hashing import seed_hash
 
 if TYPE_CHECKING:
@@ -54,8 +55,10 @@ class Gateway:
         self.index, feed = self._make_index()
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", config.max_message_bytes)]
+        sec = config.security
         self.registry = WorkerRegistry(config.workers, index=self.index, feed_index=feed, metrics=self.metrics,
-                                       channel_options=options, on_change=self._wake, liveness=config.liveness)
+                                       channel_options=options, on_change=self._wake, liveness=config.liveness,
+                                       credentials=WorkerCredentials(sec.auth_token, sec.tls_ca))
         self.router = CacheAwareRouter(config.routing, block_size=config.block_size)
         queues: TierQueues[Waiter] = TierQueues({t: c.capacity for t, c in config.tiers.items()},
                                                 {t: c.aging_s for t, c in config.tiers.items()})
@@ -123,15 +126,19 @@ class Gateway:
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0), *overload_options(self.admission.max_calls)]
-        self.server = grpc.aio.server(options=options)
+        sec = cfg.security  # Tandem needs the API key (if set), Admin the cluster token (if set)
+        auth = security.AuthInterceptor(sec.auth_token, sec.api_key, public_services=[wire.TANDEM_SERVICE])
+        self.server = grpc.aio.server(options=options, interceptors=[auth])
         add_servicer(wire.add_tandem_servicer, self.service, self.server)
-        wire.add_admin_servicer(AdminService(self.registry), self.server)  # on the public port for now
-        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE, wire.ADMIN_SERVICE])
+        wire.add_admin_servicer(AdminService(self.registry), self.server)
+        self._health = wire.add_health_and_reflection(self.server, [wire.TANDEM_SERVICE, wire.ADMIN_SERVICE],
+                                                      reflection_on=sec.reflection)
         from grpc_health.v1 import health_pb2
 
         for name in ("", wire.TANDEM_SERVICE):  # until the workers are up (_update_health)
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        security.warn_if_exposed("gateway", cfg.host, sec.auth_token, bool(sec.tls_cert))
+        self.port = security.add_port(self.server, f"{cfg.host}:{cfg.port}", sec.tls_cert, sec.tls_key)
         if self.port == 0:
             raise RuntimeError(f"port: cannot bind {cfg.host}:{cfg.port}")
         await self.registry.start()
@@ -143,7 +150,8 @@ class Gateway:
         if cfg.http_port is not None:
             from gateway.http.app import HttpServer  # FastAPI is loaded only when HTTP is on
 
-            self._http = HttpServer(self.admission, cfg.host, cfg.http_port, cfg.grace_s)
+            self._http = HttpServer(self.admission, cfg.host, cfg.http_port, cfg.grace_s, api_key=sec.api_key,
+                                    tls_cert=sec.tls_cert, tls_key=sec.tls_key)
             self.http_port = await self._http.start()
         logger.info("gateway serving %s on %s:%d (%d workers)", self.model.name, cfg.host, self.port,
                     cfg.workers.num_workers)

@@ -23,13 +23,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from gateway import adapters
 from gateway.adapters import KvEventBatch, PrefillResult, Reservation, WorkerChunk, WorkerStatsView
-from tandem import wire
+from tandem import security, wire
 from tandem.types import Role, SamplingParams, Tier
 
 if TYPE_CHECKING:
@@ -47,6 +48,19 @@ _FINAL_CODES = {grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUME
                 grpc.StatusCode.OUT_OF_RANGE: grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.UNIMPLEMENTED: grpc.StatusCode.INTERNAL,
                 grpc.StatusCode.PERMISSION_DENIED: grpc.StatusCode.INTERNAL}
+
+
+@dataclass(frozen=True)
+class WorkerCredentials:
+    """How the gateway reaches its workers: the cluster token every call carries (and the key
+    of the KV-push vouchers), and the CA that verifies the workers' TLS certificates (None:
+    plaintext channels)."""
+
+    auth_token: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+        return security.channel(address, tls_ca=self.tls_ca, options=options, aio=True)
 
 
 class WorkerCallError(Exception):
@@ -121,6 +135,9 @@ class WorkerClient:
 
     def __init__(self, worker: WorkerHandle) -> None:
         self.worker = worker
+        creds = worker.credentials or WorkerCredentials()
+        self._token = creds.auth_token
+        self._md = security.token_metadata(creds.auth_token)  # sent on every call
         self._stub: wire.PrefillWorkerStub | wire.DecodeWorkerStub = (
             wire.PrefillWorkerStub(worker.channel) if worker.role == Role.PREFILL
             else wire.DecodeWorkerStub(worker.channel))
@@ -128,10 +145,11 @@ class WorkerClient:
     # ---------------------------------------------------------------- registry
 
     async def stats(self, timeout_s: float) -> WorkerStatsView:
-        return adapters.stats_from_proto(await self._stub.Stats(adapters.stats_request(), timeout=timeout_s))
+        return adapters.stats_from_proto(await self._stub.Stats(adapters.stats_request(), timeout=timeout_s,
+                                                                metadata=self._md))
 
     def kv_events(self) -> KvEventStream:
-        return KvEventStream(self._stub.KvEvents(adapters.kv_events_request()))
+        return KvEventStream(self._stub.KvEvents(adapters.kv_events_request(), metadata=self._md))
 
     # ---------------------------------------------------------------- request flow
 
@@ -142,7 +160,7 @@ class WorkerClient:
         future and, whatever happens to it, wait for the answer before aborting."""
         timeout = _remaining(deadline)
         call = self._stub.Reserve(adapters.reserve_request(request_id, token_ids, max_tokens, tier, timeout,
-                                                           num_output_tokens), timeout=timeout)
+                                                           num_output_tokens), timeout=timeout, metadata=self._md)
         return asyncio.ensure_future(self._unary(call, "reserve", deadline, adapters.reservation_from_proto))
 
     async def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
@@ -150,8 +168,11 @@ class WorkerClient:
                       deadline: float) -> PrefillResult:
         """Prefill on this (prefill) worker, pushing the KV into `reservation` on the decode worker."""
         timeout = _remaining(deadline)
+        voucher = security.kv_voucher(self._token, request_id, reservation.reservation_id, decode_worker_id,
+                                      reservation.kv_address)  # the prefill worker pushes only to vouched targets
         call = self._stub.Prefill(adapters.prefill_request(request_id, token_ids, params, tier, decode_worker_id,
-                                                           reservation, timeout, num_output_tokens), timeout=timeout)
+                                                           reservation, timeout, num_output_tokens, voucher),
+                                  timeout=timeout, metadata=self._md)
         return await self._unary(call, "prefill", deadline, adapters.prefill_result_from_proto)
 
     def decode(self, request_id: str, reservation_id: int, first_token_id: int, params: SamplingParams,
@@ -159,7 +180,7 @@ class WorkerClient:
         """Decode the tokens after `first_token_id` into the reserved (and filled) blocks."""
         timeout = _remaining(deadline)
         call = self._stub.Decode(adapters.decode_request(request_id, reservation_id, first_token_id, params,
-                                                         timeout), timeout=timeout)
+                                                         timeout), timeout=timeout, metadata=self._md)
         return ChunkStream(self, call, deadline)
 
     def prefill_and_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
@@ -167,17 +188,17 @@ class WorkerClient:
         """Prefill and decode on this worker alone (role both, or a local prefill on a decode worker)."""
         timeout = _remaining(deadline)
         call = self._stub.PrefillAndDecode(adapters.generate_on_worker_request(
-            request_id, token_ids, params, tier, timeout, num_output_tokens), timeout=timeout)
+            request_id, token_ids, params, tier, timeout, num_output_tokens), timeout=timeout, metadata=self._md)
         return ChunkStream(self, call, deadline)
 
     async def release(self, request_id: str, reservation_id: int) -> None:
         """Give back a reservation whose request ended with the prefill's first token."""
         await _quietly(self._stub.Release(adapters.release_request(request_id, reservation_id),
-                                          timeout=ABORT_TIMEOUT_S))
+                                          timeout=ABORT_TIMEOUT_S, metadata=self._md))
 
     async def abort(self, request_id: str) -> None:
         """Drop the request wherever it is on this worker (unknown ids are fine)."""
-        await _quietly(self._stub.Abort(adapters.abort_request(request_id), timeout=ABORT_TIMEOUT_S))
+        await _quietly(self._stub.Abort(adapters.abort_request(request_id), timeout=ABORT_TIMEOUT_S, metadata=self._md))
 
     # ---------------------------------------------------------------- failures
 

@@ -17,7 +17,7 @@ from gateway.adapters import KvEventBatch, WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.liveness import LivenessConfig
 from gateway.metrics import GatewayMetrics
-from gateway.worker_client import KvEventStream, WorkerClient
+from gateway.worker_client import KvEventStream, WorkerClient, WorkerCredentials
 from tandem.types import ROLES
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class WorkerHandle:
     step_s: float = 0.0
     suspect_since: float | None = None
     last_progress: float = 0.0  # when any stream or prefill on it last made progress (monotonic)
+    credentials: WorkerCredentials | None = field(default=None, repr=False)  # token and TLS CA for its calls
     client: WorkerClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,9 +96,11 @@ class WorkerRegistry:
 
     def __init__(self, pool: WorkerPoolConfig, *, index: PrefixIndex | None = None, feed_index: bool = False,
                  metrics: GatewayMetrics | None = None, channel_options: list[tuple[str, Any]] | None = None,
-                 on_change: Callable[[], None] | None = None, liveness: LivenessConfig | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, liveness: LivenessConfig | None = None,
+                 credentials: WorkerCredentials | None = None) -> None:
         self.pool = pool
         self.liveness = liveness or LivenessConfig()
+        self.credentials = credentials or WorkerCredentials()
         self.index = index
         self.feed_index = feed_index and index is not None
         self.metrics = metrics
@@ -116,8 +119,9 @@ class WorkerRegistry:
         """Open channels and start polling; returns at once (workers come up as they answer)."""
         for role in ROLES:
             for addr in getattr(self.pool, role):
-                channel = grpc.aio.insecure_channel(addr, options=self._options)
-                self.handles.append(WorkerHandle(addr, role, channel, self.pool.max_inflight_per_decode))
+                channel = self.credentials.channel(addr, self._options)
+                self.handles.append(WorkerHandle(addr, role, channel, self.pool.max_inflight_per_decode,
+                                                 credentials=self.credentials))
         for h in self.handles:
             self._tasks.append(asyncio.create_task(self._poll(h), name=f"stats:{h.address}"))
             if self.feed_index:

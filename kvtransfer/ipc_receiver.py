@@ -63,6 +63,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         max_pool_bytes: int = 1 << 36,
         poll_interval_s: float = 0.02,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         block_shape = getattr(sink, "block_shape", None)
         if (
@@ -86,7 +87,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
             raise ValueError(f"device: not a torch device: {device!r}") from None
         self.max_pool_bytes = max_pool_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._bind_socket(zmq.ROUTER, bind, context)
+        self._bind_socket(zmq.ROUTER, bind, context, auth_token)
         self._peers: dict[bytes, _Peer] = {}
         self._device_reads: collections.deque[tuple[Any, _Peer, int]] = collections.deque()  # GPU pools
         self._stream: Any = None  # this receiver's CUDA stream, made with the first GPU pool

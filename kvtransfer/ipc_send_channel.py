@@ -18,6 +18,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import ipc_wire as wire
+from kvtransfer.auth import secure_client
 from kvtransfer.base import KVTransferError, SendResult
 from kvtransfer.frames import DTYPE_ITEMSIZE, KIND_COMMIT, KIND_LAYER, FrameHeader, checksum
 from kvtransfer.ipc_pool import CUDA, Lease, SendPool
@@ -120,6 +121,7 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no receiver connected: sends wait (and time out) instead of queueing
         sock.setsockopt(zmq.SNDTIMEO, int(s.send_timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, int(s.linger_s * 1000))
+        secure_client(sock, s.auth_token)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)

@@ -56,6 +56,7 @@ class IpcSender(OutgoingTransfers, KVSender):
         corrupt_once: bool | None = None,
         linger_s: float = 1.0,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
@@ -70,6 +71,7 @@ class IpcSender(OutgoingTransfers, KVSender):
         self.linger_s = float(linger_s)
         self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
         self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
+        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._id = uuid.uuid4().hex[:12]

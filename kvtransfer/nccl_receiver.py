@@ -56,6 +56,7 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         max_inflight_layers: int = 4,
         poll_interval_s: float = 0.02,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         block_shape = getattr(sink, "block_shape", None)
         if (
@@ -82,7 +83,7 @@ class NcclReceiver(PendingTransfers, KVReceiver):
             raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
         self.max_inflight_layers = max_inflight_layers
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._bind_socket(zmq.ROUTER, bind, context)
+        self._bind_socket(zmq.ROUTER, bind, context, auth_token)
         default_host = self._address.removeprefix("tcp://").rpartition(":")[0] if bind.startswith("tcp://") else ""
         try:
             store_host, store_port = ng.split_host_port(store_address, "store_address") if store_address else (

@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from kvtransfer import nccl_group as ng
+from kvtransfer.auth import secure_client
 from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
@@ -134,6 +135,7 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDTIMEO, int(sender.send_timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, int(sender.linger_s * 1000))
+        secure_client(sock, sender.auth_token)
         sock.connect(self.peer)
         try:
             try:

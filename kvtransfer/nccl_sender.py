@@ -54,6 +54,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         max_inflight_layers: int = 4,
         linger_s: float = 1.0,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
@@ -72,6 +73,7 @@ class NcclSender(OutgoingTransfers, KVSender):
         self.send_timeout_s = float(send_timeout_s)
         self.max_staged_bytes = int(max_staged_bytes)
         self.linger_s = float(linger_s)
+        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._id = uuid.uuid4().hex[:12]

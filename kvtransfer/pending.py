@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import zmq
 
 from kvtransfer.assembly import IncomingTransfer
+from kvtransfer.auth import secure_server
 from kvtransfer.base import KVTransferError, OnComplete, TransferResult
 from kvtransfer.outgoing import check_request_id
 
@@ -36,13 +37,16 @@ class PendingTransfers:
         self._results_cond = threading.Condition()
         self._stop = threading.Event()
 
-    def _bind_socket(self, socket_type: int, bind: str, context: zmq.Context | None, **options: int) -> None:
+    def _bind_socket(self, socket_type: int, bind: str, context: zmq.Context | None,
+                     auth_token: str | None = None, **options: int) -> None:
         """This receiver's socket (`_sock`, in `_ctx`; options by zmq name) bound to `bind`;
-        ValueError naming `bind` when it cannot bind. `address` tells the bound endpoint."""
+        ValueError naming `bind` when it cannot bind. `address` tells the bound endpoint. With
+        `auth_token`, only senders presenting it connect (`kvtransfer.auth`; `_auth.refused`)."""
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._sock = self._ctx.socket(socket_type)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_server(self._sock, auth_token)
         for name, value in options.items():
             self._sock.setsockopt(getattr(zmq, name), value)
         try:
@@ -72,6 +76,7 @@ class PendingTransfers:
             "transfers_failed": self.transfers_failed,
             "transfer_seconds": self.transfer_seconds,
             "pending": len(self._pending),
+            "connections_refused": self._auth.refused,  # senders with a wrong cluster token
         }
 
     def _stop_thread(self, thread: threading.Thread, timeout_s: float = 10.0) -> bool:

@@ -43,6 +43,7 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         rcvhwm: int = 256,
         poll_interval_s: float = 0.02,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         block_shape = getattr(sink, "block_shape", None)
         if (
@@ -57,7 +58,7 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         self._sink = sink
         self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._bind_socket(zmq.PULL, bind, context, RCVHWM=rcvhwm)
+        self._bind_socket(zmq.PULL, bind, context, auth_token, RCVHWM=rcvhwm)
         self._pool = PairPool()
         self.bytes_received = 0
         self.frames_received = 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from kvtransfer.auth import secure_client
 from kvtransfer.base import KVSender
 from kvtransfer.frames import (
     DEFAULT_CHECKSUM,
@@ -61,6 +62,7 @@ class _PeerChannel:
         sock.setsockopt(zmq.SNDHWM, sender.sndhwm)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDTIMEO, int(sender.send_timeout_s * 1000))
+        secure_client(sock, sender.auth_token)
         sock.connect(self.peer)
         try:
             while True:
@@ -104,6 +106,7 @@ class ZmqSender(OutgoingTransfers, KVSender):
         checksum_algorithm: str = DEFAULT_CHECKSUM,
         corrupt_once: bool | None = None,
         context: zmq.Context | None = None,
+        auth_token: str | None = None,
     ) -> None:
         if not send_timeout_s > 0:
             raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
@@ -115,6 +118,7 @@ class ZmqSender(OutgoingTransfers, KVSender):
         self.linger_s = float(linger_s)
         self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
         self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
+        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._lock = threading.Lock()

@@ -189,9 +189,14 @@ def _detail(exc: Any) -> str:
     return str(exc)
 
 
-def make_backend(kind: str, target: str, model: str | None = None) -> GrpcBackend | OpenAIBackend:
+def make_backend(kind: str, target: str, model: str | None = None, api_key: str | None = None,
+                 tls_ca: str | None = None) -> GrpcBackend | OpenAIBackend:
+    """api_key: the server's API key (a bearer token on both backends); tls_ca: grpc: verify the
+    gateway's TLS certificate with this CA."""
     if kind == "grpc":
-        return GrpcBackend(target)
+        from tandem.client import AsyncClient
+
+        return GrpcBackend(target, AsyncClient(str(target), api_key=api_key, tls_ca=tls_ca))
     if kind == "openai":
-        return OpenAIBackend(target, model)
+        return OpenAIBackend(target, model, api_key=api_key or "EMPTY")
     raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {kind!r}")

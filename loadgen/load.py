@@ -32,6 +32,7 @@ from loadgen.report import SLO, Progress, RequestResult, format_run, format_swee
 from loadgen.backends import BACKENDS, BackendError, GrpcBackend, OpenAIBackend, ServerInfo, make_backend
 from loadgen.baseline import DEFAULT_TOLERANCE_PCT, compare, load_results
 from loadgen.baseline import report as baseline_report
+from tandem.security import load_api_key
 from tandem.types import MAX_SEED, Tier
 
 logger = logging.getLogger(__name__)
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="grpc",
                    help="grpc: Tandem's gRPC API; openai: streaming /v1/completions of any OpenAI-compatible server")
     p.add_argument("--model", default=None, help="openai: the model to request (default: the first /v1/models lists)")
+    p.add_argument("--api-key", default=None,
+                   help="the server's API key (a bearer token); @FILE reads it (default: $TANDEM_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="grpc: PEM CA that signed the gateway's certificate (uses TLS)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=ds.DATASETS, default="random")
     d.add_argument("--num-requests", type=_flag_type("pos_int"), default=None,
@@ -442,7 +446,10 @@ async def _bench(a: argparse.Namespace, specs: list[LoadSpec], argv: Sequence[st
     runs: list[dict[str, Any]] = []
     per_run_results: list[list[RequestResult]] = []
     try:
-        backend = make_backend(a.backend, a.target, a.model)
+        backend = make_backend(a.backend, a.target, a.model, load_api_key(a.api_key), a.tls_ca)
+    except ValueError as exc:  # an unreadable --api-key @FILE
+        print(f"tandem bench: {exc}", file=sys.stderr)
+        return 2
     except BackendError as exc:
         print(f"tandem bench: {exc.detail}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from kvtransfer import KVSender
 from prefill import adapters as ad
 from prefill.kv_push import KvPusher, PrefillFailed, PrefillJob, deadline_from
 from prefill.tp_push import RankSends, check_pairing
-from tandem import wire
+from tandem import security, wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem._proto.tandem.v1 import worker_pb2
 from worker.engine_loop import LoopStopped
@@ -40,8 +40,10 @@ class PrefillService(wire.PrefillWorkerServicer):
     results (None without TP); the caller routes the TP link's results into it and installs
     `pusher.step_extras` on the engine's TP runner."""
 
-    def __init__(self, runtime: WorkerRuntime, sender: KVSender, ranks: RankSends | None = None) -> None:
+    def __init__(self, runtime: WorkerRuntime, sender: KVSender, ranks: RankSends | None = None,
+                 auth_token: str | None = None) -> None:
         self.runtime = runtime
+        self.auth_token = auth_token  # with a token, only targets the gateway vouched for get KV
         self.loop = runtime.loop
         self.sender = sender
         self.tp = ranks.world_size if ranks is not None else 1
@@ -54,6 +56,14 @@ class PrefillService(wire.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         engine = self.runtime.engine
         inp = ad.prefill_from_proto(request, engine.config.block_size)
+        t = request.target
+        if not security.check_kv_voucher(self.auth_token, t.voucher, inp.request_id, t.reservation_id, t.worker_id,
+                                         t.kv_address):
+            logger.warning("refused to push %s to %r: the target carries no valid gateway voucher",
+                           inp.request_id, t.kv_address)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"target.kv_address: {t.kv_address!r} (decode worker {t.worker_id!r}) is not vouched "
+                                "for by the gateway; refusing to push KV there")
         check_pairing(len(inp.target.kv_addresses), self.tp, inp.target.worker_id)
         job = PrefillJob(inp, engine.model_config.num_layers, deadline_from(inp.timeout_s))
         with self.runtime.tracked():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import grpc
 
-from tandem import wire
+from tandem import security, wire
 from tandem.errors import TandemError
 from tandem.types import SamplingParams, Tier
 from tandem.wire import Chunk, ModelInfo, TokenLogprob, Usage
@@ -230,12 +230,18 @@ class ChunkStream(Iterator[Chunk]):
 
 class Client:
     """Blocking client. `timeout` (seconds) is the default deadline of every call; None = none.
-    Thread-safe: one Client may serve many threads (submit_batch does)."""
+    Thread-safe: one Client may serve many threads (submit_batch does).
 
-    def __init__(self, target: str, *, timeout: float | None = None, max_message_mb: float = 64) -> None:
+    api_key: sent as `authorization: Bearer <key>` on every call (a gateway started with
+    --api-key needs it). tls_ca: a PEM CA file to verify the gateway's certificate; tls=True
+    uses TLS with the system's roots. Without either, the channel is plaintext."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, max_message_mb: float = 64,
+                 api_key: str | None = None, tls_ca: str | None = None, tls: bool = False) -> None:
         self.target = target
         self.timeout = _check_timeout(timeout)
-        self._channel = grpc.insecure_channel(target, options=_channel_options(max_message_mb))
+        self._md = security.bearer_metadata(api_key)
+        self._channel = security.channel(target, tls_ca=tls_ca, tls=tls, options=_channel_options(max_message_mb))
         self._stub = wire.TandemStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], *, params: SamplingParams | None = None,
@@ -300,12 +306,12 @@ class Client:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self._deadline(timeout))
+            return method(request, timeout=self._deadline(timeout), metadata=self._md)
         except grpc.RpcError as exc:
             raise TandemError.from_rpc_error(exc) from None
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> ChunkStream:
-        return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
+        return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout), metadata=self._md))
 
     def _complete(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
         collector = _Collector(want_logprobs=request.params.HasField("logprobs"))
@@ -362,12 +368,16 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
 
 class AsyncClient:
     """asyncio client with the same methods as Client (coroutines, and `stream` returning an
-    async iterator). The channel is opened on first use, inside the running event loop."""
+    async iterator). The channel is opened on first use, inside the running event loop.
+    api_key, tls_ca, tls: as Client's."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, max_message_mb: float = 64) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, max_message_mb: float = 64,
+                 api_key: str | None = None, tls_ca: str | None = None, tls: bool = False) -> None:
         self.target = target
         self.timeout = _check_timeout(timeout)
         self._options = _channel_options(max_message_mb)
+        self._md = security.bearer_metadata(api_key)
+        self._tls_ca, self._tls = tls_ca, tls
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: Any = None
 
@@ -428,7 +438,8 @@ class AsyncClient:
 
     def _stub(self) -> Any:
         if self._stub_obj is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = security.channel(self.target, tls_ca=self._tls_ca, tls=self._tls, options=self._options,
+                                             aio=True)
             self._stub_obj = wire.TandemStub(self._channel)
         return self._stub_obj
 
@@ -437,12 +448,12 @@ class AsyncClient:
 
     async def _unary(self, method: str, request: Any, timeout: float | None) -> Any:
         try:
-            return await getattr(self._stub(), method)(request, timeout=self._deadline(timeout))
+            return await getattr(self._stub(), method)(request, timeout=self._deadline(timeout), metadata=self._md)
         except grpc.RpcError as exc:
             raise TandemError.from_rpc_error(exc) from None
 
     def _start(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncChunkStream:
-        return AsyncChunkStream(self._stub().Generate(request, timeout=self._deadline(timeout)))
+        return AsyncChunkStream(self._stub().Generate(request, timeout=self._deadline(timeout), metadata=self._md))
 
     async def _complete(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
         collector = _Collector(want_logprobs=request.params.HasField("logprobs"))

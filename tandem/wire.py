@@ -285,9 +285,10 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
 # ---------------------------------------------------------------- health and reflection
 
 def add_health_and_reflection(server: grpc.Server | grpc.aio.Server,
-                              service_names: Iterable[str]) -> Any:
+                              service_names: Iterable[str], reflection_on: bool = True) -> Any:
     """Register grpc.health.v1.Health (every name in `service_names` and "" SERVING) and
-    server reflection (those services plus health and reflection) on a sync or aio server.
+    server reflection (those services plus health and reflection; unless `reflection_on` is
+    False) on a sync or aio server.
 
     Returns the health servicer: `grpc_health.v1.health.HealthServicer` for a sync server,
     `grpc_health.v1.health.aio.HealthServicer` for an aio one (whose set() and
@@ -311,7 +312,8 @@ def add_health_and_reflection(server: grpc.Server | grpc.aio.Server,
         for name in names:
             servicer.set(name, serving)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if reflection_on:
+        reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     return servicer
 
 

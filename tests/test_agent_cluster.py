@@ -21,7 +21,7 @@ import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 from entrypoints.cluster import free_port
-from tandem import Client, wire
+from tandem import Client, security, wire
 from tandem._proto.tandem.v1 import admin_pb2
 from tests.harness import wait_until
 
@@ -47,9 +47,12 @@ class UpCluster:
         cfg = tmp / "agent.json"
         cfg.write_text(json.dumps(AGENT_CONFIG))
         env = {**os.environ, "TANDEM_FAULT_STEP_DELAY": f"@{tmp}/fault-{{worker_id}}"}
+        self.token = security.generate_token()  # the Admin service needs the cluster token
+        token_file = security.write_token_file(tmp / "auth-token", self.token)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "entrypoints", "up", "--model", str(model), "--colocated", "--decode-workers", "2",
              "--port", str(self.port), "--log-dir", str(self.log_dir), "--max-running", "8",
+             "--auth-token-file", str(token_file),
              "--agent-args", " ".join(["--config", str(cfg), *agent_args])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines = []
@@ -67,7 +70,9 @@ class UpCluster:
                    what="both workers routable with metrics")
 
     def workers(self) -> dict[str, admin_pb2.AdminWorker]:
-        return {w.name: w for w in self.admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5).workers}
+        reply = self.admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5,
+                                       metadata=security.token_metadata(self.token))
+        return {w.name: w for w in reply.workers}
 
     def fault(self, worker: str, delay_s: float) -> None:
         path = self.tmp / f"fault-{worker}"
@@ -254,8 +259,9 @@ def test_hung_worker_restarted_killed_one_back_and_repeated_restarts_isolate(up)
     with Client(c.target) as client:  # the cluster serves on the other worker
         assert client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0).text == ref[PROMPTS[0]]
     # An operator clears it; it is routed again.
-    c.admin.Clear(admin_pb2.WorkerMarkRequest(worker="both-1"), timeout=5)
+    c.admin.Clear(admin_pb2.WorkerMarkRequest(worker="both-1"), timeout=5, metadata=security.token_metadata(c.token))
     wait_until(lambda: c.workers()["both-1"].routable, 10, what="both-1 routable after Clear")
     with pytest.raises(grpc.RpcError) as err:
-        c.admin.Drain(admin_pb2.WorkerMarkRequest(worker="no-such-worker"), timeout=5)
+        c.admin.Drain(admin_pb2.WorkerMarkRequest(worker="no-such-worker"), timeout=5,
+                      metadata=security.token_metadata(c.token))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-worker" in err.value.details()

@@ -73,7 +73,7 @@ def cluster(model_dir, tmp_path_factory):
     flags = ["--num-kv-blocks", str(BLOCKS), "--metrics-port", "0"]
     specs = {
         "d": ("decode", ["--kv-timeout", "20"], None),
-        "p": ("prefill", [], None),
+        "p": ("prefill", ["--reflection"], None),  # reflection is off unless asked for
         "pc": ("prefill", [], {"TANDEM_KV_CORRUPT_ONCE": "1"}),
         "b": ("both", [], None),
     }
@@ -366,7 +366,13 @@ def test_health_reflection_and_metrics(cluster, model_dir):
         health = health_pb2_grpc.HealthStub(wk.channel)
         assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(wk.channel)
-        reply = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        if wk is d:  # started without --reflection
+            with pytest.raises(grpc.RpcError) as err:
+                next(refl.ServerReflectionInfo(ask))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            continue
+        reply = next(refl.ServerReflectionInfo(ask))
         assert service in {s.name for s in reply.list_services_response.service}
     text = urllib.request.urlopen(f"http://127.0.0.1:{d.info['metrics_port']}/metrics", timeout=WAIT_S).read().decode()
     lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln.startswith("tandem_")}

@@ -69,6 +69,11 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
     tp: int = 1  # tensor-parallel ranks (processes; GPUs on CUDA) serving one model replica
+    # Security (tandem/security.py): paths, never secrets, so the config may travel to the ranks.
+    auth_token_file: str | None = None  # None: $TANDEM_AUTH_TOKEN_FILE / $TANDEM_AUTH_TOKEN / no token
+    tls_cert: str | None = None  # serve the gRPC port over TLS with this certificate and key
+    tls_key: str | None = None
+    reflection: bool = False  # gRPC server reflection (off unless asked for)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -93,6 +98,8 @@ class WorkerConfig:
             raise ValueError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
         if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
         if self.role == "prefill" and self.engine.cuda_graphs:
             # A prefill worker never decodes: no decode graphs to capture.
             object.__setattr__(self, "engine", replace(self.engine, cuda_graphs=False))
@@ -261,6 +268,12 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="seconds to finish in-flight requests after SIGTERM")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving (default: none)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--auth-token-file", default=None,
+                   help="the cluster token, required on this worker's RPCs and KV handshake (default: "
+                        "$TANDEM_AUTH_TOKEN_FILE or $TANDEM_AUTH_TOKEN; none: open, for loopback only)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--reflection", action="store_true", help="serve gRPC server reflection (token required)")
     return p
 
 
@@ -302,4 +315,8 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,
         tp=args.tp,
+        auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        reflection=args.reflection,
     )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from tandem import wire
+from tandem import security, wire
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
@@ -69,6 +69,7 @@ class WorkerServer:
         from engine.engine import Engine
 
         self.config = config
+        self.auth_token = security.load_token(config.auth_token_file)  # the cluster token (None: open)
         self.add_services = add_services
         self.ranks: TPRanks | None = None  # on rank 0 of a tensor-parallel worker
         self.exit_code = 0
@@ -113,9 +114,10 @@ class WorkerServer:
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(options=_GRPC_OPTIONS)
+        server = grpc.aio.server(options=_GRPC_OPTIONS, interceptors=[security.AuthInterceptor(self.auth_token)])
+        security.warn_if_exposed(f"{cfg.role} worker", cfg.host, self.auth_token, bool(cfg.tls_cert))
         try:
-            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            self.port = security.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls_cert, cfg.tls_key)
         except RuntimeError as exc:  # grpc's way of saying the address is taken
             raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
         worker_id = cfg.worker_id or f"{cfg.role}-{cfg.host}-{self.port}"
@@ -128,7 +130,7 @@ class WorkerServer:
             event_loop = asyncio.get_running_loop()
             self.ranks.on_failure = lambda reason: event_loop.call_soon_threadsafe(self._on_rank_failure, reason)
         names = self.add_services(self, server, runtime)
-        self.health = wire.add_health_and_reflection(server, names)
+        self.health = wire.add_health_and_reflection(server, names, reflection_on=cfg.reflection)
         self._start_metrics(runtime)
         loop.start()
         self._start_publisher(runtime)

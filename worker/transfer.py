@@ -41,12 +41,15 @@ def split_kv_addresses(kv_address: str) -> list[str]:
     return [p.strip() for p in kv_address.split(",")]
 
 
-def make_sender(transport: str, options: dict[str, Any] | None = None) -> KVSender:
-    return get_transport(transport).create_sender(**(options or {}))
+def make_sender(transport: str, options: dict[str, Any] | None = None, auth_token: str | None = None) -> KVSender:
+    """A sender presenting `auth_token` (the cluster token) in each connection's handshake."""
+    return get_transport(transport).create_sender(**{**(options or {}), "auth_token": auth_token})
 
 
-def make_receiver(transport: str, engine: Engine, bind: str, on_complete: OnComplete) -> KVReceiver:
-    """A receiver writing verified layers straight into `engine.kv_cache.layers`.
+def make_receiver(transport: str, engine: Engine, bind: str, on_complete: OnComplete,
+                  auth_token: str | None = None) -> KVReceiver:
+    """A receiver writing verified layers straight into `engine.kv_cache.layers`; with
+    `auth_token`, only senders presenting it may connect (`kvtransfer.auth`).
 
     The sink copies host bytes into the cache; on CUDA that copy completes before `write`
     returns, on the default stream the engine also uses, so activating the request after the
@@ -56,4 +59,4 @@ def make_receiver(transport: str, engine: Engine, bind: str, on_complete: OnComp
 
     layers = engine.kv_cache.layers
     sink = TensorKVSink([k for k, _ in layers], [v for _, v in layers])
-    return get_transport(transport).create_receiver(sink, bind=bind, on_complete=on_complete)
+    return get_transport(transport).create_receiver(sink, bind=bind, on_complete=on_complete, auth_token=auth_token)

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.admission import Admission, Rejected
 from gateway.http import adapters
 from gateway.http.adapters import Choice, ChoiceOutput
+from gateway.http.auth import ApiKeyMiddleware
 from gateway.http.errors import HttpError
 from gateway.http.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatDelta, Completion, CompletionChoice, CompletionRequest,
@@ -47,10 +48,13 @@ logger = logging.getLogger(__name__)
 Admitted = list[tuple[Choice, RequestState]]
 
 
-def build_app(admission: Admission) -> FastAPI:
-    """The FastAPI app over `admission` (its model, registry and metrics)."""
+def build_app(admission: Admission, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app over `admission` (its model, registry and metrics); with `api_key`,
+    /v1/... requires it as a bearer token (gateway.http.auth)."""
     app = FastAPI(title="Tandem", summary="OpenAI-compatible API of a Tandem gateway", docs_url=None,
                   redoc_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     model = admission.model
     created = int(time.time())
 
@@ -336,7 +340,8 @@ class HttpServer:
     http_port when it cannot) and returns the port; `await stop()` lets responses in progress
     finish for up to `grace_s`, then ends them. The gateway process owns the signals."""
 
-    def __init__(self, admission: Admission, host: str, port: int, grace_s: float = 10.0) -> None:
+    def __init__(self, admission: Admission, host: str, port: int, grace_s: float = 10.0, *,
+                 api_key: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
         import uvicorn
 
         class _Server(uvicorn.Server):
@@ -345,8 +350,9 @@ class HttpServer:
                 yield
 
         self.host, self.port, self.grace_s = host, port, grace_s
-        config = uvicorn.Config(build_app(admission), host=host, port=port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=max(1, int(grace_s)), access_log=False)
+        config = uvicorn.Config(build_app(admission, api_key), host=host, port=port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=max(1, int(grace_s)), access_log=False,
+                                ssl_certfile=tls_cert, ssl_keyfile=tls_key)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -20,18 +20,20 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_BOTH: WorkerRole
 
 class KvTarget(_message.Message):
-    __slots__ = ("worker_id", "kv_address", "reservation_id", "num_cached_blocks", "dst_block_ids")
+    __slots__ = ("worker_id", "kv_address", "reservation_id", "num_cached_blocks", "dst_block_ids", "voucher")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kv_address: str
     reservation_id: int
     num_cached_blocks: int
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    voucher: str
+    def __init__(self, worker_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., voucher: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "params", "tier", "target", "timeout_ms", "num_output_tokens")
