@@ -93,13 +93,18 @@ class TandemService(wire.TandemServicer):
         except Rejected as exc:
             await self._fail(context, exc.code, exc.details)
             return
-        yield pb.GenerateChunk(request_id=st.request_id)
-        async with contextlib.aclosing(self.admission.outputs(st)) as items:
-            async for item in items:
-                if isinstance(item, RequestFailed):
-                    await self._fail(context, item.code, item.details)
-                    return
-                yield wire.chunk_to_proto(item)
+        try:
+            yield pb.GenerateChunk(request_id=st.request_id)
+            async with contextlib.aclosing(self.admission.outputs(st)) as items:
+                async for item in items:
+                    if isinstance(item, RequestFailed):
+                        await self._fail(context, item.code, item.details)
+                        return
+                    yield wire.chunk_to_proto(item)
+        finally:
+            # The caller may leave before outputs() starts (at the first chunk): drop it then.
+            # A no-op once outputs() has let the request go.
+            self.admission.cancel(st)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if isinstance(request, MalformedMessage):
