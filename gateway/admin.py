@@ -2,8 +2,9 @@
 workers the gateway routes to, and mark one drained or isolated (or clear the mark).
 
 A mark is `WorkerHandle.mark`; a marked handle is not `routable`, so the dispatcher gives it no
-new request and the placer routes no prompt to it; streams already running on it finish there
-(the gateway migrates a stream only when its worker fails, so a drain does not move them).
+new request and the placer routes no prompt to it; streams already running on it move to another
+decode worker (gateway.request: as after the worker's death, each resumed exactly once), or
+finish there when no other decode worker is routable.
 Marks live in this gateway's memory and outlast the worker's restarts (same address).
 
 Callers: the infra agent (`tandem agent`) and operators. Every call runs on the gateway's event

@@ -41,6 +41,8 @@ from tandem.wire import Chunk
 logger = logging.getLogger(__name__)
 
 RESERVE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2)
+# How often a stream waiting on its worker looks whether the worker was drained (gateway.admin).
+DRAIN_POLL_S = 0.25
 
 
 class RequestFailed(Exception):
@@ -308,15 +310,21 @@ class RequestRunner:
         request waiting or preempted inside a busy worker is not a stall; a frozen worker
         stalls every call on it). Then `w` is suspect and the attempt fails like a dead
         worker's (WorkerUnavailable: the caller retries elsewhere; holders get Abort)."""
+        if stage == "stream" and self._drained_elsewhere(w):
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()  # never awaited
+            raise WorkerUnavailable(stage, f"worker {w.name} was {w.mark}: its streams move to another", w)
         task = asyncio.ensure_future(awaitable)
         wait = limit
         try:
             while True:
-                done, _ = await asyncio.wait((task,), timeout=wait)
+                done, _ = await asyncio.wait((task,), timeout=min(wait, DRAIN_POLL_S))
                 if done:
                     result = task.result()
                     w.last_progress = time.monotonic()
                     return result
+                if stage == "stream" and self._drained_elsewhere(w):
+                    raise WorkerUnavailable(stage, f"worker {w.name} was {w.mark}: its streams move to another", w)
                 idle = time.monotonic() - w.last_progress
                 if idle >= limit:
                     break
@@ -327,6 +335,11 @@ class RequestRunner:
         self.metrics.stalls.labels(stage).inc()
         self.placer.registry.suspect(w, f"no progress on a {stage} for {limit:.1f} s")
         raise WorkerUnavailable(stage, f"stalled: no progress on the worker for {limit:.1f} s", w)
+
+    def _drained_elsewhere(self, w: WorkerHandle) -> bool:
+        """`w` was drained or isolated (gateway.admin) and another decode worker can take its
+        streams: they migrate, as a dead worker's do. With no other, they finish where they are."""
+        return bool(w.mark) and any(h.routable for h in self.placer.registry.decode_workers() if h is not w)
 
     # ---------------------------------------------------------------- cleanup
 
