@@ -222,8 +222,10 @@ def test_spike_warns_only_and_a_persistently_slow_worker_is_drained(up):
 
 def test_dry_run_only_logs(up):
     c = up("--dry-run")
-    load = Load(c.target, threads=3)
+    load = Load(c.target, threads=6)
     try:
+        # The detector needs steps on both-0: wait until placement has given it requests.
+        wait_until(lambda: c.workers()["both-0"].inflight > 0, 30, what="requests on both-0")
         time.sleep(4)
         c.fault("both-0", 0.15)
         drain = c.wait_decision("drain", "both-0", 40)
