@@ -53,7 +53,8 @@ class PeerArgs:
     @classmethod
     def from_config(cls, c: ModelConfig) -> "PeerArgs":
         for name, bad in (("qkv_bias", c.qkv_bias), ("qk_norm", c.qk_norm), ("sandwich_norm", c.sandwich_norm),
-                          ("rope_interleaved", c.rope_interleaved), ("partial_rotary_factor", c.rotary_dim != c.head_dim),
+                          ("rope_interleaved", c.rope_interleaved),
+                          ("partial_rotary_factor", c.rotary_dim != c.head_dim),
                           ("sliding_window", c.sliding_window is not None)):
             if bad:
                 raise ValueError(f"{name}: the gpt-fast peer runs plain Llama models only ({c.model_type} sets it)")

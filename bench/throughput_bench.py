@@ -4,10 +4,13 @@
 Two device calls, each under 9 minutes on one H200 (the device's limit is 10 per command):
 
     # A: ceilings, batch-1 decode (ours and the gpt-fast peer), offline bf16 / FP8 KV / FP8 weights + KV
-    PYTHONPATH=$PWD python3 bench/throughput_bench.py --only A --out $OUT/h200_throughput.json
-    # B: `tandem up` disaggregated and colocated vs offline (same 512 prompts), online 2 req/s, max rate in SLO
-    PYTHONPATH=$PWD python3 bench/throughput_bench.py --only B --merge bench/results/h200_throughput.json \\
-        --out $OUT/h200_throughput.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 bench/throughput_bench.py --only A --out $OUT/h200_throughput.json
+    # B: `tandem up` disaggregated and colocated vs offline (same 512 prompts), online 2 req/s, max rate
+    # in the SLO; the services need pyzmq, redis and grpcio-health/-reflection: carry .whl, as for
+    # h200_bench's services section
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site python3 bench/throughput_bench.py --only B \
+        --merge bench/results/h200_throughput.json --out $OUT/h200_throughput.json --log-dir $OUT/logs
 
 (copy call A's file to bench/results/h200_throughput.json before call B; `--merge` keeps its
 sections and the summary is recomputed over both.) `--dry-run` prints the sections, their
@@ -74,6 +77,7 @@ class Section:
     name: str
     group: str  # "A", "B" or "" (only when named)
     budget_s: float
+    expect_s: float  # on one H200 (BENCHMARKS §7, §8; the gpt-fast compile is a guess)
     where: str
     fn: Callable[["Context"], dict]
     what: str
@@ -193,7 +197,8 @@ class Clusters:
         return self.target, {**self.info, "reused": False}
 
     def log_tails(self, mode: str) -> dict[str, str]:
-        return {f.name: f.read_text(errors="replace")[-3000:] for f in sorted((self.log_root / f"logs-{mode}").glob("*.log"))}
+        logs = sorted((self.log_root / f"logs-{mode}").glob("*.log"))
+        return {f.name: f.read_text(errors="replace")[-3000:] for f in logs}
 
     def close(self) -> int | None:
         from bench.up_bench import stop
@@ -362,20 +367,20 @@ def _has(cmd: str) -> bool:
 
 
 SECTIONS: dict[str, Section] = {s.name: s for s in [
-    Section("ceilings", "A", 45, "child", run_ceilings, "device copy GB/s, bf16 and FP8 matmul TFLOP/s"),
-    Section("decode_b1", "A", 75, "child", run_decode_b1, "ours, batch 1, ms/token vs the weight-read floor"),
-    Section("offline_bf16", "A", 150, "child", lambda c: _offline(c, "auto", None), "offline, bf16 weights + KV"),
-    Section("offline_fp8kv", "A", 140, "child", lambda c: _offline(c, "fp8", None), "offline, bf16 weights, FP8 KV"),
-    Section("offline_fp8", "A", 125, "child", lambda c: _offline(c, "fp8", "fp8"), "offline, FP8 weights + FP8 KV"),
-    Section("gptfast", "A", 200, "child", run_gptfast, "gpt-fast-style peer, batch 1 (compiles first)"),
-    Section("services", "B", 130, "cluster", run_services, "`tandem up` (P + D on one GPU), 512 prompts"),
-    Section("online", "B", 75, "cluster", run_online, "`tandem up`, Poisson 2 req/s, 1024/256"),
-    Section("max_rate", "B", 170, "cluster", run_max_rate, "`tandem up`, highest rate within the SLO"),
-    Section("colocated", "B", 110, "cluster", lambda c: run_services(c, "colocated"), "`tandem up --colocated`"),
-    Section("online_colocated", "B", 75, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
-    Section("offline_subset", "B", 110, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
-    Section("env", "", 30, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
-    Section("max_rate_colocated", "", 150, "cluster", lambda c: run_max_rate(c, "colocated"), "--colocated max rate"),
+    Section("ceilings", "A", 45, 15, "child", run_ceilings, "device copy GB/s, bf16 and FP8 matmul TFLOP/s"),
+    Section("decode_b1", "A", 75, 35, "child", run_decode_b1, "ours, batch 1, ms/token vs the weight-read floor"),
+    Section("offline_bf16", "A", 150, 120, "child", lambda c: _offline(c, "auto", None), "offline, bf16 weights + KV"),
+    Section("offline_fp8kv", "A", 140, 110, "child", lambda c: _offline(c, "fp8", None), "bf16 weights, FP8 KV"),
+    Section("offline_fp8", "A", 125, 100, "child", lambda c: _offline(c, "fp8", "fp8"), "FP8 weights + FP8 KV"),
+    Section("gptfast", "A", 200, 130, "child", run_gptfast, "gpt-fast-style peer, batch 1 (compiles first)"),
+    Section("services", "B", 130, 90, "cluster", run_services, "`tandem up` (P + D on one GPU), 512 prompts"),
+    Section("online", "B", 75, 45, "cluster", run_online, "`tandem up`, Poisson 2 req/s, 1024/256"),
+    Section("max_rate", "B", 170, 125, "cluster", run_max_rate, "`tandem up`, highest rate within the SLO"),
+    Section("colocated", "B", 110, 80, "cluster", lambda c: run_services(c, "colocated"), "`tandem up --colocated`"),
+    Section("online_colocated", "B", 75, 45, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
+    Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
+    Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
+    Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 
@@ -416,7 +421,8 @@ def summarize(sections: dict) -> dict:
         "offline_subset_out_tok_s": subset,
         "services_vs_offline": _ratio(g("services", "output_tok_s"), subset),
         "colocated_vs_offline": _ratio(g("colocated", "output_tok_s"), subset),
-        "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")), "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
+        "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
+        "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),
         "online_colocated_tpot_p50_ms": _round(g("online_colocated", "tpot_p50_ms")),
         "max_rate_within_slo": g("max_rate", "max_rate_within_slo"),
@@ -594,11 +600,11 @@ def plan(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[Sectio
 
 
 def print_plan(steps: list[tuple[Section, float]], deadline_s: float) -> None:
-    print(f"{'section':<20} {'group':<5} {'budget_s':>8}  {'runs in':<8} what")
+    print(f"{'section':<20} {'group':<5} {'budget_s':>8} {'expect_s':>8}  {'runs in':<8} what")
     for s, b in steps:
-        print(f"{s.name:<20} {s.group or '-':<5} {b:>8g}  {s.where:<8} {s.what}")
-    total = sum(b for _, b in steps)
-    print(f"sum of budgets {total:g} s; the run stops at --deadline-s {deadline_s:g} s")
+        print(f"{s.name:<20} {s.group or '-':<5} {b:>8g} {s.expect_s:>8g}  {s.where:<8} {s.what}")
+    print(f"expected {sum(s.expect_s for s, _ in steps):g} s in all (budgets sum to {sum(b for _, b in steps):g}); "
+          f"no section starts or runs past --deadline-s {deadline_s:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
