@@ -16,7 +16,7 @@ Two device calls, each under 9 minutes on one H200 (the device's limit is 10 per
 sections and the summary is recomputed over both.) `--dry-run` prints the sections, their
 groups and budgets and exits; `--only` / `--skip` take section names or the groups A and B.
 
-Sections (group, default budget in seconds):
+Sections by group (their budgets and expected seconds: --dry-run):
 - A: ceilings (device copy GB/s, bf16 and FP8 matmul TFLOP/s), decode_b1 (bench/h200_bench.py's
   batch-1 decode against the weight-read floor), offline_bf16, offline_fp8kv, offline_fp8 (FP8
   weights + FP8 KV; each 1000 x 1024/1024 through h200_bench's `offline`, max_running derived as
