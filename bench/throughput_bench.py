@@ -1,0 +1,680 @@
+"""The throughput issue's table in one command: every row measured on one GPU and written to
+`bench/results/h200_throughput.json` (Llama-3.1-8B shape, dummy weights).
+
+Two device calls, each under 9 minutes on one H200 (the device's limit is 10 per command):
+
+    # A: ceilings, batch-1 decode (ours and the gpt-fast peer), offline bf16 / FP8 KV / FP8 weights + KV
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 bench/throughput_bench.py --only A --out $OUT/h200_throughput.json
+    # B: `tandem up` disaggregated and colocated vs offline (same 512 prompts), online 2 req/s, max rate
+    # in the SLO; the services need pyzmq, redis and grpcio-health/-reflection: carry .whl, as for
+    # h200_bench's services section
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site python3 bench/throughput_bench.py --only B \
+        --merge bench/results/h200_throughput.json --out $OUT/h200_throughput.json --log-dir $OUT/logs
+
+(copy call A's file to bench/results/h200_throughput.json before call B; `--merge` keeps its
+sections and the summary is recomputed over both.) `--dry-run` prints the sections, their
+groups and budgets and exits; `--only` / `--skip` take section names or the groups A and B.
+
+Sections by group (their budgets and expected seconds: --dry-run):
+- A: ceilings (device copy GB/s, bf16 and FP8 matmul TFLOP/s), decode_b1 (bench/h200_bench.py's
+  batch-1 decode against the weight-read floor), offline_bf16, offline_fp8kv, offline_fp8 (FP8
+  weights + FP8 KV; each 1000 x 1024/1024 through h200_bench's `offline`, max_running derived as
+  `LLM(...)` derives it), gptfast (bench/gptfast_peer.py: the same prompt and step counts as
+  decode_b1, on the same dummy weights).
+- B: services (`tandem up`, its defaults: P + D on one GPU; 512 x 1024/1024 through the SDK, as
+  bench/up_bench.py runs it), online (`tandem bench` Poisson 2 req/s, 1024/256, on that cluster),
+  max_rate (Poisson rates upwards until TTFT P99 > 500 ms or TPOT P99 > 25 ms or a request fails,
+  then bisection), colocated and online_colocated (the same on `tandem up --colocated`),
+  offline_subset (the offline engine with its defaults on the same 512 prompts, bench/up_bench.py).
+- Not in a group: env (versions, device; needs no GPU), max_rate_colocated.
+
+Each GPU section runs in its own child process (a fresh CUDA context; killed with its process
+group at its budget); cluster sections run here, reusing one running `tandem up` across
+consecutive sections of the same mode. A failing section is recorded ({"error", "trace"}) and the
+others run; the JSON is rewritten after every section; a table of the summary keys against the
+issue's goals is printed last. Exit 0 when every section ran without error, else 1; 2 on bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CEILINGS = {"copy_GBps": 4300.0, "matmul_bf16_TFLOPs": 790.0}  # used only when the ceilings section failed
+B1_PROMPT = list(range(100, 228))  # decode_b1's prompt (bench/h200_bench.py)
+B1_WARMUP, B1_STEPS = 5, 200
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+@dataclass(frozen=True)
+class Section:
+    """One measured part. `where`: "child" (GPU work in a child process), "cluster" (against a
+    `tandem up` this process runs) or "local" (here, no GPU). `fn(ctx)` returns a JSON-able dict."""
+
+    name: str
+    group: str  # "A", "B" or "" (only when named)
+    budget_s: float
+    expect_s: float  # on one H200 (BENCHMARKS §7, §8; the gpt-fast compile is a guess)
+    where: str
+    fn: Callable[["Context"], dict]
+    what: str
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    model_dir: Path
+    work: Path
+    ceilings: dict
+    deadline: float  # time.time() by which the section must end
+    clusters: "Clusters | None" = None
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+
+# ---------------------------------------------------------------- GPU sections (child processes)
+
+def _need_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("this section needs a CUDA device")
+
+
+def run_ceilings(ctx: Context) -> dict:
+    _need_cuda()
+    import torch
+
+    from bench.h200_bench import ceilings, median_ms
+
+    res = ceilings()
+    try:  # FP8 (e4m3) matmul through cuBLASLt, the FP8 rows' ceiling
+        m = 8192
+        x = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+        y = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+        one = torch.ones((), device="cuda")
+        ms = median_ms(lambda: torch._scaled_mm(x, y, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        res["matmul_fp8_TFLOPs"] = round(2 * m**3 / ms / 1e9, 1)
+    except Exception as exc:  # an older torch or GPU without FP8: the bf16 ceilings still stand
+        res["matmul_fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    res["device"] = torch.cuda.get_device_name()
+    return res
+
+
+def run_decode_b1(ctx: Context) -> dict:
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B, decode_b1
+
+    return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings)
+
+
+def _offline(ctx: Context, kv: str, quantization: str | None) -> dict:
+    _need_cuda()
+    from bench.h200_bench import offline
+
+    a = ctx.args
+    return offline(ctx.model_dir, a.offline_prompts, a.input_len, a.output_len, kv=kv, max_running=a.max_running,
+                   quantization=quantization)
+
+
+def run_gptfast(ctx: Context) -> dict:
+    _need_cuda()
+    from bench.gptfast_peer import measure
+
+    return measure(ctx.model_dir, B1_PROMPT, B1_WARMUP, B1_STEPS, load_format="dummy")
+
+
+def run_offline_subset(ctx: Context) -> dict:
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B
+    from bench.up_bench import make_prompts, offline
+
+    a = ctx.args
+    return offline(ctx.model_dir, make_prompts(a.services_prompts, a.input_len, LLAMA31_8B["vocab_size"]),
+                   a.output_len)
+
+
+# ---------------------------------------------------------------- cluster sections (here)
+
+class Clusters:
+    """At most one `tandem up` at a time (bench/up_bench.py's start_up / stop), kept running for
+    the next section of the same mode; a mode that failed to start is not retried."""
+
+    MODES = {"disagg": [], "colocated": ["--colocated"]}
+
+    def __init__(self, model_dir: Path, log_root: Path) -> None:
+        self.model_dir, self.log_root = model_dir, log_root
+        self.mode: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.target = ""
+        self.info: dict = {}
+        self.failed: dict[str, str] = {}
+
+    def get(self, mode: str, timeout_s: float) -> tuple[str, dict]:
+        """(gRPC target, {"banner", "startup_s", "reused"}) of a running cluster of `mode`."""
+        from bench import up_bench
+        from entrypoints.cluster import free_port
+
+        if mode in self.failed:
+            raise RuntimeError(f"tandem up ({mode}) failed to start earlier in this run: {self.failed[mode]}")
+        if self.mode == mode and self.proc is not None and self.proc.poll() is None:
+            return self.target, {**self.info, "reused": True}
+        self.close()
+        port = free_port()
+        up_bench.UP_TIMEOUT_S = max(30.0, timeout_s)  # start_up reads it for its deadline
+        try:
+            proc, banner, up_s = up_bench.start_up(self.model_dir, port, self.log_root / f"logs-{mode}",
+                                                   self.MODES[mode])
+        except Exception as exc:
+            self.failed[mode] = repr(exc)[:2000]
+            raise
+        self.mode, self.proc, self.target = mode, proc, f"127.0.0.1:{port}"
+        self.info = {"banner": banner, "startup_s": round(up_s, 1)}
+        return self.target, {**self.info, "reused": False}
+
+    def log_tails(self, mode: str) -> dict[str, str]:
+        logs = sorted((self.log_root / f"logs-{mode}").glob("*.log"))
+        return {f.name: f.read_text(errors="replace")[-3000:] for f in logs}
+
+    def close(self) -> int | None:
+        from bench.up_bench import stop
+
+        code = None
+        if self.proc is not None:
+            code = stop(self.proc)
+            log(f"tandem up ({self.mode}) stopped, exit code {code}")
+        self.mode, self.proc = None, None
+        return code
+
+
+def run_services(ctx: Context, mode: str = "disagg") -> dict:
+    """The same prompts as offline_subset through the SDK, all submitted at once (bench/up_bench.py)."""
+    from bench.h200_bench import LLAMA31_8B
+    from bench.up_bench import make_prompts
+    from tandem import AsyncClient
+
+    a = ctx.args
+    prompts = make_prompts(a.services_prompts, a.input_len, LLAMA31_8B["vocab_size"])
+    target, info = ctx.clusters.get(mode, ctx.left())
+
+    async def run() -> tuple[int, int, float]:
+        async with AsyncClient(target, timeout=3600) as client:
+            await client.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+            t = time.perf_counter()
+            outs = await asyncio.gather(*(client.generate(x, max_tokens=a.output_len, temperature=0.0,
+                                                          ignore_eos=True) for x in prompts))
+            return len(outs), sum(len(o.token_ids) for o in outs), time.perf_counter() - t
+
+    async def bounded() -> tuple[int, int, float]:
+        return await asyncio.wait_for(run(), timeout=max(1.0, ctx.left()))
+
+    done, n_out, dt = asyncio.run(bounded())
+    return {**info, "mode": mode, "completed": done, "prompts": len(prompts), "input_len": a.input_len,
+            "output_len": a.output_len, "output_tokens": n_out, "seconds": round(dt, 2),
+            "output_tok_s": round(n_out / dt, 1)}
+
+
+def bench_point(ctx: Context, target: str, rate: float, num_requests: int, seed: int, out: Path) -> dict:
+    """One `tandem bench` run: Poisson `rate`, random token prompts of input_len, online_output_len
+    new tokens, the SLO of --slo-*; its summary. Its duration is capped by the section's time left."""
+    a = ctx.args
+    duration = max(5.0, min(a.point_max_s, ctx.left() - 15))
+    cmd = [sys.executable, "-m", "entrypoints", "bench", "--target", target, "--dataset", "random",
+           "--prompt-format", "tokens", "--num-requests", str(num_requests), "--input-len", str(a.input_len),
+           "--output-len", str(a.online_output_len), "--request-rate", f"{rate:g}",
+           "--slo-ttft-ms", f"{a.slo_ttft_ms:g}", "--slo-tpot-ms", f"{a.slo_tpot_ms:g}", "--seed", str(seed),
+           "--warmup", "2", "--duration", f"{duration:g}", "--out", str(out), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=duration + 60)
+    if not out.is_file():
+        raise RuntimeError(f"tandem bench exited {proc.returncode} without results: {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())["runs"][0]["summary"]
+
+
+def _point_row(rate: float, s: dict) -> dict:
+    req = s["requests"]
+    return {"rate": rate, "requests": req["measured"], "failed": req["failed"],
+            "cancelled": req["cancelled_at_deadline"], "skipped": req["skipped"],
+            "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "tpot_p50_ms": s["tpot_ms"]["p50"], "tpot_p99_ms": s["tpot_ms"]["p99"],
+            "output_tok_s": round(s["output_token_throughput"], 1),
+            "slo_attainment": (s.get("goodput") or {}).get("fraction")}
+
+
+def within_slo(row: dict, ttft_ms: float, tpot_ms: float) -> bool:
+    """Every request sent and completed, TTFT P99 and TPOT P99 within the targets."""
+    if row["failed"] or row["cancelled"] or row["skipped"] or not row["requests"]:
+        return False
+    return (row["ttft_p99_ms"] is not None and row["ttft_p99_ms"] <= ttft_ms
+            and (row["tpot_p99_ms"] is None or row["tpot_p99_ms"] <= tpot_ms))
+
+
+def run_online(ctx: Context, mode: str = "disagg") -> dict:
+    a = ctx.args
+    target, info = ctx.clusters.get(mode, ctx.left())
+    s = bench_point(ctx, target, a.online_rate, a.online_requests, seed=1, out=ctx.work / f"online-{mode}.json")
+    return {**info, "mode": mode, "rate": a.online_rate, "input_len": a.input_len, "output_len": a.online_output_len,
+            **_point_row(a.online_rate, s), "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "itl_ms": s["itl_ms"]}
+
+
+def point_requests(rate: float, seconds: float, least: int) -> int:
+    return max(least, round(rate * seconds))
+
+
+def search_max_rate(measure: Callable[[float], dict], rates: list[float], refine: int, ttft_ms: float,
+                    tpot_ms: float, fits: Callable[[float], bool]) -> dict:
+    """Rates upwards until one misses the SLO, then `refine` bisections between the last rate
+    within it (0 if none) and the first miss. `measure(rate)` -> a _point_row; `fits(rate)`: whether
+    a point at `rate` still fits the time left (the search stops, recorded, when not)."""
+    points: list[dict] = []
+    best, first_miss, stopped = 0.0, None, None
+
+    def one(rate: float) -> bool | None:
+        if not fits(rate):
+            return None
+        row = measure(rate)
+        row["within_slo"] = within_slo(row, ttft_ms, tpot_ms)
+        points.append(row)
+        log(f"rate {rate:g}/s: TTFT P99 {row['ttft_p99_ms']} ms, TPOT P99 {row['tpot_p99_ms']} ms, "
+            f"failed {row['failed']}, within SLO: {row['within_slo']}")
+        return row["within_slo"]
+
+    for rate in rates:
+        ok = one(rate)
+        if ok is None:
+            stopped = f"time budget reached before rate {rate:g}"
+            break
+        if not ok:
+            first_miss = rate
+            break
+        best = rate
+    for _ in range(refine if first_miss is not None and stopped is None else 0):
+        mid = round((best + first_miss) / 2, 2)
+        ok = one(mid)
+        if ok is None:
+            stopped = f"time budget reached before rate {mid:g}"
+            break
+        best, first_miss = (mid, first_miss) if ok else (best, mid)
+    return {"max_rate_within_slo": best, "first_rate_missing_slo": first_miss, "stopped": stopped,
+            "slo": {"ttft_p99_ms": ttft_ms, "tpot_p99_ms": tpot_ms}, "points": points}
+
+
+def run_max_rate(ctx: Context, mode: str = "disagg") -> dict:
+    a = ctx.args
+    target, info = ctx.clusters.get(mode, ctx.left())
+    n = [0]
+
+    def measure(rate: float) -> dict:
+        n[0] += 1
+        s = bench_point(ctx, target, rate, point_requests(rate, a.point_s, a.point_min_requests),
+                        seed=100 + n[0], out=ctx.work / f"rate-{mode}-{n[0]}.json")
+        return _point_row(rate, s)
+
+    def fits(rate: float) -> bool:  # the arrivals, the last requests' tail and the client's start-up
+        return ctx.left() > point_requests(rate, a.point_s, a.point_min_requests) / rate + 10
+
+    res = search_max_rate(measure, a.rates, a.rate_refine, a.slo_ttft_ms, a.slo_tpot_ms, fits)
+    return {**info, "mode": mode, "input_len": a.input_len, "output_len": a.online_output_len, **res}
+
+
+def run_env(ctx: Context) -> dict:
+    import platform
+
+    res: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+
+        res["torch"] = torch.__version__
+        res["cuda_available"] = torch.cuda.is_available()  # no CUDA context is made here
+    except ImportError:
+        res["torch"] = None
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    res["commit"] = git.stdout.strip() or None
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,power.limit",
+                          "--format=csv,noheader"], capture_output=True, text=True) if _has("nvidia-smi") else None
+    res["gpus"] = smi.stdout.strip().splitlines() if smi and smi.returncode == 0 else []
+    return res
+
+
+def _has(cmd: str) -> bool:
+    import shutil
+
+    return shutil.which(cmd) is not None
+
+
+SECTIONS: dict[str, Section] = {s.name: s for s in [
+    Section("ceilings", "A", 45, 15, "child", run_ceilings, "device copy GB/s, bf16 and FP8 matmul TFLOP/s"),
+    Section("decode_b1", "A", 75, 35, "child", run_decode_b1, "ours, batch 1, ms/token vs the weight-read floor"),
+    Section("offline_bf16", "A", 150, 120, "child", lambda c: _offline(c, "auto", None), "offline, bf16 weights + KV"),
+    Section("offline_fp8kv", "A", 140, 110, "child", lambda c: _offline(c, "fp8", None), "bf16 weights, FP8 KV"),
+    Section("offline_fp8", "A", 125, 100, "child", lambda c: _offline(c, "fp8", "fp8"), "FP8 weights + FP8 KV"),
+    Section("gptfast", "A", 200, 130, "child", run_gptfast, "gpt-fast-style peer, batch 1 (compiles first)"),
+    Section("services", "B", 130, 90, "cluster", run_services, "`tandem up` (P + D on one GPU), 512 prompts"),
+    Section("online", "B", 75, 45, "cluster", run_online, "`tandem up`, Poisson 2 req/s, 1024/256"),
+    Section("max_rate", "B", 170, 125, "cluster", run_max_rate, "`tandem up`, highest rate within the SLO"),
+    Section("colocated", "B", 110, 80, "cluster", lambda c: run_services(c, "colocated"), "`tandem up --colocated`"),
+    Section("online_colocated", "B", 75, 45, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
+    Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
+    Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
+    Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
+]}
+GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
+
+# key -> (comparison, goal) from the issue's "Done when"
+GOALS: dict[str, tuple[str, float]] = {
+    "offline_bf16_out_tok_s": (">=", 11_000), "offline_fp8kv_out_tok_s": ("", 0), "fp8kv_over_bf16": (">=", 1.35),
+    "offline_fp8_out_tok_s": (">=", 18_000), "decode_b1_ms_per_token": ("", 0),
+    "decode_b1_roofline_fraction": (">=", 0.85), "gptfast_b1_ms_per_token": ("", 0),
+    "b1_speed_over_gptfast": (">=", 1.1), "services_vs_offline": (">=", 0.90), "colocated_vs_offline": (">=", 0.95),
+    "online_ttft_p50_ms": ("<=", 35), "online_tpot_p50_ms": ("<=", 4.5), "online_colocated_ttft_p50_ms": ("", 0),
+    "online_colocated_tpot_p50_ms": ("", 0), "max_rate_within_slo": (">=", 20), "copy_GBps": ("", 0),
+    "matmul_bf16_TFLOPs": ("", 0), "matmul_fp8_TFLOPs": ("", 0),
+}
+
+
+def _get(sections: dict, name: str, key: str) -> Any:
+    value = sections.get(name)
+    return value.get(key) if isinstance(value, dict) and "error" not in value else None
+
+
+def _ratio(num: Any, den: Any, digits: int = 3) -> float | None:
+    return round(num / den, digits) if isinstance(num, (int, float)) and isinstance(den, (int, float)) and den else None
+
+
+def summarize(sections: dict) -> dict:
+    """The issue's keys from the sections' results (None where a section is missing or failed)."""
+    g = lambda name, key: _get(sections, name, key)  # noqa: E731
+    bf16, fp8kv = g("offline_bf16", "output_tok_s"), g("offline_fp8kv", "output_tok_s")
+    ours_b1, peer_b1 = g("decode_b1", "decode_b1_ms_per_token"), g("gptfast", "gptfast_b1_ms_per_token")
+    subset = g("offline_subset", "output_tok_s")
+    return {
+        "offline_bf16_out_tok_s": bf16, "offline_fp8kv_out_tok_s": fp8kv, "fp8kv_over_bf16": _ratio(fp8kv, bf16),
+        "offline_fp8_out_tok_s": g("offline_fp8", "output_tok_s"),
+        "decode_b1_ms_per_token": ours_b1, "weight_read_floor_ms": g("decode_b1", "weight_read_floor_ms"),
+        "decode_b1_roofline_fraction": g("decode_b1", "decode_b1_roofline_fraction"),
+        "gptfast_b1_ms_per_token": peer_b1, "b1_speed_over_gptfast": _ratio(peer_b1, ours_b1),
+        "services_out_tok_s": g("services", "output_tok_s"), "colocated_out_tok_s": g("colocated", "output_tok_s"),
+        "offline_subset_out_tok_s": subset,
+        "services_vs_offline": _ratio(g("services", "output_tok_s"), subset),
+        "colocated_vs_offline": _ratio(g("colocated", "output_tok_s"), subset),
+        "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
+        "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
+        "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),
+        "online_colocated_tpot_p50_ms": _round(g("online_colocated", "tpot_p50_ms")),
+        "max_rate_within_slo": g("max_rate", "max_rate_within_slo"),
+        "copy_GBps": g("ceilings", "copy_GBps"), "matmul_bf16_TFLOPs": g("ceilings", "matmul_bf16_TFLOPs"),
+        "matmul_fp8_TFLOPs": g("ceilings", "matmul_fp8_TFLOPs"),
+    }
+
+
+def _round(x: Any) -> Any:
+    return round(x, 2) if isinstance(x, float) else x
+
+
+def format_table(summary: dict) -> str:
+    rows = [("key", "measured", "goal", "met")]
+    for key, value in summary.items():
+        op, goal = GOALS.get(key, ("", 0))
+        met = "" if not op or value is None else ("yes" if (value >= goal if op == ">=" else value <= goal) else "NO")
+        rows.append((key, "-" if value is None else f"{value:g}" if isinstance(value, (int, float)) else str(value),
+                     f"{op} {goal:g}" if op else "", met))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# ---------------------------------------------------------------- running sections
+
+def run_child(section: Section, ctx: Context, timeout_s: float) -> dict:
+    """`section` in a child process (this file with --child); killed with its process group at
+    timeout_s. Its stdout and stderr pass through to ours."""
+    spec = ctx.work / f"child-{section.name}.json"
+    out = ctx.work / f"child-{section.name}.out.json"
+    out.unlink(missing_ok=True)
+    spec.write_text(json.dumps({"section": section.name, "args": vars(ctx.args), "model_dir": str(ctx.model_dir),
+                                "work": str(ctx.work), "ceilings": ctx.ceilings, "deadline": time.time() + timeout_s,
+                                "out": str(out)}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec)], cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return {"error": f"timed out: the section's budget of {timeout_s:.0f} s ran out (killed)"}
+    if out.is_file():
+        return json.loads(out.read_text())
+    return {"error": f"the child process exited {rc} without a result"}
+
+
+def child_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    args = argparse.Namespace(**spec["args"])
+    ctx = Context(args, Path(spec["model_dir"]), Path(spec["work"]), spec["ceilings"], spec["deadline"])
+    try:
+        res = SECTIONS[spec["section"]].fn(ctx)
+    except Exception as exc:
+        res = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
+    Path(spec["out"]).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def run_section(section: Section, ctx: Context) -> dict:
+    if section.where == "child":
+        return run_child(section, ctx, max(1.0, ctx.left()))
+    try:
+        return section.fn(ctx)
+    except Exception as exc:  # record and go on: one broken section must not hide the others
+        res = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        if section.where == "cluster" and ctx.clusters is not None:
+            mode = ctx.clusters.mode or ("colocated" if "colocated" in section.name else "disagg")
+            res["log_tails"] = ctx.clusters.log_tails(mode)
+            ctx.clusters.close()  # a cluster in an unknown state is not reused
+        return res
+
+
+# ---------------------------------------------------------------- command line
+
+def _names(text: str, flag: str) -> list[str]:
+    out: list[str] = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if item in GROUPS:
+            out += GROUPS[item]
+        elif item in SECTIONS:
+            out.append(item)
+        else:
+            raise argparse.ArgumentTypeError(f"{flag}: unknown section or group {item!r} "
+                                             f"(groups: A, B; sections: {', '.join(SECTIONS)})")
+    return out
+
+
+def _budgets(text: str) -> dict[str, float]:
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in SECTIONS:
+            raise argparse.ArgumentTypeError(f"--budget: unknown section {name!r}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not 0 < seconds < math.inf:
+            raise argparse.ArgumentTypeError(f"--budget: {name} needs a number of seconds > 0, got {value!r}")
+        out[name] = seconds
+    return out
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not 0 < r < math.inf for r in rates) or rates != sorted(set(rates)):
+        raise argparse.ArgumentTypeError(f"--rates: an increasing comma list of rates > 0, got {text!r}")
+    return rates
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a {kind.__name__} > 0, got {text!r}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(REPO / "bench/results/h200_throughput.json"), help="where the JSON goes")
+    p.add_argument("--merge", default=None, metavar="FILE", help="start from this results file (an earlier group)")
+    p.add_argument("--only", default="", help="comma list of sections or groups (A, B) to run; default: all")
+    p.add_argument("--skip", default="", help="comma list of sections or groups to leave out")
+    p.add_argument("--budget", default="", help="per-section time budgets, NAME=SECONDS,... (see --dry-run)")
+    p.add_argument("--deadline-s", type=_positive(float), default=560.0,
+                   help="the whole run's limit: no section starts or runs past it (default %(default)g)")
+    p.add_argument("--dry-run", action="store_true", help="print the sections, groups and budgets; run nothing")
+    p.add_argument("--log-dir", default=None, help="keep the clusters' logs here (default: a temporary directory)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--input-len", type=_positive(int), default=1024)
+    w.add_argument("--output-len", type=_positive(int), default=1024, help="offline and services output length")
+    w.add_argument("--offline-prompts", type=_positive(int), default=1000)
+    w.add_argument("--max-running", type=_positive(int), default=None, help="offline: default derived, as LLM's")
+    w.add_argument("--services-prompts", type=_positive(int), default=512)
+    o = p.add_argument_group("online (tandem bench against tandem up)")
+    o.add_argument("--online-output-len", type=_positive(int), default=256)
+    o.add_argument("--online-rate", type=_positive(float), default=2.0)
+    o.add_argument("--online-requests", type=_positive(int), default=80)
+    o.add_argument("--rates", type=_rates, default=[8.0, 12.0, 16.0, 20.0, 24.0], help="max_rate's rates, increasing")
+    o.add_argument("--rate-refine", type=int, default=1, help="bisections after the first rate missing the SLO")
+    o.add_argument("--point-s", type=_positive(float), default=12.0, help="seconds of arrivals per rate")
+    o.add_argument("--point-min-requests", type=_positive(int), default=100)
+    o.add_argument("--point-max-s", type=_positive(float), default=60.0, help="hard limit of one rate's run")
+    o.add_argument("--slo-ttft-ms", type=_positive(float), default=500.0, help="TTFT P99 target")
+    o.add_argument("--slo-tpot-ms", type=_positive(float), default=25.0, help="TPOT P99 target")
+    return p
+
+
+def plan(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[Section, float]]:
+    try:
+        only = _names(a.only, "--only") or list(SECTIONS)
+        skip = set(_names(a.skip, "--skip"))
+        budgets = _budgets(a.budget)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    if a.rate_refine < 0:
+        p.error(f"--rate-refine: must be >= 0, got {a.rate_refine}")
+    if a.merge is not None and not Path(a.merge).is_file():
+        p.error(f"--merge: no such file {a.merge}")
+    chosen = [SECTIONS[n] for n in SECTIONS if n in only and n not in skip]  # the table's order
+    if not chosen:
+        p.error("--only/--skip: no section left to run")
+    return [(s, budgets.get(s.name, s.budget_s)) for s in chosen]
+
+
+def print_plan(steps: list[tuple[Section, float]], deadline_s: float) -> None:
+    print(f"{'section':<20} {'group':<5} {'budget_s':>8} {'expect_s':>8}  {'runs in':<8} what")
+    for s, b in steps:
+        print(f"{s.name:<20} {s.group or '-':<5} {b:>8g} {s.expect_s:>8g}  {s.where:<8} {s.what}")
+    print(f"expected {sum(s.expect_s for s, _ in steps):g} s in all (budgets sum to {sum(b for _, b in steps):g}); "
+          f"no section starts or runs past --deadline-s {deadline_s:g}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == "--child":
+        return child_main(argv[1])
+    p = build_parser()
+    try:
+        a = p.parse_args(argv)
+        steps = plan(a, p)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if a.dry_run:
+        print_plan(steps, a.deadline_s)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.time()
+    result: dict[str, Any] = json.loads(Path(a.merge).read_text()) if a.merge else {}
+    sections: dict = result.setdefault("sections", {})
+    run_record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(["python3", "bench/throughput_bench.py", *argv]),
+                  "sections": [s.name for s, _ in steps], "section_seconds": {}}
+    result.setdefault("runs", []).append(run_record)
+    result["model"] = "Llama-3.1-8B shape, dummy weights"
+    result["goals"] = {k: f"{op} {g:g}" for k, (op, g) in GOALS.items() if op}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    failed = False
+
+    def write() -> None:
+        result.update(summarize(sections))
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="throughput-bench-") as tmp:
+        work = Path(tmp)
+        from bench.h200_bench import LLAMA31_8B, write_model
+
+        model_dir = write_model(work / "llama31-8b", LLAMA31_8B)
+        clusters = Clusters(model_dir, Path(a.log_dir) if a.log_dir else work)
+        try:
+            for section, budget in steps:
+                left = t0 + a.deadline_s - time.time()
+                if left < 20:
+                    sections[section.name] = {"error": f"not run: --deadline-s {a.deadline_s:g} reached"}
+                    failed = True
+                    write()
+                    continue
+                if section.where != "cluster" and clusters.proc is not None:
+                    clusters.close()  # GPU sections get the whole device
+                ceil = sections.get("ceilings") if isinstance(sections.get("ceilings"), dict) else None
+                ceil = ceil if ceil and "copy_GBps" in ceil else {**DEFAULT_CEILINGS, "assumed": True}
+                ctx = Context(a, model_dir, work, ceil, time.time() + min(budget, left), clusters)
+                log(f"== {section.name} (budget {min(budget, left):.0f} s)")
+                t = time.time()
+                res = run_section(section, ctx)
+                res["wall_s"] = round(time.time() - t, 1)
+                sections[section.name] = res
+                failed |= "error" in res
+                run_record["section_seconds"][section.name] = res["wall_s"]
+                log(section.name, json.dumps({k: v for k, v in res.items() if k not in ("trace", "log_tails")},
+                                             default=str)[:600])
+                write()
+        finally:
+            clusters.close()
+    run_record["total_s"] = round(time.time() - t0, 1)
+    write()
+    log(f"wrote {out}")
+    print(format_table(summarize(sections)), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""bench/throughput_bench.py on the CPU: its flags, its plan, the JSON it writes after a section
+that needs no GPU, a GPU section's failure recorded while the others run, --merge, the summary's
+ratios and the max-rate search."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import throughput_bench as tb
+
+REPO = Path(__file__).resolve().parents[1]
+ISSUE_KEYS = ("offline_bf16_out_tok_s", "offline_fp8kv_out_tok_s", "fp8kv_over_bf16", "offline_fp8_out_tok_s",
+              "decode_b1_roofline_fraction", "gptfast_b1_ms_per_token", "b1_speed_over_gptfast",
+              "services_vs_offline", "colocated_vs_offline", "online_ttft_p50_ms", "online_tpot_p50_ms",
+              "max_rate_within_slo", "copy_GBps", "matmul_bf16_TFLOPs")
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/throughput_bench.py", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_dry_run_lists_each_group_with_budgets():
+    a = run("--dry-run", "--only", "A")
+    assert a.returncode == 0, a.stderr
+    for name in ("ceilings", "decode_b1", "offline_bf16", "offline_fp8kv", "offline_fp8", "gptfast"):
+        assert name in a.stdout
+    assert "services" not in a.stdout
+    b = run("--dry-run", "--only", "B", "--budget", "max_rate=99", "--skip", "online_colocated")
+    assert b.returncode == 0, b.stderr
+    assert "max_rate" in b.stdout and " 99 " in b.stdout and "online_colocated" not in b.stdout
+    assert "gptfast" not in b.stdout
+    # The run's own deadline ends it (and its last cluster's stop) inside the device's 10 minutes.
+    assert tb.build_parser().parse_args([]).deadline_s <= 570
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--only", "nope"], "--only"), (["--skip", "A,bogus"], "--skip"), (["--budget", "gptfast=abc"], "--budget"),
+    (["--budget", "nosuch=10"], "--budget"), (["--rates", "8,4"], "--rates"), (["--online-rate", "0"], "--online-rate"),
+    (["--only", "env", "--skip", "env"], "--only/--skip"), (["--merge", "/nonexistent.json"], "--merge"),
+])
+def test_bad_flags_exit_2_naming_the_flag(argv, flag):
+    r = run("--dry-run", *argv)
+    assert r.returncode == 2
+    assert flag in r.stderr
+
+
+def test_writes_json_records_a_failing_gpu_section_and_runs_the_rest(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the failure path of a GPU section on a host without one")
+    out = tmp_path / "res.json"
+    r = run("--only", "decode_b1,env", "--out", str(out), "--deadline-s", "200")
+    assert r.returncode == 1, r.stdout + r.stderr  # a section failed
+    res = json.loads(out.read_text())
+    assert "CUDA" in res["sections"]["decode_b1"]["error"]
+    env = res["sections"]["env"]
+    assert "error" not in env and env["python"] and env["cuda_available"] is False
+    for key in ISSUE_KEYS:
+        assert key in res and res[key] is None
+    assert res["runs"][0]["sections"] == ["decode_b1", "env"]
+    assert set(res["runs"][0]["section_seconds"]) == {"decode_b1", "env"}
+    table = r.stdout.splitlines()[-len(tb.summarize({})) - 1:]  # printed last: a header, a row per key
+    assert table[0].split() == ["key", "measured", "goal", "met"]
+    assert any(line.startswith("offline_bf16_out_tok_s") for line in table)
+
+
+def test_merge_keeps_the_earlier_group_and_recomputes_the_summary(tmp_path):
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps({"runs": [{"sections": ["offline_bf16"]}], "sections": {
+        "offline_bf16": {"output_tok_s": 10_000.0}, "offline_fp8kv": {"output_tok_s": 12_500.0},
+        "decode_b1": {"decode_b1_ms_per_token": 4.0, "decode_b1_roofline_fraction": 0.8}, "gptfast": {
+            "gptfast_b1_ms_per_token": 4.9}}}))
+    out = tmp_path / "ab.json"
+    r = run("--only", "env", "--merge", str(first), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["fp8kv_over_bf16"] == 1.25
+    assert res["b1_speed_over_gptfast"] == pytest.approx(4.9 / 4.0, abs=1e-3)
+    assert len(res["runs"]) == 2 and "env" in res["sections"] and "offline_bf16" in res["sections"]
+
+
+def test_summary_ratios_skip_failed_sections():
+    s = tb.summarize({"services": {"output_tok_s": 7_000.0}, "colocated": {"error": "boom", "output_tok_s": 1.0},
+                      "offline_subset": {"output_tok_s": 8_750.0},
+                      "online": {"ttft_p50_ms": 41.234, "tpot_p50_ms": 6.1}})
+    assert s["services_vs_offline"] == 0.8
+    assert s["colocated_vs_offline"] is None
+    assert (s["online_ttft_p50_ms"], s["online_tpot_p50_ms"]) == (41.23, 6.1)
+    table = tb.format_table(s)
+    assert "services_vs_offline" in table and ">= 0.9" in table and "NO" in table
+
+
+def _row(rate: float, capacity: float) -> dict:
+    over = rate > capacity
+    return {"rate": rate, "requests": 100, "failed": 0, "cancelled": 0, "skipped": 0, "ttft_p50_ms": 40.0,
+            "ttft_p99_ms": 2_000.0 if over else 120.0, "tpot_p50_ms": 6.0, "tpot_p99_ms": 9.0}
+
+
+def test_max_rate_search_steps_up_then_bisects():
+    seen = []
+
+    def measure(rate):
+        seen.append(rate)
+        return _row(rate, capacity=14.5)
+
+    res = tb.search_max_rate(measure, [8, 12, 16, 20], refine=2, ttft_ms=500, tpot_ms=25, fits=lambda r: True)
+    assert seen == [8, 12, 16, 14, 15]
+    assert res["max_rate_within_slo"] == 14 and res["first_rate_missing_slo"] == 15 and res["stopped"] is None
+    none = tb.search_max_rate(lambda r: _row(r, capacity=1), [8, 12], refine=1, ttft_ms=500, tpot_ms=25,
+                              fits=lambda r: True)
+    assert none["max_rate_within_slo"] == 0 and none["first_rate_missing_slo"] == 4
+    cut = tb.search_max_rate(lambda r: _row(r, capacity=100), [8, 12, 16], refine=1, ttft_ms=500, tpot_ms=25,
+                             fits=lambda r: r < 16)
+    assert cut["max_rate_within_slo"] == 12 and "16" in cut["stopped"]
+
+
+def test_a_failed_request_misses_the_slo():
+    row = _row(8, capacity=100)
+    assert tb.within_slo(row, 500, 25)
+    assert not tb.within_slo({**row, "failed": 1}, 500, 25)
+    assert not tb.within_slo({**row, "tpot_p99_ms": 25.5}, 500, 25)
