@@ -334,8 +334,12 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if not a.no_agent:  # the agent restarts workers through the supervisor's socket
             supervisor = SupervisorSocket(cluster, token=a.auth_token)
-            agent = agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir,
-                                  (["--tls-ca", a.tls_ca] if a.tls_ca else []) + shlex.split(a.agent_args))
+            agent_argv = (["--tls-ca", a.tls_ca] if a.tls_ca else []) + shlex.split(a.agent_args)
+            if a.metrics and "--metrics-port" not in agent_argv:  # its tandem_agent_* series, like every child's
+                agent_metrics = free_port()
+                agent_argv += ["--metrics-port", str(agent_metrics)]
+                print(f"  {'agent':<10} metrics :{agent_metrics}", flush=True)
+            agent = agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir, agent_argv)
             agent.auth_token = a.auth_token
             cluster.processes.append(agent)
             agent.start()
