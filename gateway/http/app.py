@@ -23,6 +23,7 @@ import math
 import socket
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -89,21 +90,15 @@ def build_app(admission: Admission, api_key: str | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         adapters.check_model(body.model, model)
         http_id = f"cmpl-{uuid.uuid4().hex}"
-        admitted = await _admit(admission, adapters.completion_choices(body, model, http_id))
-        stream = _CompletionStream(admission, admitted, http_id, body)
-        if body.stream:
-            return EventStreamResponse(stream.events())
-        return await _unary(request, stream.response())
+        return await _respond(request, _CompletionStream(
+            admission, await _admit(admission, adapters.completion_choices(body, model, http_id)), http_id, body))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         adapters.check_model(body.model, model)
         http_id = f"chatcmpl-{uuid.uuid4().hex}"
-        admitted = await _admit(admission, adapters.chat_choices(body, model, http_id))
-        stream = _ChatStream(admission, admitted, http_id, body)
-        if body.stream:
-            return EventStreamResponse(stream.events())
-        return await _unary(request, stream.response())
+        return await _respond(request, _ChatStream(
+            admission, await _admit(admission, adapters.chat_choices(body, model, http_id)), http_id, body))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -193,8 +188,16 @@ async def _merged(admission: Admission, admitted: Admitted) -> AsyncIterator[tup
         _cancel(admission, admitted)  # a pump cancelled before it started never opened its outputs
 
 
-class _Generation:
-    """One HTTP request's choices, read once: as a unary response or as SSE events."""
+async def _respond(request: Request, generation: _Generation) -> Response:
+    """SSE events when the body asked to stream, else the whole response once every choice ended."""
+    if generation.body.stream:
+        return EventStreamResponse(generation.events())
+    return await _unary(request, generation.response())
+
+
+class _Generation(ABC):
+    """One HTTP request's choices, read once: as a unary response or as SSE events. Subclasses
+    (completions, chat) say how a chunk and the final usage look on the wire."""
 
     def __init__(self, admission: Admission, admitted: Admitted, http_id: str,
                  body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -257,11 +260,17 @@ class _Generation:
     def opening(self) -> list[Any]:
         return []
 
-    def chunk(self, c: Choice, item: Chunk) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    async def response(self) -> Any:
+        """The unary response: every choice collected."""
 
+    @abstractmethod
+    def chunk(self, c: Choice, item: Chunk) -> Any:
+        """The SSE payload for one choice's chunk."""
+
+    @abstractmethod
     def usage_chunk(self) -> Any:
-        raise NotImplementedError
+        """The SSE payload carrying the usage of every choice (stream_options.include_usage)."""
 
 
 class _CompletionStream(_Generation):
