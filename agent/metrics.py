@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tandem.metrics_endpoint import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -12,7 +13,7 @@ STATES = ("ok", "drained", "restarting", "isolated")
 LEVELS = {"ok": 0, "warn": 1, "act": 2}
 
 
-class AgentMetrics:
+class AgentMetrics(MetricsEndpoint):
     def __init__(self, dry_run: bool) -> None:
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("tandem_agent_decisions", "Decisions by action, detector and outcome "
@@ -28,20 +29,10 @@ class AgentMetrics:
         self.polls = Counter("tandem_agent_polls", "Polls of the whole cluster", registry=r)
         self.poll_errors = Counter("tandem_agent_discovery_errors", "Polls where discovery failed", registry=r)
         Gauge("tandem_agent_dry_run", "1 when the agent only logs", registry=r).set(float(dry_run))
-        self._server: Any = None
-        self.port: int | None = None
 
     def set_state(self, worker: str, state: str) -> None:
         for s in STATES:
             self.worker_state.labels(worker, s).set(1.0 if s == state else 0.0)
 
     def serve(self, port: int, host: str) -> int:
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_address[1])
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        return self._serve(host, port)

@@ -11,8 +11,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from tandem.metrics_endpoint import MetricsEndpoint
 from tandem.types import Tier
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class _ModelBound:
         return self._metric.labels(self._model, *values)
 
 
-class GatewayMetrics:
+class GatewayMetrics(MetricsEndpoint):
     """Every metric the gateway exports. Label values: the served model's name for `model`,
     tier names in lower case, gRPC status code names or finish reasons for `status`,
     routing.REASONS for `reason`."""
@@ -87,7 +88,6 @@ class GatewayMetrics:
         self.workers_up = per(Gauge("tandem_gateway_workers_up", "Workers answering Stats", [*m, "role"],
                                     registry=r))
         ProcessCollector(registry=r)
-        self._server: Any = None
         self.calls_inflight = one(Gauge("tandem_gateway_calls_in_flight", "Generate calls the gateway holds "
                                         "(admitted or not), bounded by its own max_inflight_calls", m, registry=r))
         self.calls_refused = per(Counter("tandem_gateway_calls_refused", "Generate calls answered RESOURCE_EXHAUSTED "
@@ -105,12 +105,4 @@ class GatewayMetrics:
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return int(server.server_address[1])
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        return self._serve(host, port)

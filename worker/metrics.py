@@ -15,10 +15,11 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.metrics_endpoint import MetricsEndpoint
 from worker.stats import StatsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class _SnapshotCollector(Collector):
         yield done_fam
 
 
-class WorkerMetrics:
+class WorkerMetrics(MetricsEndpoint):
     """The worker's registry: snapshot-backed families plus step latency, RPC outcomes and the
     process's own metrics. `model` is the served model's name (its directory's name)."""
 
@@ -109,8 +110,6 @@ class WorkerMetrics:
                              [*labels, "method", "code"], registry=self.registry)
         ProcessCollector(registry=self.registry)
         self._labels = labels
-        self._server: Any = None
-        self.port: int | None = None
 
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
@@ -120,12 +119,4 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (port 0: any free one); returns the bound port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_address[1])
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        return self._serve(host, port)
