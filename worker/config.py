@@ -86,14 +86,10 @@ class WorkerConfig:
             if n != self.tp:
                 raise ValueError(f"kv_address: {n} comma-separated endpoints for tp {self.tp}; give one per rank "
                                  "(or one endpoint the ranks derive theirs from)")
-        if not self.engine.model_path:
-            raise ValueError("model: a model directory is required")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
-        if not self.engine.swap_space_gb >= 0:
-            raise ValueError(f"swap_space_gb: must be >= 0, got {self.engine.swap_space_gb}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
         if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
