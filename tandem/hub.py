@@ -40,7 +40,7 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | Path
         raise ModelSourceError(f"{flag} {model}: no such directory, and not a Hugging Face repo id (owner/name)")
     try:
         import huggingface_hub
-        from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.utils import LocalEntryNotFoundError
     except ImportError:
         raise ModelSourceError(f"{flag} {model}: no such directory; install huggingface_hub to serve a repo id") from None
     try:
@@ -54,7 +54,7 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | Path
                                    ) from None
         try:
             snapshot = _download(model, revision, cache_dir)
-        except (HfHubHTTPError, OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - HTTP, connection (its type depends on the hub's HTTP library), disk
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelSourceError(f"{flag} {model}: not cached, and fetching it failed: {first}") from None
     if not (Path(snapshot) / "config.json").is_file():

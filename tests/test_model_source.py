@@ -55,6 +55,20 @@ def test_uncached_repo_id_offline_names_the_flag(tmp_path, monkeypatch) -> None:
         resolve_model("tandem-test/absent", cache_dir=tmp_path / "hub")
 
 
+def test_uncached_repo_id_with_an_unreachable_hub_names_the_flag(tmp_path) -> None:
+    """The hub cannot be reached (nothing listens at HF_ENDPOINT): one error naming the flag, no traceback
+    of the HTTP library's own exception types."""
+    code = ("import sys; from tandem.hub import ModelSourceError, resolve_model\n"
+            "try:\n    resolve_model('nobody/no-such-model', cache_dir=sys.argv[1])\n"
+            "except ModelSourceError as e:\n    print(e); sys.exit(3)\n")
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "2",
+           "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hub")], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.startswith("--model nobody/no-such-model: not cached, and fetching it failed")
+
+
 def test_pytorch_bin_checkpoint_gives_the_same_tokens(tmp_path, stories_dir) -> None:
     import torch
     from safetensors.torch import load_file
