@@ -117,14 +117,27 @@ def command(role: str, argv: Iterable[str]) -> list[str]:
     return [sys.executable, "-m", "entrypoints", role, *argv]
 
 
-def _die_with_parent() -> None:
-    """Child side: get SIGTERM if the starting process dies, so no child outlives it (Linux)."""
-    os.setsid()
+# The starting process's pid, for the child to watch (see die_with_parent).
+PARENT_PID_ENV = "TANDEM_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """Child side, the first thing `python -m entrypoints` does: get SIGTERM if the process
+    that started it (ClusterProcess.start, which names itself in $TANDEM_PARENT_PID) dies, so no
+    child outlives it (Linux). Done in the child after exec rather than in a preexec_fn: a
+    preexec_fn makes Popen fork without exec'ing at once, and a fork of a process whose gRPC
+    threads are running can crash the child inside gRPC (its fork handlers restart a poller on a
+    closed epoll fd) before it ever runs; without one, Popen spawns without fork handlers."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if not parent:
+        return
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # it died before this process could watch it
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -182,8 +195,9 @@ class ClusterProcess:
             env.pop(TOKEN_FILE_ENV, None)  # it would take precedence over the token given here
             env[TOKEN_ENV] = self.auth_token
         try:
+            env[PARENT_PID_ENV] = str(os.getpid())
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         env=env, preexec_fn=_die_with_parent)
+                                         env=env, start_new_session=True)
         finally:
             if out is not None:
                 out.close()

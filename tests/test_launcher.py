@@ -208,3 +208,44 @@ def test_busy_port_fails_at_once_and_a_crash_loop_stops_with_the_log_tail(tmp_pa
     assert "worker-0 exited with code" in out and "giving up" in out
     assert "no config.json" in out  # the worker's own log tail says why
     assert "Tandem stopped." in out
+
+
+def test_a_cluster_process_dies_with_the_process_that_started_it(tmp_path, tiny_models) -> None:
+    """Started without a preexec_fn (a fork of a process with gRPC threads can crash in gRPC's fork
+    handlers), a child still gets SIGTERM when its starter dies, even by SIGKILL."""
+    starter = (
+        "import sys, time\n"
+        "from entrypoints.cluster import ClusterProcess\n"
+        "p = ClusterProcess('w', 'worker', ['--role', 'both', '--port', '0', '--model', sys.argv[1]])\n"
+        "p.start(); print(p.proc.pid, flush=True); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", starter, str(tiny_models["llama"])], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    child = int(proc.stdout.readline())
+    try:
+        time.sleep(1.0)  # the child is past its start-up watch
+        os.kill(child, 0)  # alive while its starter is
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if _is_zombie(child):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"child {child} outlived its starter")
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
