@@ -360,6 +360,10 @@ def test_sender_close_does_not_hang_the_receiver(tmp_path: Path) -> None:
         sender.open("half", receiver.address, LAYERS)
         sender.send_layer("half", 0, src_k[0], src_v[0], SRC_IDS, DST_IDS)
         wait_until(lambda: receiver.stats()["channels"] == 1, "the channel")
+        # Layer 0 landed, so its pool was mapped first: the close below then leaves a transfer
+        # half done (closing sooner unlinks the pool before the receiver maps it, which fails
+        # the transfer at once instead).
+        wait_until(lambda: receiver.stats()["frames_received"] >= 1, "layer 0")
         t0 = time.monotonic()
         sender.close()
         assert time.monotonic() - t0 < 3.0
