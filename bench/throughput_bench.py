@@ -95,6 +95,11 @@ class Context:
     def left(self) -> float:
         return self.deadline - time.time()
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (its config.json): prompts are token ids below it."""
+        return int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
+
 
 # ---------------------------------------------------------------- GPU sections (child processes)
 
@@ -150,12 +155,10 @@ def run_gptfast(ctx: Context) -> dict:
 
 def run_offline_subset(ctx: Context) -> dict:
     _need_cuda()
-    from bench.h200_bench import LLAMA31_8B
     from bench.up_bench import make_prompts, offline
 
     a = ctx.args
-    return offline(ctx.model_dir, make_prompts(a.services_prompts, a.input_len, LLAMA31_8B["vocab_size"]),
-                   a.output_len)
+    return offline(ctx.model_dir, make_prompts(a.services_prompts, a.input_len, ctx.vocab_size), a.output_len)
 
 
 # ---------------------------------------------------------------- cluster sections (here)
@@ -213,12 +216,11 @@ class Clusters:
 
 def run_services(ctx: Context, mode: str = "disagg") -> dict:
     """The same prompts as offline_subset through the SDK, all submitted at once (bench/up_bench.py)."""
-    from bench.h200_bench import LLAMA31_8B
     from bench.up_bench import make_prompts
     from tandem import AsyncClient
 
     a = ctx.args
-    prompts = make_prompts(a.services_prompts, a.input_len, LLAMA31_8B["vocab_size"])
+    prompts = make_prompts(a.services_prompts, a.input_len, ctx.vocab_size)
     target, info = ctx.clusters.get(mode, ctx.left())
 
     async def run() -> tuple[int, int, float]:
@@ -561,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=_positive(float), default=560.0,
                    help="the whole run's limit: no section starts or runs past it (default %(default)g)")
     p.add_argument("--dry-run", action="store_true", help="print the sections, groups and budgets; run nothing")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a Hugging Face model directory to run instead of the Llama-3.1-8B shape (dummy weights "
+                        "either way); a tiny one runs the cluster sections on a CPU, as the tests do")
     p.add_argument("--log-dir", default=None, help="keep the clusters' logs here (default: a temporary directory)")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=_positive(int), default=1024)
@@ -591,6 +596,8 @@ def plan(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[Sectio
         p.error(str(exc))
     if a.rate_refine < 0:
         p.error(f"--rate-refine: must be >= 0, got {a.rate_refine}")
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model: no config.json in {a.model}")
     if a.merge is not None and not Path(a.merge).is_file():
         p.error(f"--merge: no such file {a.merge}")
     chosen = [SECTIONS[n] for n in SECTIONS if n in only and n not in skip]  # the table's order
@@ -628,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                   "command": " ".join(["python3", "bench/throughput_bench.py", *argv]),
                   "sections": [s.name for s, _ in steps], "section_seconds": {}}
     result.setdefault("runs", []).append(run_record)
-    result["model"] = "Llama-3.1-8B shape, dummy weights"
+    result["model"] = f"{a.model}, dummy weights" if a.model else "Llama-3.1-8B shape, dummy weights"
     result["goals"] = {k: f"{op} {g:g}" for k, (op, g) in GOALS.items() if op}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -642,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         from bench.h200_bench import LLAMA31_8B, write_model
 
-        model_dir = write_model(work / "llama31-8b", LLAMA31_8B)
+        model_dir = Path(a.model) if a.model else write_model(work / "llama31-8b", LLAMA31_8B)
         clusters = Clusters(model_dir, Path(a.log_dir) if a.log_dir else work)
         try:
             for section, budget in steps:

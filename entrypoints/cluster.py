@@ -43,9 +43,36 @@ class ClusterError(RuntimeError):
     """A process did not become ready, or kept crashing."""
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_FIXED_PORTS_FROM = 10000  # fixed ports are drawn from here up to the kernel's ephemeral range
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range is 32768-60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on every address now, for a process to bind later (a restarted child
+    keeps it). Drawn at random below the kernel's ephemeral port range: a port that bind(0)
+    returned is one the kernel hands out again to any process's outgoing connection or bind(0)
+    meanwhile, and a worker binds only after loading its model (seconds on a busy host). Never
+    the same port twice in this process."""
+    import random
+
+    low = _ephemeral_low()
+    if low - _FIXED_PORTS_FROM >= 1000:
+        for _ in range(200):
+            port = random.randrange(_FIXED_PORTS_FROM, low)
+            if port not in _handed_out and not port_in_use("0.0.0.0", port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as s:  # a host whose ephemeral range leaves no room below it
         s.bind(("127.0.0.1", 0))
+        _handed_out.add(s.getsockname()[1])
         return s.getsockname()[1]
 
 

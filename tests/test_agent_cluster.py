@@ -68,6 +68,25 @@ class UpCluster:
         self.admin = wire.AdminStub(self.channel)
         wait_until(lambda: len([w for w in self.workers().values() if w.routable and w.metrics_port]) == 2, 60,
                    what="both workers routable with metrics")
+        agent = next((ln for ln in lines if ln.strip().startswith("agent") and "metrics :" in ln), None)
+        assert agent is not None, "tandem up's banner names no agent metrics port:\n" + "".join(lines[-30:])
+        self.agent_metrics = f"http://127.0.0.1:{agent.rsplit(':', 1)[1].strip()}/metrics"
+        # Faults are injected only once the agent has seen both workers healthy past their start-up
+        # (on a loaded host the agent's first poll can come late; a worker it never saw healthy is
+        # still "starting" and is given the start-up grace).
+        wait_until(lambda: self.watched() == {"both-0", "both-1"}, 60, interval=0.25,
+                   what="the agent to see both workers healthy")
+
+    def watched(self) -> set[str]:
+        """Workers whose unresponsive detector the agent has sampled healthy (past start-up)."""
+        try:
+            with urllib.request.urlopen(self.agent_metrics, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return set()
+        return {s.labels["worker"] for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "tandem_agent_detector_sample" and s.labels.get("detector") == "unresponsive"
+                and s.value == 0.0}
 
     def workers(self) -> dict[str, admin_pb2.AdminWorker]:
         reply = self.admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5,

@@ -1,7 +1,11 @@
 """A drained worker (the Admin service's Drain, as the infra agent calls it) hands its running
 streams to another decode worker, each resumed exactly once with the fault-free greedy tokens;
 it gets no new request, and every worker's blocks come back. With no other decode worker to
-take them, a drained worker's streams finish where they are."""
+take them, a drained worker's streams finish where they are.
+
+The decode workers are slowed (worker/faults.py's step delay) until the drain has been answered,
+so every stream is still running when the drain lands however fast the host decodes; then they
+heal so the rest runs at full speed."""
 from __future__ import annotations
 
 import threading
@@ -13,10 +17,12 @@ from gateway.config import GatewayConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client, SamplingParams, wire
 from tandem._proto.tandem.v1 import admin_pb2
+from worker.faults import ENV_STEP_DELAY
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 MAX_TOKENS = 160
+SLOW_STEP_S = 0.05  # 160 tokens take >= 8 s until healed: the drain always finds them running
 PROMPTS = [f"Story {i}: once upon a time in a land of paged caches" for i in range(6)]
 
 
@@ -52,6 +58,13 @@ def run_streams(target: str, started: threading.Barrier, out: list[list[int] | B
     return threads
 
 
+def slowed(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A step-delay file set to a slow step, and the env that points decode workers at it."""
+    delay = tmp_path / "step-delay"
+    delay.write_text(str(SLOW_STEP_S))
+    return delay, {ENV_STEP_DELAY: f"@{delay}"}
+
+
 def drain(gw: GatewayThread, worker_id: str) -> None:
     import grpc
 
@@ -61,7 +74,9 @@ def drain(gw: GatewayThread, worker_id: str) -> None:
 
 def test_a_drained_workers_streams_move_to_another_exactly_once(model_dir: Path, want, tmp_path) -> None:
     blocks = ["--num-kv-blocks", "128", "--max-running", "16"]
-    p, d0, d1 = start_workers([("prefill", blocks), ("decode", blocks), ("decode", blocks)], model_dir, tmp_path)
+    delay, slow = slowed(tmp_path)
+    p, d0, d1 = start_workers([("prefill", blocks), ("decode", blocks, slow), ("decode", blocks, slow)],
+                              model_dir, tmp_path)
     pool = WorkerPoolConfig(prefill=(p.address,), decode=(d0.address, d1.address))
     gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, workers=pool))
     try:
@@ -74,6 +89,7 @@ def test_a_drained_workers_streams_move_to_another_exactly_once(model_dir: Path,
         assert d0.worker_id in placed and d1.worker_id in placed  # the burst spread over both
         moved_before = gw.metric("tandem_gateway_retries_total", {"stage": "stream"})
         drain(gw, d0.worker_id)
+        delay.write_text("")  # healed
         for t in threads:
             t.join(WAIT)
         assert out == want  # every stream resumed with no gap and no duplicate
@@ -93,7 +109,8 @@ def test_a_drained_workers_streams_move_to_another_exactly_once(model_dir: Path,
 
 def test_the_last_decode_worker_drained_finishes_its_streams(model_dir: Path, want, tmp_path) -> None:
     blocks = ["--num-kv-blocks", "128", "--max-running", "16"]
-    p, d = start_workers([("prefill", blocks), ("decode", blocks)], model_dir, tmp_path)
+    delay, slow = slowed(tmp_path)
+    p, d = start_workers([("prefill", blocks), ("decode", blocks, slow)], model_dir, tmp_path)
     pool = WorkerPoolConfig(prefill=(p.address,), decode=(d.address,))
     gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, workers=pool))
     try:
@@ -103,6 +120,7 @@ def test_the_last_decode_worker_drained_finishes_its_streams(model_dir: Path, wa
         threads = run_streams(gw.target, started, out)
         started.wait(WAIT)
         drain(gw, d.worker_id)
+        delay.write_text("")  # healed
         for t in threads:
             t.join(WAIT)
         assert out == want

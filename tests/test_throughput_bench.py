@@ -4,6 +4,7 @@ ratios and the max-rate search."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,28 @@ def test_a_failed_request_misses_the_slo():
     assert tb.within_slo(row, 500, 25)
     assert not tb.within_slo({**row, "failed": 1}, 500, 25)
     assert not tb.within_slo({**row, "tpot_p99_ms": 25.5}, 500, 25)
+
+
+def test_the_cluster_sections_run_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
+    """Group B's plumbing (`tandem up` in both modes, the SDK burst, `tandem bench` online and
+    the max-rate search) on the CPU with small shapes, so a device run does not find it broken."""
+    out = tmp_path / "b.json"
+    r = subprocess.run(
+        [sys.executable, "bench/throughput_bench.py", "--only", "services,online,max_rate,colocated",
+         "--model", str(tiny_models["llama"]), "--input-len", "24", "--output-len", "8", "--services-prompts", "8",
+         "--online-output-len", "8", "--online-requests", "6", "--online-rate", "4", "--rates", "4",
+         "--rate-refine", "0", "--point-s", "2", "--point-min-requests", "6", "--point-max-s", "10",
+         "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--deadline-s", "240"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    services, colocated = res["sections"]["services"], res["sections"]["colocated"]
+    assert services["completed"] == services["prompts"] == 8 and services["output_tokens"] == 8 * 8
+    assert colocated["completed"] == 8 and colocated["output_tokens"] == 8 * 8
+    assert res["services_out_tok_s"] > 0 and res["colocated_out_tok_s"] > 0
+    online = res["sections"]["online"]
+    assert online["failed"] == 0 and online["requests"] >= 6
+    assert res["online_ttft_p50_ms"] > 0 and res["online_tpot_p50_ms"] > 0
+    assert res["sections"]["max_rate"]["points"][0]["rate"] == 4
+    assert res["sections"]["max_rate"]["reused"]  # one disaggregated cluster served three sections
