@@ -16,6 +16,7 @@ import grpc
 
 from tandem import security, wire
 from tandem.hub import resolve_model
+from tandem.netaddr import advertised_endpoint
 from worker.config import WorkerConfig, build_parser, config_from_args
 from worker.runtime import WorkerRuntime
 from worker.server import WorkerServer
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: WorkerRuntime) -> list[str]:
     """Register the role's servicer on `server` and set up its KV transport (the worker's `sender`
     or `receiver` and `kv_address`, and `runtime.kv_stats`); returns the gRPC service names."""
-    from worker.transfer import make_receiver, make_sender
+    from worker.transfer import join_kv_addresses, make_receiver, make_sender, split_kv_addresses
 
     cfg = worker.config
     ranks = worker.ranks
@@ -70,7 +71,8 @@ def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: Wo
             worker.receiver.attach(local, ranks.kv_addresses(local.address))
             ranks.link.on_result = worker.receiver.on_rank_result
         service.receiver = worker.receiver
-        worker.kv_address = worker.receiver.address
+        worker.kv_address = join_kv_addresses([advertised_endpoint(a, worker.advertised_host)
+                                               for a in split_kv_addresses(worker.receiver.address)])
         runtime.kv_stats = lambda: {"received": worker.receiver.stats()}
     wire.add_decode_worker_servicer(service, server)
     return [wire.DECODE_SERVICE]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine import EngineConfig
+from tandem.netaddr import is_wildcard
 from tandem.types import ROLES
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class WorkerConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (logged and written to ready_file)
-    worker_id: str | None = None  # None: "{role}-{host}-{port}"
+    advertise_host: str | None = None  # None: `host`, or this machine's primary IP when host is a wildcard
+    worker_id: str | None = None  # None: "{role}-{advertised host}-{port}"
     batch_window_ms: float | None = None  # None: 2 ms for prefill, 0 otherwise
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     drain_timeout_s: float = 30.0
@@ -88,6 +90,9 @@ class WorkerConfig:
                                  "(or one endpoint the ranks derive theirs from)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.advertise_host is not None and (is_wildcard(self.advertise_host) or "/" in self.advertise_host):
+            raise ValueError(f"advertise_host: must name a host others can reach (an IP or DNS name), "
+                             f"got {self.advertise_host!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
         if not self.drain_timeout_s > 0:
@@ -207,8 +212,12 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's; float32 on CPU)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
+    p.add_argument("--advertise-host", default=None,
+                   help="the host others reach this worker at: what it registers in the prefix index and the "
+                        "host of its KV endpoint (default: --host; for a wildcard --host such as 0.0.0.0, this "
+                        "machine's primary IP)")
     p.add_argument("--port", type=int, default=None, help="gRPC port (0: any free port; default per role: %s)" % DEFAULT_PORTS)
-    p.add_argument("--worker-id", default=None, help="the name the gateway and metrics use (default: {role}-{host}-{port})")
+    p.add_argument("--worker-id", default=None, help="the name the gateway and metrics use (default: {role}-{advertised host}-{port})")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (16, 32 or 64)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks (default: what --gpu-memory-fraction leaves after weights, activations, "
@@ -305,6 +314,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         index=index,
         host=args.host,
         port=port,
+        advertise_host=args.advertise_host,
         worker_id=args.worker_id,
         batch_window_ms=args.batch_window_ms,
         metrics_port=args.metrics_port,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tandem import security, wire
+from tandem.netaddr import advertised_host, host_port
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
@@ -83,7 +84,8 @@ class WorkerServer:
         self.publisher: IndexPublisher | None = None
         self.health: HealthServicer | None = None
         self.port = 0
-        self.kv_address = ""
+        self.kv_address = ""  # as advertised: set by the role's services, wildcard hosts rewritten
+        self.advertised_host = advertised_host(config.host, config.advertise_host)
         self.metrics_port: int | None = None
         self._step_fault = StepDelay.from_env(config.worker_id)  # test-only fault hook (worker/faults.py)
         self._stopping = False
@@ -106,7 +108,8 @@ class WorkerServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        """host:port others reach the gRPC server at (tandem.netaddr: never a wildcard host)."""
+        return host_port(self.advertised_host, self.port)
 
     @property
     def worker_id(self) -> str:
@@ -120,7 +123,7 @@ class WorkerServer:
             self.port = security.add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls_cert, cfg.tls_key)
         except RuntimeError as exc:  # grpc's way of saying the address is taken
             raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
-        worker_id = cfg.worker_id or f"{cfg.role}-{cfg.host}-{self.port}"
+        worker_id = cfg.worker_id or f"{cfg.role}-{self.advertised_host}-{self.port}"
         loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
                           on_step=self._observe_step)
         runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
