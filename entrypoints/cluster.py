@@ -13,7 +13,6 @@ has not exited after the grace period is killed.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -26,6 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tandem.native import parent_death_signal
 
 if TYPE_CHECKING:
     from gateway.adapters import WorkerStatsView
@@ -158,10 +159,7 @@ def die_with_parent() -> None:
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if not parent:
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
+    if not parent_death_signal(signal.SIGTERM):
         return
     if os.getppid() != int(parent):  # it died before this process could watch it
         os.kill(os.getpid(), signal.SIGTERM)

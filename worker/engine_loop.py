@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from engine.engine import Engine
 from engine.outputs import FinishReason, StepOutput, StepPlan
+from tandem.native import set_thread_name
 from worker.events import KvEventHub
 from worker.stats import StatsSnapshot, take_snapshot
 
@@ -170,6 +171,7 @@ class EngineLoop:
 
     # ---- the loop -----------------------------------------------------------------------------
     def _run(self) -> None:
+        set_thread_name(self._thread.name)  # `top -H` tells the engine thread from the gRPC one
         logger.info("engine loop started")
         try:
             while True:
