@@ -6,7 +6,7 @@
 For each policy: start 4 prefill + 1 decode worker processes (cold caches) and a gateway
 process (`tandem gateway --routing POLICY`), send the same generated shared-prefix workload
 (loadgen.datasets: groups x prompts sharing a system prompt, short questions) through the SDK
-(loadgen.load.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
+(loadgen.run.LoadRun at fixed concurrency), then read: the prefill workers' prefix-cache hit
 ratio (their Stats), throughput and TTFT P50/P99 (loadgen.report), and prompts computed per
 prefill worker (the gateway's tandem_gateway_prefill_requests_total). Prints JSON and writes
 bench/results/prefix_routing.json (or --out).
@@ -28,8 +28,9 @@ sys.path.insert(0, str(REPO))
 
 from entrypoints.cluster import Cluster, ClusterProcess, free_port, worker_process  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
-from loadgen.load import LoadRun, LoadSpec, RequestOptions  # noqa: E402
 from loadgen.report import summarize  # noqa: E402
+from loadgen.run import LoadRun, RequestOptions  # noqa: E402
+from loadgen.schedule import LoadSpec  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd == "generate":
         return generate_main(rest)
     elif cmd == "bench":
-        from loadgen.load import main as run
+        from loadgen.command import main as run
     elif cmd == "convert":
         from engine.convert.llama2c import main_convert as run
     elif cmd == "health":

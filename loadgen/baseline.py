@@ -4,14 +4,13 @@ regressed beyond the tolerance, so a change can be checked on a fixed request se
 Compared per run (matched by label, else by position), each relative to the baseline's value:
 request and output-token throughput and the cache hit rate (a drop is a regression), TTFT and
 TPOT P50 / P99 (a rise is a regression). A metric the baseline lacks (None, 0) is skipped.
+This module compares `runs` lists; loadgen.results reads and writes the files they come from.
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -45,17 +44,6 @@ class Comparison:
         verdict = "REGRESSED" if self.regressed else "ok"
         return (f"{verdict:>9}  {self.run}  {self.metric}: baseline {self.baseline:.4g}, now {self.current:.4g} "
                 f"({self.worse_pct:+.1f}% worse; tolerance {tolerance_pct:g}%)")
-
-
-def load_results(path: str | Path) -> dict[str, Any]:
-    """A `tandem bench --out` file. ValueError names the file when it is not one."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable bench results file ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
-        raise ValueError(f"{path}: no runs (not written by tandem bench --out?)")
-    return data
 
 
 def compare(current: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]],

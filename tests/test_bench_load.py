@@ -20,8 +20,10 @@ import grpc
 import pytest
 
 from loadgen import datasets as ds
-from loadgen.load import LoadRun, LoadSpec, RequestOptions, main, poisson_offsets
+from loadgen.command import main
 from loadgen.report import SLO, RequestResult, format_run, format_sweep, percentile, summarize, write_plots
+from loadgen.run import LoadRun, RequestOptions
+from loadgen.schedule import LoadSpec, poisson_offsets
 from tandem import wire
 from tandem.client import AsyncClient
 

@@ -287,7 +287,7 @@ def test_http_layer_imports_no_torch() -> None:
 
 
 def _bench(argv: list[str]) -> int:
-    from loadgen.load import main
+    from loadgen.command import main
 
     return main([*argv, "--no-progress"])
 
