@@ -118,6 +118,13 @@ class UpCluster:
         return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                    if s.name == "tandem_worker_rpcs_total" and s.labels.get("method") == "PrefillAndDecode")
 
+    def settled_calls(self, worker: str, quiet_s: float = 1.0) -> tuple[float] | None:
+        """(calls,) when `generate_calls` reads the same twice `quiet_s` apart, else None."""
+        before = self.generate_calls(worker)
+        time.sleep(quiet_s)
+        after = self.generate_calls(worker)
+        return (after,) if after == before else None
+
     def pid(self, worker: str) -> int:
         marker = f"--worker-id {worker} "
         for p in Path("/proc").iterdir():
@@ -223,7 +230,9 @@ def test_spike_warns_only_and_a_persistently_slow_worker_is_drained(up):
         check_evidence(drain, "itl")
         assert c.workers()["both-0"].mark == "drained" and c.workers()["both-1"].routable
         wait_until(lambda: c.workers()["both-0"].inflight == 0, 60, what="both-0's streams to finish")
-        served = c.generate_calls("both-0")  # counted as each call ends
+        # Counted as each call ends on the worker, which can be after the gateway let go of it
+        # (a stream the drain moved is cancelled there): read it once it stopped moving.
+        served = wait_until(lambda: c.settled_calls("both-0"), 30, what="both-0's call count to settle")[0]
         time.sleep(2)  # the load goes on, on both-1 only
     finally:
         load.stop()
