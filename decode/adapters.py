@@ -29,6 +29,7 @@ class DecodeInput:
     first_token_id: int
     params: SamplingParams
     timeout_s: float | None
+    stream_interval: int = 1  # new tokens per chunk after the first
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class LocalInput:
     tier: Tier
     timeout_s: float | None
     num_output_tokens: int
+    stream_interval: int = 1  # new tokens per chunk after the first
 
 
 def _request_id(value: str) -> str:
@@ -72,6 +74,7 @@ def decode_from_proto(msg: worker_pb2.DecodeRequest) -> DecodeInput:
         first_token_id=msg.first_token_id,
         params=wire.params_from_proto(msg.params),
         timeout_s=_timeout(msg.timeout_ms),
+        stream_interval=max(1, msg.stream_interval),
     )
 
 
@@ -84,6 +87,7 @@ def local_from_proto(msg: worker_pb2.GenerateOnWorkerRequest) -> LocalInput:
         tier=wire.tier_from_proto(msg.tier),
         timeout_s=_timeout(msg.timeout_ms),
         num_output_tokens=msg.num_output_tokens,
+        stream_interval=max(1, msg.stream_interval),
     )
 
 

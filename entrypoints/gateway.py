@@ -6,10 +6,10 @@ them into a GatewayConfig (a ValueError names the flag's field) and runs it unti
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
+from entrypoints import aio
 from engine.demo import demo_model_dir  # torch-free
 from gateway.config import GatewayConfig, GatewaySecurity, TierConfig, WorkerPoolConfig
 from gateway.liveness import LivenessConfig
@@ -106,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-    try:
-        if uvloop is not None:
-            uvloop.run(serve(config, model))
-        else:
-            asyncio.run(serve(config, model))
+        aio.run(serve(config, model))
     except KeyboardInterrupt:
         pass
     return 0

@@ -7,13 +7,13 @@ so that the worker package never imports prefill or decode.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from typing import Any
 
 import grpc
 
+from entrypoints import aio
 from tandem import security, wire
 from tandem.hub import resolve_model
 from tandem.netaddr import advertised_endpoint
@@ -95,7 +95,7 @@ def run(config: WorkerConfig) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server = WorkerServer(config, add_role_services)
     try:
-        asyncio.run(server.serve_forever())
+        aio.run(server.serve_forever())
     finally:
         if server.ranks is not None and not server._stopped.is_set():
             server.ranks.kill()  # start-up failed after the other ranks were started

@@ -122,16 +122,19 @@ def prefill_request(request_id: str, token_ids: Sequence[int], params: SamplingP
 
 
 def decode_request(request_id: str, reservation_id: int, first_token_id: int, params: SamplingParams,
-                   timeout_s: float | None) -> wpb.DecodeRequest:
+                   timeout_s: float | None, stream_interval: int = 1) -> wpb.DecodeRequest:
     return wpb.DecodeRequest(request_id=request_id, reservation_id=reservation_id, first_token_id=first_token_id,
-                             params=wire.params_to_proto(params), timeout_ms=timeout_ms(timeout_s))
+                             params=wire.params_to_proto(params), timeout_ms=timeout_ms(timeout_s),
+                             stream_interval=stream_interval)
 
 
 def generate_on_worker_request(request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
-                               timeout_s: float | None, num_output_tokens: int) -> wpb.GenerateOnWorkerRequest:
+                               timeout_s: float | None, num_output_tokens: int,
+                               stream_interval: int = 1) -> wpb.GenerateOnWorkerRequest:
     return wpb.GenerateOnWorkerRequest(request_id=request_id, token_ids=token_ids,
                                        params=wire.params_to_proto(params), tier=wire.tier_to_proto(tier),
-                                       timeout_ms=timeout_ms(timeout_s), num_output_tokens=num_output_tokens)
+                                       timeout_ms=timeout_ms(timeout_s), num_output_tokens=num_output_tokens,
+                                       stream_interval=stream_interval)
 
 
 # ---------------------------------------------------------------- responses

@@ -59,9 +59,10 @@ class LivenessConfig:
 
     # ------------------------------------------------------------ per worker (a WorkerHandle)
 
-    def stream_timeout(self, worker: Any) -> float:
-        """Seconds without a chunk after which `worker`'s stream is stalled."""
-        return max(self.stall_timeout_s, self.stall_steps * worker.step_s)
+    def stream_timeout(self, worker: Any, tokens_per_chunk: int = 1) -> float:
+        """Seconds without a chunk after which `worker`'s stream, which sends a chunk every
+        `tokens_per_chunk` tokens, is stalled."""
+        return max(self.stall_timeout_s, (self.stall_steps + tokens_per_chunk - 1) * worker.step_s)
 
     def prefill_timeout(self, worker: Any) -> float:
         """Seconds a prefill (with its KV push) or a stream's first chunk may take on `worker`."""
@@ -78,6 +79,20 @@ class LivenessConfig:
         """A worker suspected (stalled) at `suspect_since` that answers Stats at `now` is routed
         to again once it stayed answering for a stall timeout."""
         return now - suspect_since >= self.stall_timeout_s
+
+
+# The most tokens a worker holds before it sends a chunk (GenerateRequest.stream_interval 0 or
+# above it): a worker's stream then costs its event loop and the gateway's one message per this
+# many tokens instead of one per step, and a worker lost mid-stream takes at most this many
+# unsent tokens with it (they are computed again where the request resumes).
+MAX_WORKER_CHUNK_TOKENS = 16
+
+
+def worker_stream_interval(client_interval: int) -> int:
+    """Tokens per chunk to ask of a worker for a client's stream_interval (1: every step)."""
+    if client_interval == 1:
+        return 1
+    return MAX_WORKER_CHUNK_TOKENS if client_interval == 0 else min(client_interval, MAX_WORKER_CHUNK_TOKENS)
 
 
 def _positive(name: str, value: Any) -> None:

@@ -27,7 +27,7 @@ import grpc
 
 from gateway.adapters import Reservation
 from gateway.dispatch import Dispatcher, Waiter
-from gateway.liveness import LivenessConfig
+from gateway.liveness import LivenessConfig, worker_stream_interval
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement, PlacementNeeds, Placer
 from gateway.streaming import Emission, OutputAssembler
@@ -81,6 +81,11 @@ class RequestState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     holders: dict[tuple[str, str], tuple[WorkerHandle, asyncio.Future[Reservation] | None]] = field(default_factory=dict)
+
+    @property
+    def worker_interval(self) -> int:
+        """Tokens per chunk asked of the workers (gateway.liveness.worker_stream_interval)."""
+        return worker_stream_interval(self.admitted.stream_interval)
 
 
 class RequestRunner:
@@ -219,7 +224,7 @@ class RequestRunner:
         if placement.local:
             self._note_prefill(st, wrid, placement)
             stream = d.client.prefill_and_decode(wrid, tokens, st.admitted.params, st.admitted.tier, n_out,
-                                                 st.deadline)
+                                                 st.deadline, st.worker_interval)
             self._hold(st, d, wrid)
             await self._consume(st, d, wrid, stream)
         else:
@@ -263,7 +268,8 @@ class RequestRunner:
             self._spawn(d.client.release(wrid, resv.reservation_id))
             return
         # 3. D decodes the tokens after the first one.
-        stream = d.client.decode(wrid, resv.reservation_id, first.first_token_id, params, st.deadline)
+        stream = d.client.decode(wrid, resv.reservation_id, first.first_token_id, params, st.deadline,
+                                 st.worker_interval)
         await self._consume(st, d, wrid, stream)
 
     async def _consume(self, st: RequestState, w: WorkerHandle, wrid: str, stream: ChunkStream) -> None:
@@ -275,7 +281,8 @@ class RequestRunner:
         last = time.monotonic()
         try:
             while True:
-                limit = self.liveness.stream_timeout(w) if got_first else self.liveness.prefill_timeout(w)
+                limit = (self.liveness.stream_timeout(w, st.worker_interval) if got_first
+                         else self.liveness.prefill_timeout(w))
                 try:
                     chunk = await self._unless_stalled(w, "stream", limit, chunks.__anext__())
                 except StopAsyncIteration:

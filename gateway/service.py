@@ -18,6 +18,7 @@ from gateway.malformed import MalformedMessage
 from gateway.metrics import GatewayMetrics
 from gateway.modelinfo import ServedModel
 from gateway.request import RequestFailed, RequestState
+from gateway.streaming import grouped
 from tandem import wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 
@@ -33,7 +34,8 @@ class TandemService(wire.TandemServicer):
     names the tier; oversize messages are refused by gRPC itself), UNAVAILABLE (draining, no
     decode worker up, or no worker could serve the request within the retry bound),
     DEADLINE_EXCEEDED (the call's deadline or the tier's default deadline). The first chunk of a stream is sent at admission and carries the
-    request id; tokens follow; the last chunk has finish_reason and usage.
+    request id; tokens follow, grouped as the request's stream_interval says; the last chunk
+    has finish_reason and usage.
     """
 
     def __init__(self, *, config: GatewayConfig, model: ServedModel, admission: Admission,
@@ -95,8 +97,9 @@ class TandemService(wire.TandemServicer):
             return
         try:
             yield pb.GenerateChunk(request_id=st.request_id)
-            async with contextlib.aclosing(self.admission.outputs(st)) as items:
-                async for item in items:
+            async with contextlib.aclosing(self.admission.outputs(st)) as items, \
+                    contextlib.aclosing(grouped(items, st.admitted.stream_interval)) as chunks:
+                async for item in chunks:
                     if isinstance(item, RequestFailed):
                         await self._fail(context, item.code, item.details)
                         return

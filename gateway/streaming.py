@@ -8,15 +8,17 @@ does not depend on which worker (or how many, after a retry) produced the tokens
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tandem.rules import StopChecker, StopText
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams
-from tandem.wire import TokenLogprob, Usage
+from tandem.wire import Chunk, TokenLogprob, Usage
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,3 +118,45 @@ class OutputAssembler:
     def _tail(self) -> str:
         # As engine.output_text: release held-back text unless a stop string ended the stream.
         return self._stop.tail()
+
+
+def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
+    """One chunk with the deltas of `chunks` in order; the end (finish, stop, usage) of the last."""
+    last = chunks[-1]
+    if len(chunks) == 1:
+        return last
+    return Chunk(token_ids=[t for c in chunks for t in c.token_ids], text="".join(c.text for c in chunks),
+                 logprobs=[lp for c in chunks for lp in c.logprobs], finish_reason=last.finish_reason,
+                 stop_reason=last.stop_reason, matched_stop=last.matched_stop, usage=last.usage,
+                 request_id=next((c.request_id for c in chunks if c.request_id), ""))
+
+
+async def grouped(items: AsyncIterator[Chunk | T], interval: int) -> AsyncIterator[Chunk | T]:
+    """`items` (a request's chunks, then maybe another item that ends it, e.g. a failure) with
+    the chunks merged as GenerateRequest.stream_interval says: interval 1 as they come; N > 1
+    the first token's chunk at once, then a chunk once N new tokens are held; 0 one chunk at
+    the end. The last chunk, and whatever ends the request, go out as soon as they come (the
+    chunks held before a non-chunk item go first)."""
+    if interval == 1:
+        async for item in items:
+            yield item
+        return
+    held: list[Chunk] = []
+    tokens = 0
+    sent_token = False
+    async for item in items:
+        if not isinstance(item, Chunk):
+            if held:
+                yield merge_chunks(held)
+                held, tokens = [], 0
+            yield item
+            continue
+        held.append(item)
+        tokens += len(item.token_ids)
+        due = item.finished or (interval > 1 and (tokens >= interval or (tokens and not sent_token)))
+        if due:
+            yield merge_chunks(held)
+            sent_token = sent_token or tokens > 0
+            held, tokens = [], 0
+    if held:
+        yield merge_chunks(held)

@@ -41,6 +41,7 @@ class AdmittedRequest:
     tier: Tier
     request_id: str  # "" when the gateway is to mint one
     stream_text: bool
+    stream_interval: int = 1  # new tokens per chunk to the client; 0: only the last chunk
 
 
 def validate_request(inp: GenerateInput, model: ServedModel, *, max_tokens_set: bool = True) -> AdmittedRequest:
@@ -69,7 +70,11 @@ def validate_request(inp: GenerateInput, model: ServedModel, *, max_tokens_set: 
                           f"context of {model.max_context} tokens; at most {room} fit")
     if not isinstance(inp.stream_text, bool):
         raise InvalidRequest("stream_text", f"must be a bool, got {inp.stream_text!r}")
-    return AdmittedRequest(tuple(prompt_ids), params, Tier.parse(inp.tier), request_id, inp.stream_text)
+    interval = inp.stream_interval
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise InvalidRequest("stream_interval", f"must be an integer >= 0, got {interval!r}")
+    return AdmittedRequest(tuple(prompt_ids), params, Tier.parse(inp.tier), request_id, inp.stream_text,
+                           interval)
 
 
 def check_request_id(request_id: str) -> str:

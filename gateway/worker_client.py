@@ -176,19 +176,22 @@ class WorkerClient:
         return await self._unary(call, "prefill", deadline, adapters.prefill_result_from_proto)
 
     def decode(self, request_id: str, reservation_id: int, first_token_id: int, params: SamplingParams,
-               deadline: float) -> ChunkStream:
-        """Decode the tokens after `first_token_id` into the reserved (and filled) blocks."""
+               deadline: float, stream_interval: int = 1) -> ChunkStream:
+        """Decode the tokens after `first_token_id` into the reserved (and filled) blocks; a
+        chunk every `stream_interval` tokens after the first."""
         timeout = _remaining(deadline)
         call = self._stub.Decode(adapters.decode_request(request_id, reservation_id, first_token_id, params,
-                                                         timeout), timeout=timeout, metadata=self._md)
+                                                         timeout, stream_interval), timeout=timeout, metadata=self._md)
         return ChunkStream(self, call, deadline)
 
     def prefill_and_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
-                           num_output_tokens: int, deadline: float) -> ChunkStream:
-        """Prefill and decode on this worker alone (role both, or a local prefill on a decode worker)."""
+                           num_output_tokens: int, deadline: float, stream_interval: int = 1) -> ChunkStream:
+        """Prefill and decode on this worker alone (role both, or a local prefill on a decode
+        worker); a chunk every `stream_interval` tokens after the first."""
         timeout = _remaining(deadline)
         call = self._stub.PrefillAndDecode(adapters.generate_on_worker_request(
-            request_id, token_ids, params, tier, timeout, num_output_tokens), timeout=timeout, metadata=self._md)
+            request_id, token_ids, params, tier, timeout, num_output_tokens, stream_interval), timeout=timeout,
+            metadata=self._md)
         return ChunkStream(self, call, deadline)
 
     async def release(self, request_id: str, reservation_id: int) -> None:

@@ -24,6 +24,7 @@ from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
 from kvtransfer.ipc_pool import CUDA, MappedPool
 from kvtransfer.pending import PendingTransfers
 from kvtransfer.staging import PairPool
+from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class IpcReceiver(PendingTransfers, KVReceiver):
     # -- receiver thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         next_check = 0.0

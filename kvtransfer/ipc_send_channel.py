@@ -24,6 +24,7 @@ from kvtransfer.frames import DTYPE_ITEMSIZE, KIND_COMMIT, KIND_LAYER, FrameHead
 from kvtransfer.ipc_pool import CUDA, Lease, SendPool
 from kvtransfer.outgoing import Item, Outgoing
 from kvtransfer.staging import PairPool
+from tandem.native import set_thread_name
 
 if TYPE_CHECKING:
     from kvtransfer.ipc_sender import IpcSender
@@ -115,6 +116,7 @@ class Channel:
     # -- channel thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         s = self._sender
         sock = s._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.channel_id.encode())

@@ -19,6 +19,7 @@ from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
 from kvtransfer.frames import KIND_LAYER, FrameHeader, dtype_name
 from kvtransfer.pending import PendingTransfers
 from kvtransfer.nccl_recv_channel import RecvChannel
+from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class NcclReceiver(PendingTransfers, KVReceiver):
     # -- socket thread: control messages, headers to their channel, deadlines -------------------
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         next_check = 0.0

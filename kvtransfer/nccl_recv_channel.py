@@ -17,6 +17,7 @@ import torch
 from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader
+from tandem.native import set_thread_name
 
 if TYPE_CHECKING:
     from kvtransfer.nccl_receiver import NcclReceiver
@@ -55,6 +56,7 @@ class RecvChannel:
         self.thread.start()
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         r = self._receiver
         inflight: collections.deque[_Posted] = collections.deque()
         try:

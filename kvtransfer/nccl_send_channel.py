@@ -21,6 +21,7 @@ from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
 from kvtransfer.outgoing import Item, Outgoing
+from tandem.native import set_thread_name
 
 if TYPE_CHECKING:
     from kvtransfer.nccl_sender import NcclSender
@@ -129,6 +130,7 @@ class Channel:
             self._cond.notify()
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         sender = self._sender
         sock = sender._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.channel_id.encode())

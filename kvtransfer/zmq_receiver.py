@@ -16,6 +16,7 @@ from kvtransfer.base import KVReceiver, KVSink, OnComplete
 from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
 from kvtransfer.pending import PendingTransfers
 from kvtransfer.staging import PairPool
+from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
     # -- receiver thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         next_check = 0.0

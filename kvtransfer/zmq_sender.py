@@ -25,6 +25,7 @@ from kvtransfer.frames import (
 )
 from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers
 from kvtransfer.staging import PairPool, StagedLayer, stage_layer
+from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _PeerChannel:
             self._cond.notify()
 
     def _run(self) -> None:
+        set_thread_name(threading.current_thread().name)
         sender = self._sender
         sock = sender._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, sender.sndhwm)

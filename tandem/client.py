@@ -131,8 +131,9 @@ def _check_prompt(prompt: Any) -> None:
 
 def build_request(prompt: str | Sequence[int], *, params: SamplingParams | None = None,
                   tier: Tier | int | str = Tier.STANDARD, request_id: str | None = None,
-                  **sampling: Any) -> pb.GenerateRequest:
+                  stream_interval: int | None = None, **sampling: Any) -> pb.GenerateRequest:
     """Merge keywords over `params`, validate everything, and build the GenerateRequest.
+    stream_interval: new tokens per chunk (None or 1: every step; 0: only the last chunk).
 
     Raises ValueError naming the field for any bad value, TypeError for an unknown keyword.
     """
@@ -140,7 +141,8 @@ def build_request(prompt: str | Sequence[int], *, params: SamplingParams | None 
     _check_prompt(prompt)
     if request_id is not None and not isinstance(request_id, str):
         raise ValueError(f"request_id: must be a str, got {type(request_id).__name__}")
-    return wire.generate_request_to_proto(prompt, merged, Tier.parse(tier), request_id or "")
+    return wire.generate_request_to_proto(prompt, merged, Tier.parse(tier), request_id or "",
+                                          stream_interval=stream_interval)
 
 
 def _check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
@@ -246,9 +248,13 @@ class Client:
 
     def stream(self, prompt: str | Sequence[int], *, params: SamplingParams | None = None,
                tier: Tier | int | str = Tier.STANDARD, request_id: str | None = None,
-               timeout: float | None = None, **sampling: Unpack[SamplingKeywords]) -> ChunkStream:
-        """Start a generation and return its chunks as they arrive (the RPC starts now)."""
-        request = build_request(prompt, params=params, tier=tier, request_id=request_id, **sampling)
+               timeout: float | None = None, stream_interval: int | None = None,
+               **sampling: Unpack[SamplingKeywords]) -> ChunkStream:
+        """Start a generation and return its chunks as they arrive (the RPC starts now).
+        stream_interval: new tokens per chunk (None or 1: every step's; N: the first token at
+        once, then N at a time; fewer messages for a reader that does not need every step)."""
+        request = build_request(prompt, params=params, tier=tier, request_id=request_id,
+                                stream_interval=stream_interval, **sampling)
         return self._start(request, timeout)
 
     def generate(self, prompt: str | Sequence[int], *, params: SamplingParams | None = None,
@@ -314,6 +320,7 @@ class Client:
         return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout), metadata=self._md))
 
     def _complete(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
+        request.stream_interval = 0  # the whole output in the last chunk: one message, not one a token
         collector = _Collector(want_logprobs=request.params.HasField("logprobs"))
         with self._start(request, timeout) as chunks:
             for chunk in chunks:
@@ -383,9 +390,12 @@ class AsyncClient:
 
     def stream(self, prompt: str | Sequence[int], *, params: SamplingParams | None = None,
                tier: Tier | int | str = Tier.STANDARD, request_id: str | None = None,
-               timeout: float | None = None, **sampling: Unpack[SamplingKeywords]) -> AsyncChunkStream:
-        """Start a generation (call from a running loop); `async for` over the result."""
-        request = build_request(prompt, params=params, tier=tier, request_id=request_id, **sampling)
+               timeout: float | None = None, stream_interval: int | None = None,
+               **sampling: Unpack[SamplingKeywords]) -> AsyncChunkStream:
+        """Start a generation (call from a running loop); `async for` over the result.
+        stream_interval: as Client.stream's."""
+        request = build_request(prompt, params=params, tier=tier, request_id=request_id,
+                                stream_interval=stream_interval, **sampling)
         return self._start(request, timeout)
 
     async def generate(self, prompt: str | Sequence[int], *, params: SamplingParams | None = None,
@@ -456,6 +466,7 @@ class AsyncClient:
         return AsyncChunkStream(self._stub().Generate(request, timeout=self._deadline(timeout), metadata=self._md))
 
     async def _complete(self, request: pb.GenerateRequest, timeout: float | None) -> Completion:
+        request.stream_interval = 0  # as Client._complete
         collector = _Collector(want_logprobs=request.params.HasField("logprobs"))
         async with self._start(request, timeout) as chunks:
             async for chunk in chunks:

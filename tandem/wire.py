@@ -118,6 +118,7 @@ class GenerateInput:
     tier: Tier
     request_id: str
     stream_text: bool
+    stream_interval: int = 1  # new tokens per chunk; 0: only the last chunk (GenerateRequest)
 
 
 # ---------------------------------------------------------------- sampling params, tier
@@ -233,13 +234,20 @@ def chunk_from_proto(msg: pb.GenerateChunk) -> Chunk:
 
 def generate_request_to_proto(prompt: str | Sequence[int], params: SamplingParams,
                               tier: Tier | int | str = Tier.STANDARD, request_id: str = "",
-                              stream_text: bool = True) -> pb.GenerateRequest:
-    """Build a GenerateRequest; a str prompt goes as text, anything else as token ids.
+                              stream_text: bool = True, stream_interval: int | None = None) -> pb.GenerateRequest:
+    """Build a GenerateRequest; a str prompt goes as text, anything else as token ids;
+    stream_interval None leaves the field unset (a chunk every step).
 
-    Raises ValueError naming `prompt` for token ids that do not fit uint32.
+    Raises ValueError naming `prompt` for token ids that do not fit uint32, and
+    `stream_interval` for one that is not an integer in [0, 2**32).
     """
     msg = pb.GenerateRequest(params=params_to_proto(params), tier=tier_to_proto(tier),
                              request_id=request_id or "", stream_text=stream_text)
+    if stream_interval is not None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) \
+                or not 0 <= stream_interval < 2**32:
+            raise ValueError(f"stream_interval: must be an integer >= 0, got {stream_interval!r}")
+        msg.stream_interval = stream_interval
     if isinstance(prompt, str):
         msg.text = prompt
     else:
@@ -261,6 +269,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
         tier=tier_from_proto(msg.tier),
         request_id=msg.request_id,
         stream_text=msg.stream_text if msg.HasField("stream_text") else True,
+        stream_interval=msg.stream_interval if msg.HasField("stream_interval") else 1,
     )
 
 

@@ -9,6 +9,7 @@ still referenced by a request, a reservation or a pending send is never counted.
 """
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import subprocess
@@ -124,9 +125,11 @@ def prefill(p: Worker, rid: str, prompt: list[int], r: w.ReserveResponse, params
                                            target=target, timeout_ms=20000), timeout=WAIT_S)
 
 
-def decode_call(d: Worker, rid: str, r: w.ReserveResponse, first: int, params=GREEDY, timeout_ms: int = 20000):
+def decode_call(d: Worker, rid: str, r: w.ReserveResponse, first: int, params=GREEDY, timeout_ms: int = 20000,
+                stream_interval: int = 0):
     return d.stub.Decode(w.DecodeRequest(request_id=rid, reservation_id=r.reservation_id, first_token_id=first,
-                                         params=wire.params_to_proto(params), timeout_ms=timeout_ms), timeout=WAIT_S)
+                                         params=wire.params_to_proto(params), timeout_ms=timeout_ms,
+                                         stream_interval=stream_interval), timeout=WAIT_S)
 
 
 def disaggregated(d: Worker, p: Worker, rid: str, prompt: list[int], params=GREEDY) -> tuple[list[int], list[w.DecodeChunk]]:
@@ -138,10 +141,11 @@ def disaggregated(d: Worker, p: Worker, rid: str, prompt: list[int], params=GREE
     return [pr.first_token_id] + [t for c in chunks for t in c.token_ids], chunks
 
 
-def local(b: Worker, rid: str, prompt: list[int], params=GREEDY, timeout_ms: int = 20000):
+def local(b: Worker, rid: str, prompt: list[int], params=GREEDY, timeout_ms: int = 20000, stream_interval: int = 0):
     return b.stub.PrefillAndDecode(w.GenerateOnWorkerRequest(request_id=rid, token_ids=prompt,
                                                              params=wire.params_to_proto(params),
-                                                             timeout_ms=timeout_ms), timeout=WAIT_S)
+                                                             timeout_ms=timeout_ms, stream_interval=stream_interval),
+                                   timeout=WAIT_S)
 
 
 def wait_until(cond, what: str):
@@ -182,6 +186,29 @@ def test_disaggregated_flow_matches_offline_greedy(cluster, reference):
         t.join(WAIT_S)
     assert [results.get(i) for i in range(len(prompts))] == reference(prompts)
     assert_no_leaks(d, p)
+
+
+@pytest.mark.parametrize("interval", [1, 5, 64])
+def test_stream_interval_groups_the_tokens_after_the_first(cluster, reference, interval):
+    """A worker asked for `interval` tokens a chunk sends the first output at once, then a chunk
+    once that many tokens are held, and the rest with the end: the same tokens, fewer messages."""
+    d, p, b = cluster["d"], cluster["p"], cluster["b"]
+    params = GREEDY.replace(max_tokens=23)
+    prompt = fresh_prompt(21)
+    want = reference([prompt], params)[0]
+    on_b = list(local(b, f"si-local-{interval}", prompt, params, stream_interval=interval))
+    r = reserve(d, f"si-disagg-{interval}", prompt, params)
+    pr = prefill(p, f"si-disagg-{interval}", prompt, r, params)
+    on_d = list(decode_call(d, f"si-disagg-{interval}", r, pr.first_token_id, params, stream_interval=interval))
+    for chunks, tokens in ((on_b, want), (on_d, want[1:])):
+        assert [t for c in chunks for t in c.token_ids] == tokens
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        # Chunks end only where a group ends (after the first token, then every `interval`);
+        # a stream that fell behind may carry two groups in one chunk, never a split group.
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))[:-1]
+        assert all((n - 1) % interval == 0 for n in ends), [len(c.token_ids) for c in chunks]
+        assert len(chunks) <= 1 + -(-(len(tokens) - 1) // interval)
+    assert_no_leaks(d, p, b)
 
 
 def test_decode_prefix_reuse_sends_only_missing_blocks(cluster, reference):

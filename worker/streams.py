@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -66,3 +67,35 @@ class ItemStream:
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         return items
+
+
+def coalescing(put: Callable[[Any], None], every: int) -> Callable[[Any], None]:
+    """A request's listener (engine thread) that passes its outputs on to `put` in groups, so
+    that the event loop wakes, and the stream sends a chunk, once a group rather than once a
+    step: the first output at once, then whenever the outputs held carry `every` new tokens,
+    and at the end (a finished output, or an exception) with everything held before it, in
+    order. Nothing is reordered or dropped. every <= 1: `put` itself."""
+    if every <= 1:
+        return put
+    held: list[Any] = []
+    tokens = 0
+    first = True
+
+    def listener(item: Any) -> None:
+        nonlocal tokens, first
+        end = isinstance(item, BaseException) or item.finished
+        if not (first or end):
+            held.append(item)
+            tokens += len(item.new_token_ids)
+            if tokens < every:
+                return
+            item = None
+        first = False
+        for h in held:
+            put(h)
+        held.clear()
+        tokens = 0
+        if item is not None:
+            put(item)
+
+    return listener

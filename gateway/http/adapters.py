@@ -74,7 +74,8 @@ def completion_choices(req: CompletionRequest, model: ServedModel, http_id: str)
         raise HttpError.invalid("best_of", "not supported (only best_of equal to n)")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _params(req, max_tokens=max_tokens, logprobs=req.logprobs)
-    return _choices(_prompts(req.prompt), req.n, params, _tier(req.priority), http_id, max_tokens_set=True)
+    return _choices(_prompts(req.prompt), req.n, params, _tier(req.priority), http_id, max_tokens_set=True,
+                    stream=bool(req.stream))
 
 
 def chat_choices(req: ChatCompletionRequest, model: ServedModel, http_id: str) -> list[Choice]:
@@ -89,7 +90,8 @@ def chat_choices(req: ChatCompletionRequest, model: ServedModel, http_id: str) -
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, max_tokens=max_tokens, logprobs=logprobs)
     prompt = render_chat(req, model)
-    return _choices([prompt], req.n, params, _tier(req.priority), http_id, max_tokens_set=max_tokens is not None)
+    return _choices([prompt], req.n, params, _tier(req.priority), http_id, max_tokens_set=max_tokens is not None,
+                    stream=bool(req.stream))
 
 
 def render_chat(req: ChatCompletionRequest, model: ServedModel) -> tuple[int, ...]:
@@ -163,7 +165,9 @@ def _params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int |
 
 
 def _choices(prompts: Sequence[str | tuple[int, ...]], n: int, params: SamplingParams, tier: Tier, http_id: str,
-             *, max_tokens_set: bool) -> list[Choice]:
+             *, max_tokens_set: bool, stream: bool) -> list[Choice]:
+    """One admission input per prompt and choice; a response that is not streamed asks for its
+    whole output at the end (stream_interval 0: the workers send chunks of many tokens)."""
     if len(prompts) * n > MAX_CHOICES:
         raise HttpError.invalid("n", f"{len(prompts)} prompts times n={n} exceeds {MAX_CHOICES} choices")
     out = []
@@ -174,7 +178,7 @@ def _choices(prompts: Sequence[str | tuple[int, ...]], n: int, params: SamplingP
             if params.seed is not None and j and isinstance(params.seed, int):
                 ps = params.replace(seed=(params.seed + j) % (MAX_SEED + 1))
             inp = GenerateInput(prompt=prompt, params=ps, tier=tier, request_id=f"{http_id}-{index}",
-                                stream_text=True)
+                                stream_text=True, stream_interval=1 if stream else 0)
             out.append(Choice(index, p, inp, max_tokens_set))
     return out
 

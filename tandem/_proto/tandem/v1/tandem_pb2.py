@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xce\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xdd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x0bstream_text\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_stream_text\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xeb\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xce\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x08 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\t \x01(\r*U\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10TIER_INTERACTIVE\x10\x01\x12\x11\n\rTIER_STANDARD\x10\x02\x12\x0e\n\nTIER_BATCH\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcb\x01\n\x06Tandem\x12\x42\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xce\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x8f\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x0bstream_text\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x07 \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_stream_textB\x12\n\x10_stream_interval\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xeb\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xce\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1b\n\x13num_prefill_workers\x18\x08 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\t \x01(\r*U\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10TIER_INTERACTIVE\x10\x01\x12\x11\n\rTIER_STANDARD\x10\x02\x12\x0e\n\nTIER_BATCH\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcb\x01\n\x06Tandem\x12\x42\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x18.tandem.v1.GenerateChunk0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1632
-  _globals['_TIER']._serialized_end=1717
-  _globals['_FINISHREASON']._serialized_start=1720
-  _globals['_FINISHREASON']._serialized_end=1865
+  _globals['_TIER']._serialized_start=1682
+  _globals['_TIER']._serialized_end=1767
+  _globals['_FINISHREASON']._serialized_start=1770
+  _globals['_FINISHREASON']._serialized_end=1915
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMS']._serialized_start=63
   _globals['_SAMPLINGPARAMS']._serialized_end=653
   _globals['_GENERATEREQUEST']._serialized_start=656
-  _globals['_GENERATEREQUEST']._serialized_end=877
-  _globals['_TOPLOGPROB']._serialized_start=879
-  _globals['_TOPLOGPROB']._serialized_end=926
-  _globals['_TOKENLOGPROB']._serialized_start=928
-  _globals['_TOKENLOGPROB']._serialized_end=1013
-  _globals['_USAGE']._serialized_start=1015
-  _globals['_USAGE']._serialized_end=1095
-  _globals['_GENERATECHUNK']._serialized_start=1098
-  _globals['_GENERATECHUNK']._serialized_end=1333
-  _globals['_ABORTREQUEST']._serialized_start=1335
-  _globals['_ABORTREQUEST']._serialized_end=1369
-  _globals['_ABORTRESPONSE']._serialized_start=1371
-  _globals['_ABORTRESPONSE']._serialized_end=1401
-  _globals['_MODELINFOREQUEST']._serialized_start=1403
-  _globals['_MODELINFOREQUEST']._serialized_end=1421
-  _globals['_MODELINFO']._serialized_start=1424
-  _globals['_MODELINFO']._serialized_end=1630
-  _globals['_TANDEM']._serialized_start=1868
-  _globals['_TANDEM']._serialized_end=2071
+  _globals['_GENERATEREQUEST']._serialized_end=927
+  _globals['_TOPLOGPROB']._serialized_start=929
+  _globals['_TOPLOGPROB']._serialized_end=976
+  _globals['_TOKENLOGPROB']._serialized_start=978
+  _globals['_TOKENLOGPROB']._serialized_end=1063
+  _globals['_USAGE']._serialized_start=1065
+  _globals['_USAGE']._serialized_end=1145
+  _globals['_GENERATECHUNK']._serialized_start=1148
+  _globals['_GENERATECHUNK']._serialized_end=1383
+  _globals['_ABORTREQUEST']._serialized_start=1385
+  _globals['_ABORTREQUEST']._serialized_end=1419
+  _globals['_ABORTRESPONSE']._serialized_start=1421
+  _globals['_ABORTRESPONSE']._serialized_end=1451
+  _globals['_MODELINFOREQUEST']._serialized_start=1453
+  _globals['_MODELINFOREQUEST']._serialized_end=1471
+  _globals['_MODELINFO']._serialized_start=1474
+  _globals['_MODELINFO']._serialized_end=1680
+  _globals['_TANDEM']._serialized_start=1918
+  _globals['_TANDEM']._serialized_end=2121
 # @@protoc_insertion_point(module_scope)

@@ -104,18 +104,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., reservation_id: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "first_token_id", "params", "timeout_ms")
+    __slots__ = ("request_id", "reservation_id", "first_token_id", "params", "timeout_ms", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: int
     first_token_id: int
     params: _tandem_pb2.SamplingParams
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "cached_tokens")
@@ -132,20 +134,22 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_tandem_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_tandem_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateOnWorkerRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "tier", "timeout_ms", "num_output_tokens")
+    __slots__ = ("request_id", "token_ids", "params", "tier", "timeout_ms", "num_output_tokens", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _tandem_pb2.SamplingParams
     tier: _tandem_pb2.Tier
     timeout_ms: int
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_tandem_pb2.Tier, str]] = ..., timeout_ms: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_tandem_pb2.Tier, str]] = ..., timeout_ms: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "reservation_id")
