@@ -51,6 +51,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
     from worker.transfer import make_receiver, make_sender
 
     config = config_from_json(config_json)
+    token = security.load_token(config.auth_token_file)  # as rank 0 loaded it (worker.tp_ranks)
     backend = config.tp_backend
     device = torch.device("cuda", rank) if backend == "nccl" else None
     tp = init_tensor_parallel(rank, world, backend=backend, device=device, timeout_s=TP_GROUP_TIMEOUT_S,
@@ -65,9 +66,8 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
         if config.role == "prefill":
             from prefill.tp_push import FollowerPusher
 
-            sender = make_sender(config.transfer.transport, config.transfer.sender_options,
-                                 security.load_token(config.auth_token_file))
-            link = FollowerLink(rank, link_address, lambda kind, body: None)
+            sender = make_sender(config.transfer.transport, config.transfer.sender_options, token)
+            link = FollowerLink(rank, link_address, lambda kind, body: None, auth_token=token)
             on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body)).on_step
         elif config.role == "decode":
             from decode.tp_receiver import FollowerReceiver
@@ -75,14 +75,13 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
             holder: list[FollowerLink] = []
             follower = FollowerReceiver(lambda body: holder[0].send(RESULT, body))
             bind = config.rank_kv_address(rank) or f"tcp://{config.host}:*"
-            receiver = make_receiver(config.transfer.transport, engine, bind, follower.on_transfer,
-                                     security.load_token(config.auth_token_file))
+            receiver = make_receiver(config.transfer.transport, engine, bind, follower.on_transfer, token)
             follower.receiver = receiver
-            link = FollowerLink(rank, link_address, follower.on_command)
+            link = FollowerLink(rank, link_address, follower.on_command, auth_token=token)
             holder.append(link)
             kv_address = receiver.address
         else:
-            link = FollowerLink(rank, link_address, lambda kind, body: None)
+            link = FollowerLink(rank, link_address, lambda kind, body: None, auth_token=token)
         link.send(HELLO, {"kv_address": kv_address, "command_address": link.command_address, "pid": os.getpid()})
         steps = engine.follow(on_step)
         link.send(BYE, {"steps": steps})

@@ -1,4 +1,4 @@
-"""The cluster token on KV-transfer connections: ZMQ's PLAIN handshake, checked by a ZAP handler.
+"""The cluster token on Tandem's ZMQ links: ZMQ's PLAIN handshake, checked by a ZAP handler.
 
 Every transport (zmq, and the ZMQ control channels of nccl and cuda_ipc) opens its connections
 with ZMQ sockets; a receiver binds, senders connect. When the receiver is given the cluster
@@ -9,6 +9,9 @@ of it reaches the receiver (nothing is parsed from an unauthenticated peer), its
 time out (`KVTransferError` / `SendResult(ok=False)`), and the receiver logs and counts the
 refusal (`connections_refused` in its stats). A sender given the token uses PLAIN as a client.
 Both sides must agree: a token on one side only fails the handshake as well.
+
+The tensor-parallel link between a worker's ranks (`worker.tp_link`) uses the same two calls on
+each of its sockets; `label` names the link in the refusal log.
 
 PLAIN sends the token in the clear, like the gRPC metadata does on a link without TLS: on a
 network others can read, protect the KV links (a private network, WireGuard, or a service
@@ -43,18 +46,20 @@ class ZapHandler:
 
     def __init__(self, context: zmq.Context) -> None:
         self._tokens: dict[str, bytes] = {}
+        self._labels: dict[str, str] = {}
         self._refused: dict[str, int] = {}
         self._lock = threading.Lock()
         self._sock = context.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
         # The socket moves to the handler thread here (Thread.start() is the memory barrier).
-        threading.Thread(target=self._run, name="kv-zap", daemon=True).start()
+        threading.Thread(target=self._run, name="zmq-auth", daemon=True).start()
 
-    def register(self, token: str) -> str:
-        domain = f"tandem-kv-{next(_domains)}"
+    def register(self, token: str, label: str) -> str:
+        domain = f"tandem-{next(_domains)}"
         with self._lock:
             self._tokens[domain] = token.encode()
+            self._labels[domain] = label
             self._refused[domain] = 0
         return domain
 
@@ -93,8 +98,9 @@ class ZapHandler:
             key = domain.decode(errors="replace")
             if key in self._refused:
                 self._refused[key] += 1
-        logger.warning("refused a KV connection from %s: missing or wrong cluster token",
-                       address.decode(errors="replace") or "?")
+            label = self._labels.get(key, "ZMQ")
+        logger.warning("refused a %s connection from %s: missing or wrong cluster token",
+                       label, address.decode(errors="replace") or "?")
         return [version, request_id, b"400", b"bad cluster token", b"", b""]
 
 
@@ -121,12 +127,13 @@ class ServerAuth:
         return self._handler.refused(self._domain) if self._handler is not None else 0
 
 
-def secure_server(sock: zmq.Socket, token: str | None) -> ServerAuth:
-    """Before `bind`: with a token, make `sock` a PLAIN server whose peers must present it."""
+def secure_server(sock: zmq.Socket, token: str | None, label: str = "KV") -> ServerAuth:
+    """Before `bind`: with a token, make `sock` a PLAIN server whose peers must present it
+    (`label`: what the refusal log calls this link)."""
     if not token:
         return ServerAuth(None)
     handler = _handler(sock.context)
-    domain = handler.register(token)
+    domain = handler.register(token, label)
     sock.setsockopt(zmq.PLAIN_SERVER, 1)
     sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
     return ServerAuth(handler, domain)

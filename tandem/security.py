@@ -12,7 +12,8 @@ private network) where the network is not trusted. Defaults bind loopback.
   compose and Kubernetes mount it as a file (`--auth-token-file`, or `TOKEN_FILE_ENV`). Every
   internal RPC carries it in the `TOKEN_HEADER` metadata (`token_metadata`): the worker services,
   the gateway's Admin service and reflection; `AuthInterceptor` answers UNAUTHENTICATED without
-  it. The supervisor socket and the KV-transfer handshake (`kvtransfer.auth`) check it too.
+  it. The supervisor socket and the ZMQ handshake of the KV links and of the tensor-parallel
+  link between a worker's ranks (`kvtransfer.auth`) check it too.
   Health stays open (orchestrator probes carry no metadata; it tells only SERVING or not).
 - **API key** (`--api-key`): when set, the public `tandem.v1.Tandem` service and the HTTP API
   require `authorization: Bearer <key>` (`bearer_metadata`), as vLLM's `--api-key` does.

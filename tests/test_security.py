@@ -10,13 +10,19 @@ on the public gRPC and HTTP API.
   OpenAI's error body); with it, a request runs through prefill -> KV push -> decode;
 - TLS: the SDK connects with the CA; a plaintext client, and one trusting another CA, cannot;
 - a prefill worker asked to push to an address the gateway did not vouch for refuses;
-- the supervisor socket needs the token; `tandem up` never puts a secret on a command line.
+- the supervisor socket needs the token; `tandem up` never puts a secret on a command line;
+- the link between a tensor-parallel worker's ranks: a peer without the token, or with a wrong
+  one, is refused at the handshake on either end and none of its messages is delivered.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import multiprocessing as mp
+import queue
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +31,7 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from entrypoints.cluster import Cluster, ClusterProcess, worker_process
 from gateway.config import GatewayConfig, GatewaySecurity, WorkerPoolConfig
@@ -37,7 +44,9 @@ from tls_certs import TlsFiles, make_tls_files
 
 WAIT = 60.0
 TOKEN = security.generate_token()
+WRONG_TOKEN = "not-the-token-" + "t" * 20
 API_KEY = "sk-test-" + security.generate_token()
+QUIET_S = 1.0  # how long a side must stay silent after an intruder was turned away
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +273,125 @@ def test_supervisor_socket_needs_the_cluster_token() -> None:
         assert SupervisorClient(path, token=TOKEN).processes() == {}
     finally:
         sock.close()
+
+
+# ---------------------------------------------------------------- the tensor-parallel link
+
+HANDSHAKE_ENDED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # no token; a wrong one
+
+
+def intrude(ctx: zmq.Context, address: str, token: str | None, kind: str, body: dict) -> int:
+    """Connect a PUSH to `address` presenting `token` (None: no credentials), queue one
+    [kind, JSON body] message on it and return the monitor event that ended its handshake.
+    (A refusal can beat the send: ZMQ then drops the pipe, and the send finds none.)"""
+    from kvtransfer.auth import secure_client
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, token)
+    monitor = sock.get_monitor_socket(HANDSHAKE_ENDED)
+    try:
+        sock.connect(address)
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart([kind.encode(), json.dumps(body).encode()], zmq.NOBLOCK)
+        assert monitor.poll(WAIT * 1000), f"no handshake with {address} within {WAIT:g}s"
+        return recv_monitor_message(monitor)["event"]
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def tp_follower_peer(rank0_address: str, token: str) -> None:
+    """Rank 1's end of a TP link, in its own process: every command it runs is echoed to rank 0
+    as a RESULT (with this end's count of refused peers), until a "stop" command."""
+    from worker.tp_link import HELLO, RESULT, FollowerLink
+
+    stop = threading.Event()
+
+    def on_command(kind: str, body: dict) -> None:
+        if kind == "stop":
+            stop.set()
+        else:
+            link.send(RESULT, {"echo": kind, "id": body.get("id"), "refused": link.refused})
+
+    link = FollowerLink(1, rank0_address, on_command, auth_token=token)
+    link.send(HELLO, {"command_address": link.command_address})
+    try:
+        assert stop.wait(WAIT), "rank 0 never said stop"
+    finally:
+        link.close()
+
+
+def test_tp_link_needs_the_cluster_token() -> None:
+    """Rank 0's end (hellos, results) and rank 1's (commands) each refuse an intruder without the
+    token or with a wrong one at the handshake: none of its messages is delivered, and the ranks'
+    own traffic (a real rank-1 process with the token) flows both ways after it."""
+    from worker.tp_link import CANCEL, EXPECT, HELLO, RESULT, RankLink
+
+    results: queue.Queue[dict] = queue.Queue()
+    link = RankLink(2, auth_token=TOKEN)
+    link.on_result = lambda rank, body: results.put(body)
+    peer = mp.get_context("spawn").Process(target=tp_follower_peer, args=(link.address, TOKEN), daemon=True)
+    ctx = zmq.Context()
+    forged_hello = {"rank": 1, "command_address": "tcp://127.0.0.1:9"}
+
+    def peer_alive() -> None:
+        assert peer.exitcode is None, f"the rank-1 process exited with code {peer.exitcode}"
+
+    try:
+        for token in (None, WRONG_TOKEN):
+            assert intrude(ctx, link.address, token, HELLO, forged_hello) in REFUSED
+            assert intrude(ctx, link.address, token, RESULT, {"rank": 1, "id": "forged"}) in REFUSED
+        time.sleep(QUIET_S)
+        assert link.hellos == {} and results.empty()
+        assert link.refused >= 2  # the wrong tokens; a peer with none fails before the check
+
+        peer.start()
+        hellos = link.wait_hellos(WAIT, peer_alive)
+        assert hellos[1]["command_address"] != forged_hello["command_address"]
+        link.request(EXPECT, {"id": "r1"}, WAIT)  # rank 1 ran it and acknowledged it
+        assert results.get(timeout=WAIT)["id"] == "r1"
+
+        for token in (None, WRONG_TOKEN):
+            for kind in (EXPECT, CANCEL):
+                assert intrude(ctx, hellos[1]["command_address"], token, kind, {"id": "forged", "seq": 1}) in REFUSED
+        time.sleep(QUIET_S)
+        assert results.empty()  # rank 1 echoes every command it runs: it ran none of those
+        link.request(CANCEL, {"id": "r2"}, WAIT)
+        echo = results.get(timeout=WAIT)
+        assert (echo["echo"], echo["id"]) == (CANCEL, "r2") and echo["refused"] >= 2
+        link.send("stop", {})
+        peer.join(WAIT)
+        assert peer.exitcode == 0
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        ctx.term()
+        link.close()
+
+
+def test_tp_worker_ranks_share_the_token_off_the_command_line(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A TP=2 decode worker given the token: it became ready, so rank 1 (started by rank 0) holds
+    the token rank 0's link requires, though its command line does not carry it; an intruder on
+    that link (the address on rank 1's command line) is refused."""
+    w = worker_process("decode-tp2", "decode", tiny_models["llama"], tmp_path, ["--tp", "2", "--num-kv-blocks", "32"],
+                       auth_token=TOKEN)
+    cluster = Cluster([w])
+    ctx = zmq.Context()
+    try:
+        cluster.start(120)
+        (rank1,) = w.info["tp_pids"]
+        argv = Path(f"/proc/{rank1}/cmdline").read_bytes().split(b"\0")
+        assert TOKEN.encode() not in b" ".join(argv)
+        link_address = argv[argv.index(b"--link") + 1].decode()
+        for token in (None, WRONG_TOKEN):
+            assert intrude(ctx, link_address, token, "result", {"rank": 1, "id": "forged"}) in REFUSED
+        assert w.stats().total_kv_blocks == 32  # still serving
+    finally:
+        ctx.term()
+        cluster.stop()
 
 
 def test_tandem_up_hands_secrets_over_off_the_command_line(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class WorkerServer:
         from engine.engine import Engine
         from worker.tp_ranks import TPRanks
 
-        self.ranks = TPRanks(self.config)
+        self.ranks = TPRanks(self.config, auth_token=self.auth_token)
         try:
             engine = Engine(self.config.engine_config(0), self.ranks.join())
             self.ranks.wait_ready()

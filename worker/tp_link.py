@@ -11,6 +11,14 @@ results); each other rank binds a PULL for rank 0's commands, to which rank 0 co
 PUSH per rank once it has the rank's hello. Every socket is either receive-only and owned by
 one thread, or send-only behind a lock, so no ZMQ socket is ever used by two threads at once.
 Messages are multipart [kind, JSON body].
+
+Authentication: given the worker's cluster token (`auth_token`), every socket of the link, in
+both directions, requires it in ZMQ's PLAIN handshake, checked in constant time
+(`kvtransfer.auth`, as on the KV links): a peer without it, or with another, never completes
+the handshake, so not one of its frames is delivered; each end counts the peers it refused
+(`refused`). Rank 0 hands its token to `RankLink`; the other ranks load the same one the same
+way (`entrypoints.tp_follower`), never from a command line. Without a token the link is open to
+whoever reaches it on loopback.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from typing import Any
 import zmq
 
 from kvtransfer import KVTransferError
+from kvtransfer.auth import secure_client, secure_server
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,7 @@ HELLO, ACK, RESULT, BYE = "hello", "ack", "result", "bye"
 EXPECT, CANCEL = "expect", "cancel"
 
 POLL_MS = 100
+AUTH_LABEL = "TP link"  # names the link in kvtransfer.auth's refusal log
 OnMessage = Callable[[str, dict[str, Any]], None]
 
 
@@ -56,13 +66,16 @@ class RankLink:
 
     on_result(rank, body) gets every RESULT message (on the link thread; it must be quick).
     on_tick() runs on the link thread about every POLL_MS (deadline checks).
+    auth_token: the cluster token every other rank must present (None: open).
     """
 
-    def __init__(self, world_size: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, world_size: int, host: str = "127.0.0.1", auth_token: str | None = None) -> None:
         self.world_size = world_size
+        self._token = auth_token or None
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_server(self._pull, self._token, AUTH_LABEL)
         self._pull.bind(f"tcp://{host}:*")
         self.address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.hellos: dict[int, dict[str, Any]] = {}
@@ -97,9 +110,16 @@ class RankLink:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 0)
+                secure_client(sock, self._token)
                 sock.connect(hello["command_address"])
                 self._push[rank] = sock
         return dict(self.hellos)
+
+    @property
+    def refused(self) -> int:
+        """Peers refused at rank 0's socket for a wrong cluster token (one without any is turned
+        away by ZMQ before the check, uncounted)."""
+        return self._auth.refused
 
     # ---- commands -------------------------------------------------------------------------
     def send(self, kind: str, body: dict[str, Any]) -> None:
@@ -196,24 +216,33 @@ class RankLink:
 class FollowerLink:
     """The end of rank `rank` > 0: `send` reports to rank 0 (any thread); commands from rank 0
     run as `on_command(kind, body)` on this link's thread, which acknowledges those that carry
-    a `seq` (with the handler's exception text, if it raised)."""
+    a `seq` (with the handler's exception text, if it raised). With `auth_token` it presents the
+    cluster token to rank 0 and requires it of whoever sends it commands."""
 
-    def __init__(self, rank: int, rank0_address: str, on_command: OnMessage, host: str = "127.0.0.1") -> None:
+    def __init__(self, rank: int, rank0_address: str, on_command: OnMessage, host: str = "127.0.0.1",
+                 auth_token: str | None = None) -> None:
         self.rank = rank
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 2000)
         self._push.setsockopt(zmq.SNDHWM, 0)
+        secure_client(self._push, auth_token)
         self._push.connect(rank0_address)
         self._lock = threading.Lock()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_server(self._pull, auth_token, AUTH_LABEL)
         self._pull.bind(f"tcp://{host}:*")
         self.command_address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._on_command = on_command
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tp-link-{rank}", daemon=True)
         self._thread.start()
+
+    @property
+    def refused(self) -> int:
+        """Peers refused at this rank's command socket for a wrong cluster token."""
+        return self._auth.refused
 
     def send(self, kind: str, body: dict[str, Any]) -> None:
         frames = _encode(kind, {**body, "rank": self.rank})

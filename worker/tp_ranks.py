@@ -8,6 +8,10 @@ each with its `parallel.runner.TensorParallelShard`; rank 0 serves gRPC, the oth
 steps and move their own KV shards (`entrypoints.tp_follower`). Each other rank says hello on the
 link once ready, with its KV receiver address (decode).
 
+The cluster token: rank 0 hands its own (`auth_token`) to the link; the other ranks load the
+same one as rank 0 did (`security.load_token` of the config's `auth_token_file`, else the
+environment they inherit), so it never appears on their command line.
+
 Lifetime: rank 0 stops the others (`stop`: `Engine.close()` ends their step loop, they close
 their transports and exit; stragglers are killed). The other ranks ignore SIGINT and SIGTERM
 (Ctrl-C in a terminal reaches the whole process group; rank 0 drains first, then stops them)
@@ -56,7 +60,7 @@ def config_from_json(text: str) -> WorkerConfig:
 class TPRanks:
     """Ranks 1..tp-1 of rank 0's worker; `join()` then `wait_ready()`, finally `stop()`."""
 
-    def __init__(self, config: WorkerConfig, log_level: str | None = None) -> None:
+    def __init__(self, config: WorkerConfig, log_level: str | None = None, auth_token: str | None = None) -> None:
         import torch.distributed as dist
 
         from kvtransfer.nccl_group import host_store
@@ -69,7 +73,7 @@ class TPRanks:
         self.hellos: dict[int, dict[str, Any]] = {}
         self._stopping = False
         self._joined = False
-        self.link = RankLink(self.world_size)
+        self.link = RankLink(self.world_size, auth_token=auth_token)
         self.store: dist.TCPStore = host_store("127.0.0.1", 0, START_TIMEOUT_S)
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.procs: dict[int, subprocess.Popen] = {}
