@@ -55,7 +55,9 @@ class GatewayMetrics(MetricsEndpoint):
                                  m, registry=r))
         self.ttft = per(Histogram("tandem_gateway_time_to_first_token_seconds", "Arrival to first token sent",
                                   [*m, "tier"], buckets=_LATENCY_BUCKETS, registry=r))
-        self.itl = per(Histogram("tandem_gateway_inter_token_seconds", "Time between consecutive chunks with tokens",
+        self.itl = per(Histogram("tandem_gateway_inter_token_seconds",
+                                 "Time between consecutive chunks with tokens, per token (a chunk of n tokens t "
+                                 "seconds after the previous one counts t/n)",
                                  [*m, "tier"], buckets=_ITL_BUCKETS, registry=r))
         self.e2e = per(Histogram("tandem_gateway_e2e_seconds", "Arrival to the end of the stream", [*m, "tier"],
                                  buckets=_LATENCY_BUCKETS, registry=r))

@@ -386,7 +386,7 @@ class RequestRunner:
                 st.first_token_at = now
                 self.metrics.ttft.labels(tier).observe(now - st.arrival)
             elif st.last_token_at is not None:
-                self.metrics.itl.labels(tier).observe(now - st.last_token_at)
+                self.metrics.itl.labels(tier).observe((now - st.last_token_at) / len(em.token_ids))
             st.last_token_at = now
             self.metrics.tokens_out.inc(len(em.token_ids))
         chunk = Chunk(token_ids=em.token_ids, text=em.text, logprobs=em.logprobs, finish_reason=em.finish_reason,
