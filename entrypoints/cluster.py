@@ -94,8 +94,11 @@ def healthy(address: str, timeout: float = 1.0, tls_ca: str | None = None) -> bo
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether `host:port` cannot be bound now (something listens there, or it is reserved)."""
+    """Whether `host:port` cannot be bound now (something listens there, or it is reserved).
+    Connections of an earlier server lingering in TIME_WAIT do not count: the servers bind with
+    SO_REUSEADDR (gRPC, ZMQ and the metrics server all do), and so does this probe."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

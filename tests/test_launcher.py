@@ -173,6 +173,29 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
                for c in cpu)
 
 
+def test_a_port_is_busy_while_listened_on_not_while_its_old_connections_linger():
+    """`tandem up` run again at once must find its port free: the previous run's connections
+    linger in TIME_WAIT, which the servers' SO_REUSEADDR binds ignore, and so must the check."""
+    import socket
+
+    from entrypoints.cluster import port_in_use
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's, ZMQ's and http.server's
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert port_in_use("127.0.0.1", port) and port_in_use("0.0.0.0", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+    client.close()
+    server.close()
+    assert any(line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "06"  # TIME_WAIT
+               for line in Path("/proc/net/tcp").read_text().splitlines()[1:])
+    assert not port_in_use("127.0.0.1", port)
+
+
 def test_busy_port_fails_at_once_and_a_crash_loop_stops_with_the_log_tail(tmp_path):
     """A second `tandem up` on the first one's port fails before starting anything, naming
     --port, and leaves the first serving; a worker that keeps crashing is restarted a bounded
