@@ -130,6 +130,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         gw += ["--http-port", str(a.http_port)]
     if a.routing:
         gw += ["--routing", a.routing]
+    if a.stream_interval is not None:
+        gw += ["--stream-interval", str(a.stream_interval)]
     if a.local_prefill_tokens is not None:
         gw += ["--local-prefill-tokens", str(a.local_prefill_tokens)]
     if a.max_model_len is not None:
@@ -190,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the gateway's OpenAI-compatible HTTP port (0: a free one; default: off)")
     p.add_argument("--routing", default=None, choices=["cache_aware", "round_robin", "load"],
                    help="prefill routing policy (default: cache_aware)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="new tokens per chunk of a stream that does not ask for its own (default: the gateway's, 1)")
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")

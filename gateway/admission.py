@@ -108,7 +108,8 @@ class Admission:
     async def _admit(self, inp: GenerateInput, max_tokens_set: bool, arrival: float,
                      time_remaining: float | None) -> RequestState:
         try:
-            admitted = validate_request(inp, self.model, max_tokens_set=max_tokens_set)
+            admitted = validate_request(inp, self.model, max_tokens_set=max_tokens_set,
+                                        stream_interval=self.config.stream_interval)
         except InvalidRequest as exc:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         except ValueError as exc:

@@ -130,6 +130,8 @@ class GatewayConfig:
         None = no HTTP; 0 = a free port.
     index_block_ttl_s: Redis index: the expiry a lookup renews on the blocks it reads; keep it
         equal to the workers' --index-block-ttl so a dead worker's entries expire on time.
+    stream_interval: new tokens per chunk of a stream whose request does not set its own (1:
+        every step; N: the first token at once, then N at a time, for fewer messages).
     """
 
     model_dir: str
@@ -150,6 +152,7 @@ class GatewayConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 10.0
     model_name: str | None = None
+    stream_interval: int = 1  # tokens per chunk for streams that do not ask (GenerateRequest.stream_interval)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stalls, suspects, the call bound
     security: GatewaySecurity = field(default_factory=GatewaySecurity)
 
@@ -172,6 +175,7 @@ class GatewayConfig:
         if self.max_context is not None:
             check_int("max_context", self.max_context, lo=2)
         check_int("block_size", self.block_size, lo=1)
+        check_int("stream_interval", self.stream_interval, lo=0)
         check_int("max_message_bytes", self.max_message_bytes, lo=1024)
         _check_positive("grace_s", self.grace_s)
         _check_positive("index_block_ttl_s", self.index_block_ttl_s)

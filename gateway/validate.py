@@ -44,10 +44,12 @@ class AdmittedRequest:
     stream_interval: int = 1  # new tokens per chunk to the client; 0: only the last chunk
 
 
-def validate_request(inp: GenerateInput, model: ServedModel, *, max_tokens_set: bool = True) -> AdmittedRequest:
+def validate_request(inp: GenerateInput, model: ServedModel, *, max_tokens_set: bool = True,
+                     stream_interval: int = 1) -> AdmittedRequest:
     """Check `inp` against `model`; tokenize a text prompt. Raises InvalidRequest.
 
-    `max_tokens_set` says whether the client gave max_tokens (proto `optional` presence).
+    `max_tokens_set` says whether the client gave max_tokens (proto `optional` presence);
+    `stream_interval` is the gateway's default for a request that does not set its own.
     """
     request_id = check_request_id(inp.request_id)
     prompt_ids = _prompt_ids(inp.prompt, model)
@@ -70,7 +72,7 @@ def validate_request(inp: GenerateInput, model: ServedModel, *, max_tokens_set: 
                           f"context of {model.max_context} tokens; at most {room} fit")
     if not isinstance(inp.stream_text, bool):
         raise InvalidRequest("stream_text", f"must be a bool, got {inp.stream_text!r}")
-    interval = inp.stream_interval
+    interval = stream_interval if inp.stream_interval is None else inp.stream_interval
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise InvalidRequest("stream_interval", f"must be an integer >= 0, got {interval!r}")
     return AdmittedRequest(tuple(prompt_ids), params, Tier.parse(inp.tier), request_id, inp.stream_text,

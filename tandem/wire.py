@@ -118,7 +118,7 @@ class GenerateInput:
     tier: Tier
     request_id: str
     stream_text: bool
-    stream_interval: int = 1  # new tokens per chunk; 0: only the last chunk (GenerateRequest)
+    stream_interval: int | None = None  # new tokens per chunk; 0: only the last chunk; None: the server's default
 
 
 # ---------------------------------------------------------------- sampling params, tier
@@ -269,7 +269,7 @@ def generate_request_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
         tier=tier_from_proto(msg.tier),
         request_id=msg.request_id,
         stream_text=msg.stream_text if msg.HasField("stream_text") else True,
-        stream_interval=msg.stream_interval if msg.HasField("stream_interval") else 1,
+        stream_interval=msg.stream_interval if msg.HasField("stream_interval") else None,
     )
 
 

@@ -188,3 +188,22 @@ def test_generate_asks_for_one_chunk(cluster, want):
         assert c.generate(PROMPTS[0], max_tokens=MAX_TOKENS, **GREEDY).token_ids == want[0]
         with pytest.raises(ValueError, match="stream_interval"):
             c.stream(PROMPTS[0], max_tokens=4, stream_interval=-2)
+
+
+def test_the_gateway_default_applies_to_streams_that_do_not_ask(cluster, want, model_dir):
+    _, (p, d) = cluster
+    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, stream_interval=5,
+                                     workers=WorkerPoolConfig(prefill=(p.address,), decode=(d.address,))))
+    try:
+        assert gw.wait_ready(WAIT)
+        with Client(gw.target, timeout=WAIT) as c:
+            unset = [ch.token_ids for ch in c.stream(PROMPTS[1], max_tokens=MAX_TOKENS, **GREEDY) if ch.token_ids]
+            every = [ch.token_ids for ch in c.stream(PROMPTS[1], max_tokens=MAX_TOKENS, stream_interval=1, **GREEDY)
+                     if ch.token_ids]
+        assert [t for c in unset for t in c] == [t for c in every for t in c] == want[1]
+        assert len(unset[0]) == 1 and all(len(c) >= 5 for c in unset[1:-1]) and len(unset) <= 1 + -(-(MAX_TOKENS - 1) // 5)
+        assert len(every) > len(unset)  # asking for 1 overrides the default
+    finally:
+        gw.stop()
+    with pytest.raises(ValueError, match="stream_interval"):
+        GatewayConfig(model_dir=str(model_dir), stream_interval=-1)

@@ -167,7 +167,8 @@ def _params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int |
 def _choices(prompts: Sequence[str | tuple[int, ...]], n: int, params: SamplingParams, tier: Tier, http_id: str,
              *, max_tokens_set: bool, stream: bool) -> list[Choice]:
     """One admission input per prompt and choice; a response that is not streamed asks for its
-    whole output at the end (stream_interval 0: the workers send chunks of many tokens)."""
+    whole output at the end (stream_interval 0: the workers send chunks of many tokens), a
+    streamed one gets the gateway's --stream-interval."""
     if len(prompts) * n > MAX_CHOICES:
         raise HttpError.invalid("n", f"{len(prompts)} prompts times n={n} exceeds {MAX_CHOICES} choices")
     out = []
@@ -178,7 +179,7 @@ def _choices(prompts: Sequence[str | tuple[int, ...]], n: int, params: SamplingP
             if params.seed is not None and j and isinstance(params.seed, int):
                 ps = params.replace(seed=(params.seed + j) % (MAX_SEED + 1))
             inp = GenerateInput(prompt=prompt, params=ps, tier=tier, request_id=f"{http_id}-{index}",
-                                stream_text=True, stream_interval=1 if stream else 0)
+                                stream_text=True, stream_interval=None if stream else 0)
             out.append(Choice(index, p, inp, max_tokens_set))
     return out
 
