@@ -167,7 +167,7 @@ class Clusters:
     """At most one `tandem up` at a time (bench/up_bench.py's start_up / stop), kept running for
     the next section of the same mode; a mode that failed to start is not retried."""
 
-    MODES = {"disagg": [], "colocated": ["--colocated"]}
+    MODES = {"disagg": [], "colocated": ["--colocated"], "disagg_small_prefill": ["--prefill-memory-ratio", "0.25"]}
 
     def __init__(self, model_dir: Path, log_root: Path) -> None:
         self.model_dir, self.log_root = model_dir, log_root
@@ -383,6 +383,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
+    Section("services_small_prefill", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_small_prefill"),
+            "`tandem up --prefill-memory-ratio 0.25`: decode gets 72% of the GPU, prefill 18%"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 
@@ -423,6 +425,7 @@ def summarize(sections: dict) -> dict:
         "offline_subset_out_tok_s": subset,
         "services_vs_offline": _ratio(g("services", "output_tok_s"), subset),
         "colocated_vs_offline": _ratio(g("colocated", "output_tok_s"), subset),
+        "services_small_prefill_vs_offline": _ratio(g("services_small_prefill", "output_tok_s"), subset),
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),

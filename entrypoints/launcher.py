@@ -36,7 +36,8 @@ from pathlib import Path
 
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port,
                                  port_in_use)
-from entrypoints.placement import Placement, PlacementError, parse_gpus, place, visible_gpu_count
+from entrypoints.placement import (DECODE_WEIGHT, PREFILL_WEIGHT, Placement, PlacementError, parse_gpus, place,
+                                   visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import HelpFormatter
@@ -48,7 +49,8 @@ def placement_for(a: argparse.Namespace, visible: int | None = None) -> Placemen
     """Where each worker of `a` runs (PlacementError naming the flag when it cannot)."""
     visible = visible_gpu_count() if visible is None else visible
     return place(parse_gpus(a.gpus, visible), prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp,
-                 colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport)
+                 colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport,
+                 prefill_memory_ratio=a.prefill_memory_ratio)
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:
@@ -163,6 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float, default=0.90,
                    dest="gpu_memory_fraction",
                    help="share of each GPU's memory for the whole cluster on it (split among the workers sharing it)")
+    p.add_argument("--prefill-memory-ratio", type=float, default=PREFILL_WEIGHT / DECODE_WEIGHT,
+                   help="where prefill and decode workers share a GPU: a prefill worker's memory against a decode "
+                        "worker's (default %(default)g: decode holds the running sequences' KV)")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
                    help="prefill -> decode KV transport (auto: cuda_ipc on shared GPUs, nccl across GPUs, "
                         "zmq on the CPU)")

@@ -13,8 +13,8 @@ Rules:
   memory (`memory_fraction`) of it.
 - With fewer groups than workers, workers share groups: each goes to the group with the least
   weight so far (decode and role-both workers weigh DECODE_WEIGHT, prefill workers
-  PREFILL_WEIGHT, since decode workers hold the long-lived KV), and the group's share is split
-  in proportion to the weights.
+  PREFILL_WEIGHT, since decode workers hold the long-lived KV; `--prefill-memory-ratio` sets
+  their ratio), and the group's share is split in proportion to the weights.
 - `--kv-transport auto`: none for role-both workers (no KV moves); ZMQ on the CPU; CUDA IPC when
   every prefill and decode worker runs on the same GPUs; NCCL when they are on different GPUs.
   An explicit cuda_ipc across GPUs makes each decode worker also see its prefill workers' GPUs
@@ -113,11 +113,13 @@ def parse_gpus(value: str | None, visible: int) -> tuple[int, ...]:
 
 
 def place(gpus: Sequence[int], *, prefill: int = 1, decode: int = 1, tp: int = 1, colocated: bool = False,
-          memory_fraction: float = 0.9, kv_transport: str = "auto") -> Placement:
+          memory_fraction: float = 0.9, kv_transport: str = "auto",
+          prefill_memory_ratio: float = PREFILL_WEIGHT / DECODE_WEIGHT) -> Placement:
     """Place the workers of `tandem up` on `gpus` (physical indices; empty: CPU only).
 
     prefill / decode: worker counts (colocated: `decode` role-both workers, no prefill ones).
     memory_fraction: the share of one GPU's memory the whole cluster may use on it.
+    prefill_memory_ratio: on a shared GPU, a prefill worker's memory against a decode worker's.
     Raises PlacementError naming the flag when it cannot be done (e.g. fewer GPUs than --tp).
     """
     gpus = tuple(gpus)
@@ -126,6 +128,9 @@ def place(gpus: Sequence[int], *, prefill: int = 1, decode: int = 1, tp: int = 1
             raise PlacementError(f"{flag}: must be an integer >= 1, got {value!r}")
     if not (isinstance(memory_fraction, (int, float)) and 0 < memory_fraction <= 1):
         raise PlacementError(f"--gpu-memory-fraction: must be in (0, 1], got {memory_fraction!r}")
+    if isinstance(prefill_memory_ratio, bool) or not isinstance(prefill_memory_ratio, (int, float)) \
+            or not 0.05 <= prefill_memory_ratio <= 20:
+        raise PlacementError(f"--prefill-memory-ratio: must be in [0.05, 20], got {prefill_memory_ratio!r}")
     if kv_transport not in KV_TRANSPORTS:
         raise PlacementError(f"--kv-transport: must be one of {', '.join(KV_TRANSPORTS)}, got {kv_transport!r}")
     names = worker_names(prefill, decode, colocated)
@@ -140,7 +145,7 @@ def place(gpus: Sequence[int], *, prefill: int = 1, decode: int = 1, tp: int = 1
         raise PlacementError(f"--tp: {tp} GPUs per worker, but only {len(gpus)} GPU(s) available "
                              f"({','.join(map(str, gpus))}); lower --tp or choose more with --gpus")
     groups = [gpus[i * tp:(i + 1) * tp] for i in range(len(gpus) // tp)]
-    weight = {"prefill": PREFILL_WEIGHT, "decode": DECODE_WEIGHT, "both": DECODE_WEIGHT}
+    weight = {"prefill": DECODE_WEIGHT * prefill_memory_ratio, "decode": DECODE_WEIGHT, "both": DECODE_WEIGHT}
     # Decode (heavier) workers first, so that with a group each they take the first groups and,
     # when sharing, the heavy ones spread before the light ones fill in.
     order = sorted(range(len(names)), key=lambda i: (-weight[names[i][1]], i))

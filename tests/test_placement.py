@@ -86,6 +86,17 @@ def test_one_gpu_shares_memory_two_to_one_in_favour_of_decode() -> None:
     assert pl.describe() == ["prefill-0 (prefill): GPU 0, 30% of memory", "decode-0 (decode): GPU 0, 60% of memory"]
 
 
+def test_prefill_memory_ratio_moves_a_shared_gpus_memory_between_the_roles() -> None:
+    pl = place([0], prefill=1, decode=1, prefill_memory_ratio=0.25)
+    assert pl.worker("prefill-0").memory_fraction == pytest.approx(0.18)
+    assert pl.worker("decode-0").memory_fraction == pytest.approx(0.72)
+    apart = place([0, 1], prefill=1, decode=1, prefill_memory_ratio=0.25)  # a GPU each: nothing to share
+    assert apart.worker("prefill-0").memory_fraction == apart.worker("decode-0").memory_fraction == 0.9
+    for bad in (0, -1, 50, True, "x"):
+        with pytest.raises(PlacementError, match="^--prefill-memory-ratio"):
+            place([0], prefill_memory_ratio=bad)
+
+
 def test_eight_gpus_tp2_one_pair_gives_disjoint_groups_and_nccl() -> None:
     pl = place(range(8), prefill=1, decode=1, tp=2)
     assert pl.worker("decode-0").gpus == (0, 1) and pl.worker("prefill-0").gpus == (2, 3)
