@@ -27,6 +27,7 @@ import hmac
 import itertools
 import logging
 import threading
+import time
 import weakref
 
 import zmq
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 USERNAME = b"tandem"
+REFUSAL_LOG_S = 60.0  # a refused peer is warned about at most once this often
 _domains = itertools.count()
 _handlers: weakref.WeakKeyDictionary[zmq.Context, ZapHandler] = weakref.WeakKeyDictionary()
 _handlers_lock = threading.Lock()
@@ -48,6 +50,7 @@ class ZapHandler:
         self._tokens: dict[str, bytes] = {}
         self._labels: dict[str, str] = {}
         self._refused: dict[str, int] = {}
+        self._logged: dict[tuple[str, str], tuple[float | None, int]] = {}  # (label, peer) -> last warning, quiet since
         self._lock = threading.Lock()
         self._sock = context.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -99,9 +102,21 @@ class ZapHandler:
             if key in self._refused:
                 self._refused[key] += 1
             label = self._labels.get(key, "ZMQ")
-        logger.warning("refused a %s connection from %s: missing or wrong cluster token",
-                       label, address.decode(errors="replace") or "?")
+        peer = address.decode(errors="replace") or "?"
+        self._log_refusal(label, peer)
         return [version, request_id, b"400", b"bad cluster token", b"", b""]
+
+    def _log_refusal(self, label: str, peer: str) -> None:
+        """A warning for the first refusal of a peer, then at most one per REFUSAL_LOG_S with
+        the count since (a peer without the token retries every ~100 ms). Handler thread only."""
+        now = time.monotonic()
+        last, quiet = self._logged.get((label, peer), (None, 0))
+        if last is not None and now - last < REFUSAL_LOG_S:
+            self._logged[(label, peer)] = (last, quiet + 1)
+            return
+        self._logged[(label, peer)] = (now, 0)
+        more = f" ({quiet} more since the last warning)" if quiet else ""
+        logger.warning("refused a %s connection from %s: missing or wrong cluster token%s", label, peer, more)
 
 
 def _handler(context: zmq.Context) -> ZapHandler:

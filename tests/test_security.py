@@ -413,3 +413,32 @@ def test_tandem_up_hands_secrets_over_off_the_command_line(tmp_path: Path) -> No
     (tmp_path / "short").write_text("abc\n")
     with pytest.raises(ValueError, match="auth-token-file"):
         security.load_token(tmp_path / "short")
+
+
+def test_a_refused_peer_is_warned_about_once_a_while_not_on_every_retry(caplog, monkeypatch):
+    import logging
+    import time as _time
+
+    import zmq
+
+    from kvtransfer import auth
+
+    ctx = zmq.Context()
+    try:
+        handler = auth.ZapHandler(ctx)
+        domain = handler.register("right-token", "KV").encode()
+        bad = [b"1.0", b"1", domain, b"10.0.0.7", b"", b"PLAIN", b"tandem", b"wrong-token"]
+        monkeypatch.setattr(auth, "REFUSAL_LOG_S", 0.3)
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.auth"):
+            answers = [handler._answer(list(bad)) for _ in range(5)]  # a peer retrying
+            assert all(a[2] == b"400" for a in answers)
+            assert len([r for r in caplog.records if "refused a KV connection" in r.getMessage()]) == 1
+            _time.sleep(0.35)
+            handler._answer(list(bad))
+            warned = [r.getMessage() for r in caplog.records if "refused a KV connection" in r.getMessage()]
+        assert len(warned) == 2 and "(4 more since the last warning)" in warned[1]
+        assert handler.refused(domain.decode()) == 6  # every refusal is still counted
+        ok = handler._answer([b"1.0", b"2", domain, b"10.0.0.8", b"", b"PLAIN", b"tandem", b"right-token"])
+        assert ok[2] == b"200"
+    finally:
+        ctx.destroy(linger=0)
