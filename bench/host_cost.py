@@ -104,6 +104,9 @@ def main() -> int:
     src.add_argument("--model", help="a Hugging Face model directory (dummy weights of its shape are served)")
     src.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape (bench/h200_bench.py)")
     p.add_argument("--colocated", action="store_true", help="tandem up --colocated (one role-both worker)")
+    p.add_argument("--stream", action="store_true",
+                   help="read each request as a stream (every step's tokens, as `tandem bench` and streaming clients "
+                        "do) instead of `generate` (the whole output in one message)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
@@ -134,20 +137,28 @@ def main() -> int:
             async def run() -> tuple[dict, dict, int, float]:
                 async with AsyncClient(f"127.0.0.1:{port}", timeout=3600) as client:
                     await client.generate(prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+                    async def streamed(x: list[int]) -> int:
+                        return sum([len(c.token_ids) async for c in client.stream(
+                            x, max_tokens=a.output_len, temperature=0.0, ignore_eos=True)])
+
+                    async def whole(x: list[int]) -> int:
+                        out = await client.generate(x, max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+                        return len(out.token_ids)
+
                     before, t = snapshot(proc.pid), time.perf_counter()
-                    outs = await asyncio.gather(*(client.generate(x, max_tokens=a.output_len, temperature=0.0,
-                                                                  ignore_eos=True) for x in prompts))
+                    counts = await asyncio.gather(*((streamed if a.stream else whole)(x) for x in prompts))
                     dt = time.perf_counter() - t
-                    return before, snapshot(proc.pid), sum(len(o.token_ids) for o in outs), dt
+                    return before, snapshot(proc.pid), sum(counts), dt
 
             before, after, tokens, dt = asyncio.run(run())
         finally:
             up_bench.stop(proc)
-    result = {"mode": "colocated" if a.colocated else "disagg", "prompts": a.prompts, "input_len": a.input_len,
+    result = {"mode": "colocated" if a.colocated else "disagg", "read": "stream" if a.stream else "generate",
+              "prompts": a.prompts, "input_len": a.input_len,
               "output_len": a.output_len, "output_tokens": tokens, "seconds": round(dt, 3),
               "output_tok_s": round(tokens / dt, 1), "banner": banner,
               "cpu_us_per_token": per_token(before, after, tokens)}
-    print(f"{result['mode']}: {tokens} tokens in {dt:.2f} s ({tokens / dt:.0f} tok/s); CPU us per output token:")
+    print(f"{result['mode']}, {result['read']}: {tokens} tokens in {dt:.2f} s ({tokens / dt:.0f} tok/s); CPU us per output token:")
     for proc_name, row in result["cpu_us_per_token"].items():
         threads = ", ".join(f"{t} {v:g}" for t, v in row.items() if t != "total")
         print(f"  {proc_name:<22} {row['total']:>8g}   {threads}")
