@@ -148,6 +148,7 @@ class Channel:
                 self._read_replies(sock)
                 if closing:
                     break
+            self._await_reads(sock, poller, monitor, time.monotonic() + s.linger_s)
             if self.broken is None:  # a receiver that is gone needs no goodbye: don't wait for it
                 try:
                     sock.send_multipart([wire.BYE, b"{}"], flags=zmq.NOBLOCK)
@@ -170,6 +171,19 @@ class Channel:
                 if self.pool is not None:
                     self.pool.close()
             self._pair.close()
+
+    def _await_reads(self, sock: zmq.Socket, poller: zmq.Poller, monitor: zmq.Socket, deadline: float) -> None:
+        """Closing: until `deadline`, wait for the receiver to release every lease it was sent,
+        i.e. to have read it (it may not even have mapped the pool yet), so that the pool is
+        not unlinked or freed under a transfer that was reported sent."""
+        while self.broken is None and self.pool is not None and self.pool.in_use and time.monotonic() < deadline:
+            ready = dict(poller.poll(min(50, max(1, int((deadline - time.monotonic()) * 1000)))))
+            if self._wake_r in ready:
+                self._drain_wakeups()
+            self._read_replies(sock)
+            if monitor in ready:
+                recv_monitor_message(monitor)
+                self._break(f"receiver at {self.peer} went away (connection closed)")
 
     def _drain_wakeups(self) -> None:
         try:

@@ -40,6 +40,9 @@ class IpcSender(OutgoingTransfers, KVSender):
     shm_dir: where host pools' files live (default /dev/shm).
     checksum_algorithm: for host pools, named in every header; GPU pools are not hashed.
     corrupt_once: test hook (see `kvtransfer.ipc_transport`); None reads TANDEM_KV_CORRUPT_ONCE.
+    linger_s: on close, how long each channel waits for its receiver to read what was sent
+      (a commit resolves once it is handed over, before the receiver maps the pool) before the
+      pool is unlinked and freed.
     """
 
     schemes = _SCHEMES
