@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tandem.rules import StopChecker, StopText
+from tandem.rules import StopChecker, StopText, StreamGrouping
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams
 from tandem.wire import Chunk, TokenLogprob, Usage
@@ -133,30 +133,21 @@ def merge_chunks(chunks: Sequence[Chunk]) -> Chunk:
 
 async def grouped(items: AsyncIterator[Chunk | T], interval: int) -> AsyncIterator[Chunk | T]:
     """`items` (a request's chunks, then maybe another item that ends it, e.g. a failure) with
-    the chunks merged as GenerateRequest.stream_interval says: interval 1 as they come; N > 1
-    the first token's chunk at once, then a chunk once N new tokens are held; 0 one chunk at
-    the end. The last chunk, and whatever ends the request, go out as soon as they come (the
-    chunks held before a non-chunk item go first)."""
-    if interval == 1:
-        async for item in items:
-            yield item
-        return
+    the chunks merged as GenerateRequest.stream_interval says (`tandem.rules.StreamGrouping`).
+    The last chunk, and whatever ends the request, go out as soon as they come (the chunks held
+    before a non-chunk item go first)."""
+    grouping = StreamGrouping(interval)
     held: list[Chunk] = []
-    tokens = 0
-    sent_token = False
     async for item in items:
         if not isinstance(item, Chunk):
             if held:
                 yield merge_chunks(held)
-                held, tokens = [], 0
+                held = []
             yield item
             continue
         held.append(item)
-        tokens += len(item.token_ids)
-        due = item.finished or (interval > 1 and (tokens >= interval or (tokens and not sent_token)))
-        if due:
+        if grouping.add(len(item.token_ids), item.finished):
             yield merge_chunks(held)
-            sent_token = sent_token or tokens > 0
-            held, tokens = [], 0
+            held = []
     if held:
         yield merge_chunks(held)

@@ -125,3 +125,26 @@ class StopChecker:
 
     def tail(self) -> str:
         return self.text.tail() if self.text is not None else ""
+
+
+class StreamGrouping:
+    """When a stream's held token deltas are due to go out, for a stream_interval
+    (GenerateRequest): 1, every delta; N > 1, the first tokens at once, then once N new tokens
+    are held; 0, only at the end. The end is always due at once. One per stream; the gateway
+    groups what it sends the client with it and a worker what it streams to the gateway."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held = 0
+        self._sent_tokens = False
+
+    def add(self, num_tokens: int, end: bool = False) -> bool:
+        """A delta of `num_tokens` is held; True when everything held is due now (the caller
+        sends it, and the count starts again)."""
+        self._held += num_tokens
+        due = end or self.interval == 1 or (
+            self.interval > 1 and (self._held >= self.interval or (self._held > 0 and not self._sent_tokens)))
+        if due:
+            self._sent_tokens = self._sent_tokens or self._held > 0
+            self._held = 0
+        return due

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tandem.rules import StreamGrouping
+
 logger = logging.getLogger(__name__)
 
 
@@ -72,30 +74,21 @@ class ItemStream:
 def coalescing(put: Callable[[Any], None], every: int) -> Callable[[Any], None]:
     """A request's listener (engine thread) that passes its outputs on to `put` in groups, so
     that the event loop wakes, and the stream sends a chunk, once a group rather than once a
-    step: the first output at once, then whenever the outputs held carry `every` new tokens,
-    and at the end (a finished output, or an exception) with everything held before it, in
-    order. Nothing is reordered or dropped. every <= 1: `put` itself."""
+    step: as `tandem.rules.StreamGrouping` says for `every` (the first output at once, then
+    whenever the outputs held carry `every` new tokens), and at the end (a finished output, or
+    an exception) with everything held before it, in order. Nothing is reordered or dropped.
+    every <= 1: `put` itself."""
     if every <= 1:
         return put
+    grouping = StreamGrouping(every)
     held: list[Any] = []
-    tokens = 0
-    first = True
 
     def listener(item: Any) -> None:
-        nonlocal tokens, first
         end = isinstance(item, BaseException) or item.finished
-        if not (first or end):
-            held.append(item)
-            tokens += len(item.new_token_ids)
-            if tokens < every:
-                return
-            item = None
-        first = False
-        for h in held:
-            put(h)
-        held.clear()
-        tokens = 0
-        if item is not None:
-            put(item)
+        held.append(item)
+        if grouping.add(0 if isinstance(item, BaseException) else len(item.new_token_ids), end):
+            for h in held:
+                put(h)
+            held.clear()
 
     return listener
