@@ -137,13 +137,7 @@ class Channel:
             else:
                 self._send(sock, [wire.HELLO, wire.encode({"v": wire.IPC_VERSION, "channel": self.channel_id})])
             while True:
-                ready = dict(poller.poll(1000))
-                if self._wake_r in ready:
-                    self._drain_wakeups()
-                self._read_replies(sock)  # a goodbye names the reason better than the disconnect
-                if monitor in ready:
-                    recv_monitor_message(monitor)
-                    self._break(f"receiver at {self.peer} went away (connection closed)")
+                self._pump(sock, poller, monitor, 1000)
                 closing = self._process_entries(sock)
                 self._read_replies(sock)
                 if closing:
@@ -177,13 +171,18 @@ class Channel:
         i.e. to have read it (it may not even have mapped the pool yet), so that the pool is
         not unlinked or freed under a transfer that was reported sent."""
         while self.broken is None and self.pool is not None and self.pool.in_use and time.monotonic() < deadline:
-            ready = dict(poller.poll(min(50, max(1, int((deadline - time.monotonic()) * 1000)))))
-            if self._wake_r in ready:
-                self._drain_wakeups()
-            self._read_replies(sock)
-            if monitor in ready:
-                recv_monitor_message(monitor)
-                self._break(f"receiver at {self.peer} went away (connection closed)")
+            self._pump(sock, poller, monitor, min(50, max(1, int((deadline - time.monotonic()) * 1000))))
+
+    def _pump(self, sock: zmq.Socket, poller: zmq.Poller, monitor: zmq.Socket, timeout_ms: int) -> None:
+        """One wait of up to `timeout_ms` on the channel's sockets: wake-ups drained, the
+        receiver's replies read, a lost connection noticed."""
+        ready = dict(poller.poll(timeout_ms))
+        if self._wake_r in ready:
+            self._drain_wakeups()
+        self._read_replies(sock)  # a goodbye names the reason better than the disconnect
+        if monitor in ready:
+            recv_monitor_message(monitor)
+            self._break(f"receiver at {self.peer} went away (connection closed)")
 
     def _drain_wakeups(self) -> None:
         try:
