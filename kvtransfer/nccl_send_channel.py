@@ -22,6 +22,7 @@ from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
 from kvtransfer.outgoing import Item, Outgoing
 from tandem.native import set_thread_name
+from tandem.netaddr import is_wildcard
 
 if TYPE_CHECKING:
     from kvtransfer.nccl_sender import NcclSender
@@ -188,7 +189,7 @@ class Channel:
             torch.cuda.set_stream(torch.cuda.Stream(sender.device))
         self.backend = backend
         store_host = doc.get("store_host") or ""
-        if store_host in ("", "0.0.0.0", "::", "*"):
+        if is_wildcard(store_host):
             store_host = _peer_host(self.peer)
         store = ng.connect_store(f"{store_host}:{int(doc['store_port'])}", sender.send_timeout_s)
         self._group = ng.pair_group(store, str(doc["prefix"]), ng.SENDER_RANK, backend, sender.send_timeout_s)
