@@ -128,8 +128,7 @@ def main() -> int:
             model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         else:
             model_dir = Path(a.model)
-        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-        prompts = up_bench.make_prompts(a.prompts, a.input_len, vocab)
+        prompts = up_bench.make_prompts(a.prompts, a.input_len, up_bench.vocab_size(model_dir))
         port = free_port()
         extra = (["--colocated"] if a.colocated else []) + a.up_args.split()
         proc, banner, _ = up_bench.start_up(model_dir, port, Path(tmp) / "logs", extra)

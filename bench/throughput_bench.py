@@ -97,8 +97,9 @@ class Context:
 
     @property
     def vocab_size(self) -> int:
-        """The model's vocabulary size (its config.json): prompts are token ids below it."""
-        return int(json.loads((self.model_dir / "config.json").read_text())["vocab_size"])
+        from bench.up_bench import vocab_size
+
+        return vocab_size(self.model_dir)
 
 
 # ---------------------------------------------------------------- GPU sections (child processes)

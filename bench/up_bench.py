@@ -39,6 +39,11 @@ def log(*a) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
+def vocab_size(model_dir: Path) -> int:
+    """The model's vocabulary size (its config.json): prompts are token ids below it."""
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
 def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     import torch
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port,
                                  port_in_use)
-from entrypoints.placement import (DECODE_WEIGHT, PREFILL_WEIGHT, Placement, PlacementError, parse_gpus, place,
+from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, parse_gpus, place,
                                    visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float, default=0.90,
                    dest="gpu_memory_fraction",
                    help="share of each GPU's memory for the whole cluster on it (split among the workers sharing it)")
-    p.add_argument("--prefill-memory-ratio", type=float, default=PREFILL_WEIGHT / DECODE_WEIGHT,
+    p.add_argument("--prefill-memory-ratio", type=float, default=PREFILL_MEMORY_RATIO,
                    help="where prefill and decode workers share a GPU: a prefill worker's memory against a decode "
                         "worker's (default %(default)g: decode holds the running sequences' KV)")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],

@@ -13,8 +13,8 @@ Rules:
   memory (`memory_fraction`) of it.
 - With fewer groups than workers, workers share groups: each goes to the group with the least
   weight so far (decode and role-both workers weigh DECODE_WEIGHT, prefill workers
-  PREFILL_WEIGHT, since decode workers hold the long-lived KV; `--prefill-memory-ratio` sets
-  their ratio), and the group's share is split in proportion to the weights.
+  PREFILL_MEMORY_RATIO of that, since decode workers hold the long-lived KV;
+  `--prefill-memory-ratio` sets it), and the group's share is split in proportion to the weights.
 - `--kv-transport auto`: none for role-both workers (no KV moves); ZMQ on the CPU; CUDA IPC when
   every prefill and decode worker runs on the same GPUs; NCCL when they are on different GPUs.
   An explicit cuda_ipc across GPUs makes each decode worker also see its prefill workers' GPUs
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-PREFILL_WEIGHT = 1.0
 DECODE_WEIGHT = 2.0
+PREFILL_MEMORY_RATIO = 0.5  # a prefill worker's weight against a decode worker's (--prefill-memory-ratio)
 KV_TRANSPORTS = ("auto", "zmq", "nccl", "cuda_ipc")
 
 
@@ -114,7 +114,7 @@ def parse_gpus(value: str | None, visible: int) -> tuple[int, ...]:
 
 def place(gpus: Sequence[int], *, prefill: int = 1, decode: int = 1, tp: int = 1, colocated: bool = False,
           memory_fraction: float = 0.9, kv_transport: str = "auto",
-          prefill_memory_ratio: float = PREFILL_WEIGHT / DECODE_WEIGHT) -> Placement:
+          prefill_memory_ratio: float = PREFILL_MEMORY_RATIO) -> Placement:
     """Place the workers of `tandem up` on `gpus` (physical indices; empty: CPU only).
 
     prefill / decode: worker counts (colocated: `decode` role-both workers, no prefill ones).
