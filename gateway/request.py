@@ -322,6 +322,7 @@ class RequestRunner:
                 awaitable.close()  # never awaited
             raise WorkerUnavailable(stage, f"worker {w.name} was {w.mark}: its streams move to another", w)
         task = asyncio.ensure_future(awaitable)
+        waiting_since = time.monotonic()
         wait = limit
         try:
             while True:
@@ -332,7 +333,9 @@ class RequestRunner:
                     return result
                 if stage == "stream" and self._drained_elsewhere(w):
                     raise WorkerUnavailable(stage, f"worker {w.name} was {w.mark}: its streams move to another", w)
-                idle = time.monotonic() - w.last_progress
+                # Silence counts from this call's start or the worker's last progress, the later:
+                # a worker idle (or new) before this call has not been silent on it.
+                idle = time.monotonic() - max(w.last_progress, waiting_since)
                 if idle >= limit:
                     break
                 wait = max(limit - idle, 0.05)  # the worker is alive: wait until `limit` of silence on it
