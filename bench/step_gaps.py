@@ -1,0 +1,239 @@
+"""Where a stream's time goes in a running cluster: client TTFT and inter-token time against
+the workers' own engine step time, and both against the offline engine at the same batch.
+
+    python bench/step_gaps.py --model DIR [--modes disagg,colocated] [--concurrency 1,4,16]
+    python bench/step_gaps.py --llama8b --input-len 1024 --output-len 256     # a GPU box
+
+For each mode it starts `tandem up` (dummy weights), sends one warm-up request, then, for each
+concurrency C, keeps C greedy streams (stream_interval 1, as `tandem bench`) in flight until
+`--requests` (default max(8, 2C)) have finished. Around each level it reads every worker's
+`tandem_engine_step_seconds` sum and count and the KV transfer counters from its /metrics. The
+row says, per level: the client's TTFT and inter-token time (P50 and mean), the decode-side
+worker's mean step, the inter-token mean minus that step (time a token spends outside the
+engine's step: the loop between steps, the listener, the RPC hops) and the prefill worker's
+mean step. Then, with the cluster stopped, the offline engine (`LLM`, same flags' defaults) runs
+C sequences of the same prompt length for `--output-len` steps: its ms/step is what the
+services' inter-token time is measured against, and one lone prompt's prefill what TTFT is.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+STEP = "tandem_engine_step_seconds"
+KV_SECONDS = "tandem_kv_transfer_seconds_total"
+KV_BYTES = "tandem_kv_transfer_bytes_total"
+
+
+def metrics_ports(banner: list[str]) -> dict[str, int]:
+    """Worker name -> metrics port, from `tandem up`'s banner lines ("  decode-0 ... metrics :PORT")."""
+    ports = {}
+    for line in banner:
+        m = re.match(r"\s+(\S+)\s.*metrics :(\d+)", line)
+        if m and m.group(1) not in ("gateway", "agent"):
+            ports[m.group(1)] = int(m.group(2))
+    return ports
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Summed samples of the step histogram and the KV transfer counters of one worker."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"step_sum": 0.0, "step_count": 0.0, "kv_seconds": 0.0, "kv_bytes": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == STEP + "_sum":
+                out["step_sum"] += s.value
+            elif s.name == STEP + "_count":
+                out["step_count"] += s.value
+            elif s.name == KV_SECONDS and s.labels.get("direction") == "send":
+                out["kv_seconds"] += s.value
+            elif s.name == KV_BYTES and s.labels.get("direction") == "send":
+                out["kv_bytes"] += s.value
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def closed_loop(target: str, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+    """`concurrency` greedy streams in flight until every prompt is served; per-token client timings."""
+    from tandem import AsyncClient
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    todo = list(prompts)
+    async with AsyncClient(target, timeout=600) as client:
+        async def worker() -> None:
+            while todo:
+                prompt = todo.pop()
+                t0 = last = time.perf_counter()
+                first = True
+                async for chunk in client.stream(prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                                                 stream_interval=1):
+                    if not chunk.token_ids:
+                        continue
+                    now = time.perf_counter()
+                    if first:
+                        ttft.append(now - t0)
+                        first = False
+                    else:
+                        itl.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                    last = now
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t
+    return {"ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_mean_ms": statistics.fmean(ttft) * 1e3,
+            "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_mean_ms": statistics.fmean(itl) * 1e3,
+            "seconds": seconds, "requests": len(ttft)}
+
+
+def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, input_len: int, output_len: int,
+          log_dir: Path, up_args: list[str]) -> list[dict]:
+    from bench import up_bench
+    from entrypoints.cluster import free_port
+
+    vocab = up_bench.vocab_size(model_dir)
+    port = free_port()
+    extra = (["--colocated"] if mode == "colocated" else []) + ["--no-agent", *up_args]
+    proc, banner, _ = up_bench.start_up(model_dir, port, log_dir / mode, extra)
+    rows = []
+    try:
+        ports = metrics_ports(banner)
+        target = f"127.0.0.1:{port}"
+        asyncio.run(closed_loop(target, up_bench.make_prompts(2, input_len, vocab), 2, 8))  # warm-up
+        for c in levels:
+            n = requests or max(8, 2 * c)
+            prompts = up_bench.make_prompts(n, input_len, vocab)
+            before = {w: scrape(p) for w, p in ports.items()}
+            client = asyncio.run(closed_loop(target, prompts, c, output_len))
+            after = {w: scrape(p) for w, p in ports.items()}
+            row = {"mode": mode, "concurrency": c, **client}
+            for w in ports:
+                steps = after[w]["step_count"] - before[w]["step_count"]
+                kind = "prefill" if w.startswith("prefill") else "decode"
+                row[f"{kind}_steps"] = steps
+                row[f"{kind}_step_mean_ms"] = (after[w]["step_sum"] - before[w]["step_sum"]) / steps * 1e3 if steps else None
+                sent = after[w]["kv_bytes"] - before[w]["kv_bytes"]
+                if sent:
+                    row["kv_ms_per_request"] = (after[w]["kv_seconds"] - before[w]["kv_seconds"]) / n * 1e3
+                    row["kv_GBps"] = sent / max(after[w]["kv_seconds"] - before[w]["kv_seconds"], 1e-9) / 1e9
+            if row.get("decode_step_mean_ms") is not None:
+                row["outside_step_ms"] = row["itl_mean_ms"] - row["decode_step_mean_ms"]
+            rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        up_bench.stop(proc)
+    return rows
+
+
+def offline(model_dir: Path, levels: list[int], input_len: int, output_len: int) -> list[dict]:
+    """The engine alone: ms per decode step with C sequences of `input_len`, and one prompt's prefill."""
+    import torch
+
+    from bench import up_bench
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), load_format="dummy")
+    eng = llm.engine
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vocab = up_bench.vocab_size(model_dir)
+    rows = []
+    params = SamplingParams(max_tokens=output_len + 8, temperature=0.0, ignore_eos=True)
+    for c in levels:
+        prompts = up_bench.make_prompts(c + 1, input_len, vocab)
+        sync()
+        t = time.perf_counter()
+        eng.admit(prompts[0], params)
+        while not any(eng.step()):  # the lone prompt's first token
+            pass
+        sync()
+        prefill_ms = (time.perf_counter() - t) * 1e3
+        for p in prompts[1:c]:
+            eng.admit(p, params)
+        for _ in range(8):  # every prompt computed, graphs warm
+            eng.step()
+        sync()
+        steps = max(8, output_len - 16)
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        rows.append({"mode": "offline", "concurrency": c, "prefill_ms": round(prefill_ms, 3),
+                     "step_ms": round((time.perf_counter() - t) / steps * 1e3, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+        for rid in eng.request_ids():
+            eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+    del llm, eng
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Hugging Face model directory (dummy weights of its shape are served)")
+    src.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape (bench/h200_bench.py)")
+    p.add_argument("--modes", default="disagg,colocated", help="comma list of disagg, colocated")
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of stream counts")
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2C))")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--no-offline", action="store_true", help="skip the offline engine's reference rows")
+    p.add_argument("--up-args", default="", help="more `tandem up` flags, space-separated")
+    p.add_argument("--out", default=None, help="write the JSON rows here too")
+    a = p.parse_args()
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or any(m not in ("disagg", "colocated") for m in modes):
+        p.error(f"--modes: expected a comma list of disagg, colocated; got {a.modes!r}")
+    try:
+        levels = [int(x) for x in a.concurrency.split(",") if x]
+    except ValueError:
+        p.error(f"--concurrency: expected a comma list of integers, got {a.concurrency!r}")
+    for flag, v in (("--input-len", a.input_len), ("--output-len", a.output_len), ("--requests", a.requests or 1),
+                    *(("--concurrency", c) for c in levels)):
+        if v < 1:
+            p.error(f"{flag}: must be >= 1, got {v}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="step-gaps-") as tmp:
+        if a.llama8b:
+            from bench.h200_bench import LLAMA31_8B, write_model
+
+            model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
+        else:
+            model_dir = Path(a.model)
+        for mode in modes:
+            rows += serve(model_dir, mode, levels, a.requests, a.input_len, a.output_len, Path(tmp) / "logs",
+                          a.up_args.split())
+        if not a.no_offline:
+            rows += offline(model_dir, levels, a.input_len, a.output_len)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
