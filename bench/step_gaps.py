@@ -107,12 +107,31 @@ async def closed_loop(target: str, prompts: list[list[int]], concurrency: int, o
             "seconds": seconds, "requests": len(ttft)}
 
 
-def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, input_len: int, output_len: int,
+class PromptPool:
+    """Distinct random prompts, each handed out once (a prompt seen before would be a prefix-cache
+    hit, and its prefill would not be measured)."""
+
+    def __init__(self, model_dir: Path, count: int, length: int) -> None:
+        from bench import up_bench
+
+        self._prompts = up_bench.make_prompts(count, length, up_bench.vocab_size(model_dir))
+
+    def take(self, n: int) -> list[list[int]]:
+        if n > len(self._prompts):
+            raise RuntimeError(f"prompt pool exhausted: {n} wanted, {len(self._prompts)} left")
+        out, self._prompts = self._prompts[:n], self._prompts[n:]
+        return out
+
+
+def level_requests(c: int, requests: int | None) -> int:
+    return requests or max(8, 2 * c)
+
+
+def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, pool: PromptPool, output_len: int,
           log_dir: Path, up_args: list[str]) -> list[dict]:
     from bench import up_bench
     from entrypoints.cluster import free_port
 
-    vocab = up_bench.vocab_size(model_dir)
     port = free_port()
     extra = (["--colocated"] if mode == "colocated" else []) + ["--no-agent", *up_args]
     proc, banner, _ = up_bench.start_up(model_dir, port, log_dir / mode, extra)
@@ -120,10 +139,10 @@ def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, i
     try:
         ports = metrics_ports(banner)
         target = f"127.0.0.1:{port}"
-        asyncio.run(closed_loop(target, up_bench.make_prompts(2, input_len, vocab), 2, 8))  # warm-up
+        asyncio.run(closed_loop(target, pool.take(2), 2, 8))  # warm-up
         for c in levels:
-            n = requests or max(8, 2 * c)
-            prompts = up_bench.make_prompts(n, input_len, vocab)
+            n = level_requests(c, requests)
+            prompts = pool.take(n)
             before = {w: scrape(p) for w, p in ports.items()}
             client = asyncio.run(closed_loop(target, prompts, c, output_len))
             after = {w: scrape(p) for w, p in ports.items()}
@@ -146,22 +165,23 @@ def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, i
     return rows
 
 
-def offline(model_dir: Path, levels: list[int], input_len: int, output_len: int) -> list[dict]:
+def offline(model_dir: Path, levels: list[int], pool: PromptPool, output_len: int) -> list[dict]:
     """The engine alone: ms per decode step with C sequences of `input_len`, and one prompt's prefill."""
     import torch
 
-    from bench import up_bench
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy")
     eng = llm.engine
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    vocab = up_bench.vocab_size(model_dir)
     rows = []
+    eng.admit(pool.take(1)[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+    while eng.has_unfinished():
+        eng.step()
     params = SamplingParams(max_tokens=output_len + 8, temperature=0.0, ignore_eos=True)
     for c in levels:
-        prompts = up_bench.make_prompts(c + 1, input_len, vocab)
+        prompts = pool.take(c)
         sync()
         t = time.perf_counter()
         eng.admit(prompts[0], params)
@@ -225,11 +245,13 @@ def main() -> int:
             model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         else:
             model_dir = Path(a.model)
+        served = sum(level_requests(c, a.requests) for c in levels)
+        pool = PromptPool(model_dir, len(modes) * (2 + served) + 1 + sum(levels), a.input_len)
         for mode in modes:
-            rows += serve(model_dir, mode, levels, a.requests, a.input_len, a.output_len, Path(tmp) / "logs",
+            rows += serve(model_dir, mode, levels, a.requests, pool, a.output_len, Path(tmp) / "logs",
                           a.up_args.split())
         if not a.no_offline:
-            rows += offline(model_dir, levels, a.input_len, a.output_len)
+            rows += offline(model_dir, levels, pool, a.output_len)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

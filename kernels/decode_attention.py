@@ -8,7 +8,10 @@ With a single split, stage 1 writes the final output directly. An FP8 cache's V 
 fp16 where it is loaded (DecodeTuning.opaque_cvt), so it reaches the MMA as fp16 through shared
 memory rather than as bytes gathered across rows.
 Every launch decision depends only on tensor shapes (block_tables.shape[1] bounds the context),
-so a captured CUDA graph stays valid for any context lengths.
+so a captured CUDA graph stays valid for any context lengths. The split count is fixed by those
+shapes, but each sequence's split length is its own context divided among the splits (at least
+`min_partition`): a graph captured for the longest context a model allows still spreads a short
+context over every split rather than giving it all to the first.
 Semantics match kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
 """
 from __future__ import annotations
@@ -57,11 +60,21 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=2, opaque_cvt="v")
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
-# Integer arguments that change from step to step (block-table width, split count and length).
+# Integer arguments that change from step to step (block-table width, split count).
 # Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
 # which a server first meets while serving; these stay generic, so the variants are fixed by
 # the model and a warm-up covers them.
-_PER_STEP_ARGS = ["bt_s0", "o_s0", "o_s1", "lse_s0", "lse_s1", "partition"]
+_PER_STEP_ARGS = ["bt_s0", "o_s0", "o_s1", "lse_s0", "lse_s1", "splits"]
+_STAGE1_PER_STEP = _PER_STEP_ARGS[:-1]  # stage 1 reads its split count from its grid
+_STAGE2_PER_STEP = _PER_STEP_ARGS[1:]
+
+
+@triton.jit
+def _seq_partition(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV tokens per split for a sequence of `ctx` tokens: its context over `splits`, in whole
+    tiles, at least MIN_PARTITION; splits past the context get none."""
+    part = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(part, MIN_PARTITION)
 
 
 @triton.jit
@@ -69,20 +82,22 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS)
+@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale, partition,
+    qk_scale, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
     start = split * partition
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
         end = tl.minimum(start + partition, ctx)
@@ -129,15 +144,17 @@ def _decode_stage1(
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
 
 
-@triton.jit(do_not_specialize=_PER_STEP_ARGS[1:])
+@triton.jit(do_not_specialize=_STAGE2_PER_STEP)
 def _decode_stage2(
     o_ptr, lse_ptr, ctx_ptr, out_ptr,
-    o_s0, o_s1, o_s2, lse_s0, lse_s1, out_s0, out_s1, partition,
-    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    o_s0, o_s1, o_s2, lse_s0, lse_s1, out_s0, out_s1, splits,
+    D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
+    partition = _seq_partition(ctx, splits, MIN_PARTITION, BLOCK_N)
     n_valid = (ctx + partition - 1) // partition
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
@@ -154,13 +171,13 @@ def _decode_stage2(
 
 
 def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
-                  tuning: DecodeTuning = BF16_TUNING) -> tuple[int, int]:
-    """(num_splits, partition tokens) for a launch; depends on shapes only.
+                  tuning: DecodeTuning = BF16_TUNING) -> int:
+    """The split count of a launch whose contexts are at most `max_context`; depends on shapes only.
 
     Splits only until (sequence, KV head, split) programs fill one round of resident programs
-    (`tuning.resident` per SM): more, shorter programs cost more than they balance. Each split
-    gets at least `tuning.min_partition` tokens, and the partition is a power of two (a multiple
-    of the tile).
+    (`tuning.resident` per SM): more, shorter programs cost more than they balance; and no more
+    than `max_context` fills with splits of `tuning.min_partition` tokens. (The kernel gives each
+    sequence its own split length: its context over this count.)
     """
     pairs = max(1, batch * num_kv_heads)
     wanted = max(1, min(MAX_SPLITS, tuning.resident * sms // pairs))
@@ -170,7 +187,7 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
     while splits > MAX_SPLITS:
         partition *= 2
         splits = triton.cdiv(max_context, partition)
-    return splits, partition
+    return splits
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -228,7 +245,7 @@ def paged_decode_attention(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     tuning = tuning or default_tuning(k_cache.dtype)
     max_context = block_tables.shape[1] * block_size
-    splits, partition = choose_splits(bsz, hk, max_context, num_sms(q.device), tuning)
+    splits = choose_splits(bsz, hk, max_context, num_sms(q.device), tuning)
     d_pad = max(16, next_pow2(dim))
     block_h = max(16, next_pow2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -240,7 +257,9 @@ def paged_decode_attention(
     block_n, stages = tuning.block_n, tuning.num_stages
     if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
         block_n, stages = 64, min(stages, 2)
-    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+    min_partition = max(tuning.min_partition, block_n)
+    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, MIN_PARTITION=min_partition,
+                  BLOCK_SIZE=block_size,
                   PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   num_warps=tuning.num_warps, num_stages=stages)
@@ -250,7 +269,7 @@ def paged_decode_attention(
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
-            qk_scale, float(v_scale), partition, DIRECT=True, **common,
+            qk_scale, float(v_scale), DIRECT=True, **common,
         )
         return out
     partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
@@ -260,12 +279,13 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        qk_scale, float(v_scale), partition, DIRECT=False, **common,
+        qk_scale, float(v_scale), DIRECT=False, **common,
     )
     _decode_stage2[(bsz, hq)](
         partial, lse, context_lens, out,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), partition,
-        D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), num_warps=4,
+        out.stride(0), out.stride(1), splits,
+        D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), MIN_PARTITION=min_partition, BLOCK_N=block_n,
+        num_warps=4,
     )
     return out

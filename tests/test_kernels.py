@@ -262,6 +262,28 @@ def case_decode_tunings() -> None:
         raise AssertionError("an unknown opaque_cvt must raise ValueError")
 
 
+def case_decode_wide_table() -> None:
+    """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
+    context has them: the split count comes from the width, and each sequence divides its own
+    context among the splits (a one-token context, one just past a split, the whole width)."""
+    from kernels import decode_attention as da, reference as ref
+
+    for cdt in (torch.bfloat16, FP8):
+        b, hq, hk, d, bs, width = 4, 8, 2, 64, 16, 128
+        tuning = da.default_tuning(cdt)
+        splits = da.choose_splits(b, hk, width * bs, 132, tuning)
+        assert splits > 8, splits  # the test needs many splits for short contexts to spread over
+        part = max(tuning.min_partition, tuning.block_n)
+        lens = [1, part * (splits // 2) + 1, int(torch.randint(2, 300, ())), width * bs]  # one just past a split
+        what = f"decode wide table cache={cdt} splits={splits} lens={lens}"
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, what, scale=2.0)
+
+
 def case_extend() -> None:
     from kernels import ops, reference as ref
 
