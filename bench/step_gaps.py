@@ -34,37 +34,60 @@ sys.path.insert(0, str(REPO))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-STEP = "tandem_engine_step_seconds"
+# Histograms whose mean per level is reported: (series, label holding the stage or None).
+HISTOGRAMS = {"tandem_engine_step_seconds": None, "tandem_prefill_stage_seconds": "stage",
+              "tandem_gateway_worker_call_seconds": "stage"}
 KV_SECONDS = "tandem_kv_transfer_seconds_total"
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 
 
 def metrics_ports(banner: list[str]) -> dict[str, int]:
-    """Worker name -> metrics port, from `tandem up`'s banner lines ("  decode-0 ... metrics :PORT")."""
+    """Process name (worker ids and `gateway`) -> metrics port, from `tandem up`'s banner lines
+    ("  decode-0 ... metrics :PORT")."""
     ports = {}
     for line in banner:
         m = re.match(r"\s+(\S+)\s.*metrics :(\d+)", line)
-        if m and m.group(1) not in ("gateway", "agent"):
+        if m and m.group(1) != "agent":
             ports[m.group(1)] = int(m.group(2))
     return ports
 
 
 def scrape(port: int) -> dict[str, float]:
-    """Summed samples of the step histogram and the KV transfer counters of one worker."""
+    """One process's histogram sums and counts (keyed `series[:stage]_sum|_count`) and sent KV."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    out = {"step_sum": 0.0, "step_count": 0.0, "kv_seconds": 0.0, "kv_bytes": 0.0}
+    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == STEP + "_sum":
-                out["step_sum"] += s.value
-            elif s.name == STEP + "_count":
-                out["step_count"] += s.value
-            elif s.name == KV_SECONDS and s.labels.get("direction") == "send":
+            for name, label in HISTOGRAMS.items():
+                for suffix in ("_sum", "_count"):
+                    if s.name == name + suffix:
+                        key = name + (":" + s.labels.get(label, "") if label else "") + suffix
+                        out[key] = out.get(key, 0.0) + s.value
+            if s.name == KV_SECONDS and s.labels.get("direction") == "sent":
                 out["kv_seconds"] += s.value
-            elif s.name == KV_BYTES and s.labels.get("direction") == "send":
+            elif s.name == KV_BYTES and s.labels.get("direction") == "sent":
                 out["kv_bytes"] += s.value
     return out
+
+
+def means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """`series[:stage]` -> (mean ms, count) of the observations between two scrapes."""
+    out = {}
+    for key, value in after.items():
+        if key.endswith("_count"):
+            base = key[: -len("_count")]
+            n = value - before.get(key, 0.0)
+            if n > 0:
+                out[base] = ((after[base + "_sum"] - before.get(base + "_sum", 0.0)) / n * 1e3, n)
+    return out
+
+
+SHORT = {"tandem_engine_step_seconds": "step", "tandem_prefill_stage_seconds:compute": "prefill_compute",
+         "tandem_prefill_stage_seconds:handover": "prefill_handover",
+         "tandem_gateway_worker_call_seconds:reserve": "gw_reserve",
+         "tandem_gateway_worker_call_seconds:prefill": "gw_prefill",
+         "tandem_gateway_worker_call_seconds:first_chunk": "gw_first_chunk"}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -148,10 +171,13 @@ def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, p
             after = {w: scrape(p) for w, p in ports.items()}
             row = {"mode": mode, "concurrency": c, **client}
             for w in ports:
-                steps = after[w]["step_count"] - before[w]["step_count"]
-                kind = "prefill" if w.startswith("prefill") else "decode"
-                row[f"{kind}_steps"] = steps
-                row[f"{kind}_step_mean_ms"] = (after[w]["step_sum"] - before[w]["step_sum"]) / steps * 1e3 if steps else None
+                kind = "gateway" if w == "gateway" else "prefill" if w.startswith("prefill") else "decode"
+                for key, (ms, count) in means_ms(before[w], after[w]).items():
+                    name = SHORT.get(key, key)
+                    if name == "step":
+                        row[f"{kind}_steps"] = count
+                        name = f"{kind}_step"
+                    row[f"{name}_mean_ms"] = ms
                 sent = after[w]["kv_bytes"] - before[w]["kv_bytes"]
                 if sent:
                     row["kv_ms_per_request"] = (after[w]["kv_seconds"] - before[w]["kv_seconds"]) / n * 1e3

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12, 0.16, 0.32, 0.64, 1.28, 2.56,
+                  5.12, 10.24)
 
 
 class _ModelBound:
@@ -95,6 +97,12 @@ class GatewayMetrics(MetricsEndpoint):
         self.calls_refused = per(Counter("tandem_gateway_calls_refused", "Generate calls answered RESOURCE_EXHAUSTED "
                                          "by the gateway's admission, by tier and why (queue_full, "
                                          "max_inflight_calls)", [*m, "tier", "reason"], registry=r))
+        self.worker_calls = per(Histogram("tandem_gateway_worker_call_seconds",
+                                          "How long the gateway waited on a worker call of an attempt, by stage: "
+                                          "reserve (decode worker's Reserve), prefill (prefill worker's Prefill: its "
+                                          "queue, the prompt and the KV hand-over), first_chunk (Decode or "
+                                          "PrefillAndDecode, call to its first chunk)",
+                                          [*m, "stage"], buckets=_STAGE_BUCKETS, registry=r))
         self.stalls = per(Counter("tandem_gateway_stalls", "Attempts migrated because their worker made no progress "
                                   "within the stall timeout, by the stage that stalled (reserve, prefill, stream)",
                                   [*m, "stage"], registry=r))

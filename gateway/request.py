@@ -243,7 +243,9 @@ class RequestRunner:
         # the answer before aborting, so a late reservation cannot leak.
         reserve = d.client.reserve(wrid, tokens, params.max_tokens - n_out, st.admitted.tier, n_out, st.deadline)
         self._hold(st, d, wrid, reserve)
+        t = time.monotonic()
         resv = await self._unless_stalled(d, "reserve", self.liveness.prefill_timeout(d), asyncio.shield(reserve))
+        self.metrics.worker_calls.labels("reserve").observe(time.monotonic() - t)
         if not resv.ok:
             self._unhold(st, d, wrid)
             raise _NoRoom(resv.reason or "reservation refused")
@@ -252,12 +254,14 @@ class RequestRunner:
         p = placement.computes_prompt
         self._note_prefill(st, wrid, placement)
         self._hold(st, p, wrid)
+        t = time.monotonic()
         try:
             first = await self._unless_stalled(
                 p, "prefill", self.liveness.prefill_timeout(p),
                 p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out, st.deadline))
         finally:
             self.placer.release(st.needs)
+        self.metrics.worker_calls.labels("prefill").observe(time.monotonic() - t)
         self._unhold(st, p, wrid)  # P released its blocks once the KV was handed to the sender
         st.cached_tokens = max(st.cached_tokens, first.cached_tokens, resv.num_cached_blocks * self.block_size)
         self._emit(st, st.assembler.add([first.first_token_id], [first.first_logprob]))
@@ -278,7 +282,7 @@ class RequestRunner:
         chunk, which includes the prompt's computation or KV transfer, gets the prefill bound)."""
         got_first = False
         chunks = stream.__aiter__()
-        last = time.monotonic()
+        last = started = time.monotonic()
         try:
             while True:
                 limit = (self.liveness.stream_timeout(w, st.worker_interval) if got_first
@@ -293,6 +297,7 @@ class RequestRunner:
                 last = now
                 if not got_first:
                     got_first = True
+                    self.metrics.worker_calls.labels("first_chunk").observe(now - started)
                     st.cached_tokens = max(st.cached_tokens, chunk.cached_tokens)
                     self.placer.release(st.needs)  # the prompt is computed
                 self._emit(st, st.assembler.add(chunk.token_ids, chunk.logprobs))

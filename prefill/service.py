@@ -66,6 +66,8 @@ class PrefillService(wire.PrefillWorkerServicer):
                                 "for by the gateway; refusing to push KV there")
         check_pairing(len(inp.target.kv_addresses), self.tp, inp.target.worker_id)
         job = PrefillJob(inp, engine.model_config.num_layers, deadline_from(inp.timeout_s))
+        metrics = self.runtime.metrics
+        arrived = time.monotonic()
         with self.runtime.tracked():
             await self.runtime.run(lambda e: self.pusher.start(e, job))
             try:
@@ -79,9 +81,10 @@ class PrefillService(wire.PrefillWorkerServicer):
                 except LoopStopped:
                     pass
                 raise
+            computed = time.monotonic()
             # The push honours the request's timeout: a send still pending at the deadline
             # answers DEADLINE_EXCEEDED (the decode worker's reservation expires on its own).
-            left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+            left = None if job.deadline is None else max(0.0, job.deadline - computed)
             try:
                 sent = await asyncio.wait_for(asyncio.shield(_observed(asyncio.wrap_future(done.send))), left)
             except TimeoutError:
@@ -89,6 +92,9 @@ class PrefillService(wire.PrefillWorkerServicer):
                                     f"KV push of {inp.request_id} not handed over within timeout_ms")
             if not sent.ok:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push of {inp.request_id} failed: {sent.error}")
+            if metrics is not None:
+                metrics.observe_prefill("compute", computed - arrived)
+                metrics.observe_prefill("handover", time.monotonic() - computed)
             return ad.prefill_response(done.output, len(inp.token_ids), done.cached_tokens, inp.params.logprobs is not None)
 
     @rpc("Abort")

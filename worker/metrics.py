@@ -106,6 +106,11 @@ class WorkerMetrics(MetricsEndpoint):
         self.registry.register(_SnapshotCollector(labels, snapshot, kv_stats, draining))
         self._step = Histogram("tandem_engine_step_seconds", "Duration of one engine step", list(labels),
                                buckets=_STEP_BUCKETS, registry=self.registry).labels(**labels)
+        self._prefill = Histogram("tandem_prefill_stage_seconds",
+                                  "A Prefill call on a prefill worker, by stage: compute (the call's arrival to "
+                                  "its first token: the engine's queue, batching window and the steps of its "
+                                  "prompt), handover (first token to the KV commit handed to the transport)",
+                                  [*labels, "stage"], buckets=_STEP_BUCKETS, registry=self.registry)
         self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
                              [*labels, "method", "code"], registry=self.registry)
         ProcessCollector(registry=self.registry)
@@ -113,6 +118,10 @@ class WorkerMetrics(MetricsEndpoint):
 
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
+
+    def observe_prefill(self, stage: str, seconds: float) -> None:
+        """A Prefill call's `stage` ("compute" or "handover") took `seconds`."""
+        self._prefill.labels(**self._labels, stage=stage).observe(seconds)
 
     def count_rpc(self, method: str, code: str) -> None:
         self._rpcs.labels(**self._labels, method=method, code=code).inc()
