@@ -68,7 +68,8 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
 
             sender = make_sender(config.transfer.transport, config.transfer.sender_options, token)
             link = FollowerLink(rank, link_address, lambda kind, body: None, auth_token=token)
-            on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body)).on_step
+            on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body),
+                                     config.transfer.push).on_step
         elif config.role == "decode":
             from decode.tp_receiver import FollowerReceiver
 

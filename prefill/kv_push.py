@@ -26,6 +26,7 @@ from engine.engine import Engine
 from engine.outputs import FinishReason, Request, StepOutput, StepPlan
 from kvtransfer import KVSender, KVTransferError
 from prefill.adapters import PrefillInput
+from prefill.push_mode import layers_due
 from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
 from tandem.types import DEADLINE
 from worker.adapters import logprob_to_meta
@@ -83,14 +84,17 @@ class KvPusher:
 
     ranks: on rank 0 of a tensor-parallel worker, the collector of the other ranks' results
       (None without TP). rank_timeout_s bounds the wait for them after the step.
+    push: when the layers go ("layer" or "step", prefill.push_mode).
     """
 
     def __init__(self, loop: EngineLoop, sender: KVSender, ranks: RankSends | None = None,
-                 rank_timeout_s: float = 30.0) -> None:
+                 rank_timeout_s: float = 30.0, push: str = "layer") -> None:
+        layers_due(0, 1, push)  # ValueError for an unknown mode
         self.loop = loop
         self.sender = sender
         self.ranks = ranks
         self.rank_timeout_s = rank_timeout_s
+        self.push = push
         self.jobs: dict[str, PrefillJob] = {}
 
     def start(self, engine: Engine, job: PrefillJob) -> Request:
@@ -123,7 +127,8 @@ class KvPusher:
         if not self.jobs:
             return
         for job in self._pushing(plan):
-            self._push(job, layer)
+            for due in layers_due(layer, job.num_layers, self.push):
+                self._push(job, due)
 
     def step_extras(self, plan: StepPlan) -> bytes:
         """TP rank 0, before the step is broadcast: what the other ranks push during it."""

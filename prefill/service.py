@@ -47,7 +47,8 @@ class PrefillService(wire.PrefillWorkerServicer):
         self.loop = runtime.loop
         self.sender = sender
         self.tp = ranks.world_size if ranks is not None else 1
-        self.pusher = KvPusher(runtime.loop, sender, ranks, runtime.config.transfer.timeout_s)
+        self.pusher = KvPusher(runtime.loop, sender, ranks, runtime.config.transfer.timeout_s,
+                               runtime.config.transfer.push)
         runtime.loop.on_layer = self.pusher.on_layer
 
     @rpc("Prefill")

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model import LayerHook
+from prefill.push_mode import layers_due
 from kvtransfer import KVSender, KVTransferError, SendResult
 from worker.transfer import KvPairingError
 
@@ -76,11 +77,14 @@ class FollowerPusher:
     `report(body)` sends a result to rank 0 (any thread).
     """
 
-    def __init__(self, rank: int, kv_layers: list, sender: KVSender, report: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, rank: int, kv_layers: list, sender: KVSender, report: Callable[[dict[str, Any]], None],
+                 push: str = "layer") -> None:
+        layers_due(0, 1, push)  # ValueError for an unknown mode
         self.rank = rank
         self.kv_layers = kv_layers
         self.sender = sender
         self.report = report
+        self.push = push  # when the layers go: rank 0's rule (prefill.push_mode)
 
     def on_step(self, extras: bytes) -> LayerHook | None:
         plans = decode_plans(extras)
@@ -90,8 +94,10 @@ class FollowerPusher:
 
         def after_layer(layer: int) -> None:
             for plan in plans:
-                if plan.transfer_id not in failed and not self._push(plan, layer):
-                    failed.add(plan.transfer_id)
+                for due in layers_due(layer, plan.num_layers, self.push):
+                    if plan.transfer_id in failed or not self._push(plan, due):
+                        failed.add(plan.transfer_id)
+                        break
 
         return after_layer
 

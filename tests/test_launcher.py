@@ -145,6 +145,22 @@ def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
         parse_args(["--kv-transport", "carrier-pigeon"])
 
 
+def test_kv_push_goes_to_the_prefill_workers() -> None:
+    """`--kv-push` is the prefill workers' (default `layer`); decode workers and the gateway get none."""
+    from entrypoints.launcher import build_children, parse_args, placement_for
+
+    def pushes(*argv: str) -> dict[str, str | None]:
+        a = parse_args(list(argv))
+        return {c.name: c.argv[c.argv.index("--kv-push") + 1] if "--kv-push" in c.argv else None
+                for c in build_children(a, "/models/m", placement=placement_for(a, visible=1))}
+
+    assert pushes() == {"prefill-0": "layer", "decode-0": None, "gateway": None}
+    assert pushes("--kv-push", "step", "--prefill-workers", "2") == {"prefill-0": "step", "prefill-1": "step",
+                                                                     "decode-0": None, "gateway": None}
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-push", "burst"])
+
+
 def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
     """What each child is handed from the placement and the users' flags (no GPU needed)."""
     from entrypoints.launcher import build_children, parse_args, placement_for

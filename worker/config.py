@@ -21,6 +21,7 @@ from tandem.types import ROLES
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"prefill": 50060, "decode": 50070, "both": 50080}
+KV_PUSH_MODES = ("layer", "step")  # when a prefill worker pushes a prompt's KV (prefill.push_mode)
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,13 @@ class TransferConfig:
     address: str | None = None  # decode: bind endpoint; None: tcp://{host}:* (a free port)
     timeout_s: float = 30.0  # transfer deadline / reservation lifetime when timeout_ms is 0
     sender_options: dict[str, Any] | None = None  # transport options (tests: corrupt_once)
+    push: str = "layer"  # prefill: when the prompt's KV is pushed (prefill.push_mode)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"kv_timeout_s: must be > 0, got {self.timeout_s}")
+        if self.push not in KV_PUSH_MODES:
+            raise ValueError(f"kv_push: must be one of {', '.join(KV_PUSH_MODES)}, got {self.push!r}")
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,10 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="skip the synthetic steps that compile the GPU kernels before the worker reports ready "
                         "(faster start; the first requests then wait for the compiles; default: warm up)")
     p.add_argument("--kv-transport", default="zmq", help="KV transfer transport: zmq, nccl, or cuda_ipc (one host)")
+    p.add_argument("--kv-push", choices=KV_PUSH_MODES, default="layer", dest="kv_push",
+                   help="prefill: layer = push each layer's KV as soon as it is computed (overlaps the transfer "
+                        "with the forward; between GPUs); step = push every layer once the forward has run (one "
+                        "burst; for a GPU shared with the decode worker)")
     p.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks: this process is rank 0 and starts the others (one GPU each "
                         "on CUDA: cuda:0..N-1 of CUDA_VISIBLE_DEVICES); prefill and decode workers that "
@@ -304,7 +312,8 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         cuda_graphs=not args.no_cuda_graphs,
         warm_up=not args.no_warm_up,
     )
-    transfer = TransferConfig(transport=args.kv_transport, address=args.kv_address, timeout_s=args.kv_timeout_s)
+    transfer = TransferConfig(transport=args.kv_transport, address=args.kv_address, timeout_s=args.kv_timeout_s,
+                              push=args.kv_push)
     index = IndexConfig(redis_url=args.redis_url, namespace=args.namespace, heartbeat_s=args.index_heartbeat_s,
                         block_ttl_s=args.index_block_ttl_s)
     return WorkerConfig(
