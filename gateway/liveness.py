@@ -84,7 +84,9 @@ class LivenessConfig:
 # The most tokens a worker holds before it sends a chunk (GenerateRequest.stream_interval 0 or
 # above it): a worker's stream then costs its event loop and the gateway's one message per this
 # many tokens instead of one per step, and a worker lost mid-stream takes at most this many
-# unsent tokens with it (they are computed again where the request resumes).
+# unsent tokens with it (they are computed again where the request resumes). A worker also sends
+# what it holds once it held it tandem.rules.WORKER_MAX_HOLD_S, so a slow worker that keeps
+# stepping is heard from within the stall bound before its step time is learnt.
 MAX_WORKER_CHUNK_TOKENS = 16
 
 

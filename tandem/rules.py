@@ -8,7 +8,8 @@ output equals the offline engine's whichever worker, or how many after a retry, 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.detokenize import IncrementalDetokenizer, StopMatcher
@@ -127,16 +128,28 @@ class StopChecker:
         return self.text.tail() if self.text is not None else ""
 
 
+# The longest a worker holds a stream's tokens before it sends them (a chunk is due after this
+# even with fewer than its stream_interval): a worker that keeps stepping, however slowly, is
+# heard from this often, so the gateway's stall bound measures silence, not slowness.
+WORKER_MAX_HOLD_S = 0.5
+
+
 class StreamGrouping:
     """When a stream's held token deltas are due to go out, for a stream_interval
     (GenerateRequest): 1, every delta; N > 1, the first tokens at once, then once N new tokens
-    are held; 0, only at the end. The end is always due at once. One per stream; the gateway
-    groups what it sends the client with it and a worker what it streams to the gateway."""
+    are held (or, with `max_hold_s`, once tokens were held that long since the last send); 0,
+    only at the end (or after `max_hold_s`). The end is always due at once. One per stream; the
+    gateway groups what it sends the client with it and a worker what it streams to the gateway
+    (with WORKER_MAX_HOLD_S)."""
 
-    def __init__(self, interval: int) -> None:
+    def __init__(self, interval: int, max_hold_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
+        self.max_hold_s = max_hold_s
+        self._clock = clock
         self._held = 0
         self._sent_tokens = False
+        self._since = clock()  # when the count last started again
 
     def add(self, num_tokens: int, end: bool = False) -> bool:
         """A delta of `num_tokens` is held; True when everything held is due now (the caller
@@ -144,7 +157,11 @@ class StreamGrouping:
         self._held += num_tokens
         due = end or self.interval == 1 or (
             self.interval > 1 and (self._held >= self.interval or (self._held > 0 and not self._sent_tokens)))
+        if not due and self.max_hold_s is not None and self._held > 0:
+            due = self._clock() - self._since >= self.max_hold_s
         if due:
             self._sent_tokens = self._sent_tokens or self._held > 0
             self._held = 0
+            if self.max_hold_s is not None:
+                self._since = self._clock()
         return due

@@ -52,6 +52,10 @@ class UpCluster:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "entrypoints", "up", "--model", str(model), "--colocated", "--decode-workers", "2",
              "--port", str(self.port), "--log-dir", str(self.log_dir), "--max-running", "8",
+             # Both workers keep getting requests: the cache-aware router would keep the four
+             # prompts on whichever worker cached them, and a worker with no steps shows the
+             # agent no step time (a slow worker left idle for 40 s is what failed this test).
+             "--routing", "round_robin",
              "--auth-token-file", str(token_file),
              "--agent-args", " ".join(["--config", str(cfg), *agent_args])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -77,16 +81,20 @@ class UpCluster:
         wait_until(lambda: self.watched() == {"both-0", "both-1"}, 60, interval=0.25,
                    what="the agent to see both workers healthy")
 
-    def watched(self) -> set[str]:
-        """Workers whose unresponsive detector the agent has sampled healthy (past start-up)."""
+    def samples(self, detector: str) -> dict[str, float]:
+        """Worker -> the agent's latest sample of `detector` (a worker appears once the detector has
+        a value for it: for `itl`, once its baseline is filled)."""
         try:
             with urllib.request.urlopen(self.agent_metrics, timeout=5) as r:
                 text = r.read().decode()
         except OSError:
-            return set()
-        return {s.labels["worker"] for fam in text_string_to_metric_families(text) for s in fam.samples
-                if s.name == "tandem_agent_detector_sample" and s.labels.get("detector") == "unresponsive"
-                and s.value == 0.0}
+            return {}
+        return {s.labels["worker"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "tandem_agent_detector_sample" and s.labels.get("detector") == detector}
+
+    def watched(self) -> set[str]:
+        """Workers whose unresponsive detector the agent has sampled healthy (past start-up)."""
+        return {w for w, v in self.samples("unresponsive").items() if v == 0.0}
 
     def workers(self) -> dict[str, admin_pb2.AdminWorker]:
         reply = self.admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=5,
@@ -105,9 +113,31 @@ class UpCluster:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def wait_decision(self, action: str, worker: str, timeout: float) -> dict:
-        return wait_until(lambda: next((d for d in self.decisions() if d["decision"] == action
-                                        and d["worker"] == worker), None), timeout,
-                          interval=0.2, what=f"{action} of {worker}; decisions so far: {self.decisions()}")
+        try:
+            return wait_until(lambda: next((d for d in self.decisions() if d["decision"] == action
+                                            and d["worker"] == worker), None), timeout, interval=0.2,
+                              what=f"{action} of {worker}")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; decisions so far: {self.decisions()}; the agent's itl samples: "
+                                 f"{self.samples('itl')}; the workers' mean steps: {self.mean_steps()}") from None
+
+    def mean_steps(self) -> dict[str, float]:
+        """Worker -> its mean engine step (seconds) over the last second, from its own /metrics."""
+        def sums() -> dict[str, tuple[float, float]]:
+            out = {}
+            for name, w in self.workers().items():
+                host = w.address.rsplit(":", 1)[0]
+                with urllib.request.urlopen(f"http://{host}:{w.metrics_port}/metrics", timeout=5) as r:
+                    vals = {s.name: s.value for fam in text_string_to_metric_families(r.read().decode())
+                            for s in fam.samples if s.name.startswith("tandem_engine_step_seconds_")}
+                out[name] = (vals.get("tandem_engine_step_seconds_sum", 0.0),
+                             vals.get("tandem_engine_step_seconds_count", 0.0))
+            return out
+
+        before = sums()
+        time.sleep(1.0)
+        after = sums()
+        return {w: round((after[w][0] - before[w][0]) / max(after[w][1] - before[w][1], 1), 4) for w in after}
 
     def generate_calls(self, worker: str) -> float:
         """PrefillAndDecode calls the worker has served (its tandem_worker_rpcs)."""
@@ -214,7 +244,11 @@ def test_spike_warns_only_and_a_persistently_slow_worker_is_drained(up):
     ref = reference(c.target)
     load = Load(c.target)
     try:
-        time.sleep(4)  # the agent's baselines fill
+        # The agent's step-time baselines fill (on a loaded host that can take longer than the
+        # few seconds it takes here): a fault before then would become the baseline itself.
+        wait_until(lambda: {"both-0", "both-1"} <= set(c.samples("itl")), 60, interval=0.25,
+                   what="the agent's itl baselines of both workers")
+        time.sleep(1)
         c.fault("both-0", 0.25)  # one spike, shorter than the window
         time.sleep(0.6)
         c.fault("both-0", 0)
@@ -254,7 +288,8 @@ def test_dry_run_only_logs(up):
     try:
         # The detector needs steps on both-0: wait until placement has given it requests.
         wait_until(lambda: c.workers()["both-0"].inflight > 0, 30, what="requests on both-0")
-        time.sleep(4)
+        wait_until(lambda: "both-0" in c.samples("itl"), 60, interval=0.25, what="the agent's itl baseline of both-0")
+        time.sleep(1)
         c.fault("both-0", 0.15)
         drain = c.wait_decision("drain", "both-0", 40)
         assert drain["outcome"] == "dry-run" and drain["dry_run"] is True

@@ -1,10 +1,13 @@
-"""The stall bound counts silence from the call's start or the worker's last progress, the later.
+"""The stall bound counts silence from the call's start or the worker's last progress, the later,
+and a slow worker that keeps stepping is never silent for long.
 
 A worker that is new, or was idle for longer than the bound, has not been silent on a call it
 only just received: its first slow prefill must not be taken for a stall (it used to be, at the
 gateway's first drain poll, a quarter second in, so a long prompt after a quiet spell failed on
-every worker it was retried on). Real prefill and decode workers (stories-sized test model)
-slowed with the TANDEM_FAULT_STEP_DELAY hook, a gateway with short bounds.
+every worker it was retried on). And a worker asked for chunks of many tokens sends what it
+holds at least every WORKER_MAX_HOLD_S (its 7 tokens after the first here take 3.5 s, over the
+bound). Real prefill and decode workers (a tiny test model) slowed with the
+TANDEM_FAULT_STEP_DELAY hook, a gateway with short bounds.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from tandem import Client, SamplingParams
 WAIT = 60.0
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPT = "Once upon a time"
-MAX_TOKENS = 3
+MAX_TOKENS = 8  # generate() asks the worker for chunks of 16: only WORKER_MAX_HOLD_S keeps them coming
 STEP_DELAY_S = 2 * DRAIN_POLL_S  # every step outlasts the gateway's poll of a waiting call
 BOUND_S = 2 * STEP_DELAY_S + 0.5  # and stays inside the stall bounds
 

@@ -21,6 +21,7 @@ from gateway.streaming import grouped, merge_chunks
 from harness import GatewayThread, start_workers, stop_workers, wait_idle
 from tandem import Client, SamplingParams, wire
 from tandem.wire import Chunk, TokenLogprob, Usage
+from tandem.rules import WORKER_MAX_HOLD_S, StreamGrouping
 from worker.streams import coalescing
 
 WAIT = 60.0
@@ -55,6 +56,33 @@ def test_the_worker_listener_hands_over_in_groups_in_order(every):
     assert [o for g in got for o in g] == outputs(11)  # nothing lost, nothing reordered
     assert [len(g) for g in got] == ([1] * 11 if every == 1 else
                                      [1, *[every] * ((10 - 1) // every), 10 - every * ((10 - 1) // every)])
+
+
+def test_held_tokens_go_out_after_the_hold_bound():
+    """A slow stream (one token a second, say) is not held for its whole interval: what is held
+    goes out once it was held `max_hold_s`, so the gateway hears from a stepping worker at least
+    that often (its stall bound measures silence, not slowness)."""
+    now = [0.0]
+    g = StreamGrouping(16, max_hold_s=0.5, clock=lambda: now[0])
+    assert g.add(1)  # the first token at once
+    now[0] = 0.2
+    assert not g.add(1)
+    now[0] = 0.45
+    assert not g.add(1)
+    now[0] = 0.5
+    assert g.add(1)  # held since the last send at 0.0 for 0.5 s
+    now[0] = 0.7
+    assert not g.add(1)
+    now[0] = 1.0
+    assert g.add(1)
+    t = [0.0]
+    idle = StreamGrouping(16, max_hold_s=0.5, clock=lambda: t[0])
+    assert idle.add(1)
+    t[0] = 9.0
+    assert not idle.add(0)  # nothing held: nothing due, however long ago the last send
+    fast = StreamGrouping(4, max_hold_s=0.5, clock=lambda: 0.0)
+    assert [fast.add(1) for _ in range(9)] == [True, False, False, False, True, False, False, False, True]
+    assert WORKER_MAX_HOLD_S > 0 and StreamGrouping(16).max_hold_s is None  # the client's grouping has none
 
 
 def test_the_worker_listener_flushes_before_an_error():

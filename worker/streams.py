@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tandem.rules import StreamGrouping
+from tandem.rules import WORKER_MAX_HOLD_S, StreamGrouping
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,12 @@ def coalescing(put: Callable[[Any], None], every: int) -> Callable[[Any], None]:
     """A request's listener (engine thread) that passes its outputs on to `put` in groups, so
     that the event loop wakes, and the stream sends a chunk, once a group rather than once a
     step: as `tandem.rules.StreamGrouping` says for `every` (the first output at once, then
-    whenever the outputs held carry `every` new tokens), and at the end (a finished output, or
-    an exception) with everything held before it, in order. Nothing is reordered or dropped.
-    every <= 1: `put` itself."""
+    whenever the outputs held carry `every` new tokens, or were held WORKER_MAX_HOLD_S), and at
+    the end (a finished output, or an exception) with everything held before it, in order.
+    Nothing is reordered or dropped. every <= 1: `put` itself."""
     if every <= 1:
         return put
-    grouping = StreamGrouping(every)
+    grouping = StreamGrouping(every, max_hold_s=WORKER_MAX_HOLD_S)
     held: list[Any] = []
 
     def listener(item: Any) -> None:
