@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.model import LayerHook
-from prefill.push_mode import layers_due
 from kvtransfer import KVSender, KVTransferError, SendResult
+from prefill.push_mode import layers_due
 from worker.transfer import KvPairingError
 
 logger = logging.getLogger(__name__)
