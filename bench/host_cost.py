@@ -27,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import up_bench  # noqa: E402
+
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -100,9 +102,7 @@ def per_token(before: dict, after: dict, tokens: int) -> dict[str, dict[str, flo
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Hugging Face model directory (dummy weights of its shape are served)")
-    src.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape (bench/h200_bench.py)")
+    up_bench.add_model_source(p)
     p.add_argument("--colocated", action="store_true", help="tandem up --colocated (one role-both worker)")
     p.add_argument("--stream", action="store_true",
                    help="read each request as a stream (every step's tokens, as `tandem bench` and streaming clients "
@@ -117,17 +117,11 @@ def main() -> int:
         if v < 1:
             p.error(f"{flag}: must be >= 1, got {v}")
 
-    from bench import up_bench
     from entrypoints.cluster import free_port
     from tandem import AsyncClient
 
     with tempfile.TemporaryDirectory(prefix="host-cost-") as tmp:
-        if a.llama8b:
-            from bench.h200_bench import LLAMA31_8B, write_model
-
-            model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
-        else:
-            model_dir = Path(a.model)
+        model_dir = up_bench.model_source(a, Path(tmp))
         prompts = up_bench.make_prompts(a.prompts, a.input_len, up_bench.vocab_size(model_dir))
         port = free_port()
         extra = (["--colocated"] if a.colocated else []) + a.up_args.split()

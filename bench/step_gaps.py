@@ -22,7 +22,6 @@ import asyncio
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench import up_bench  # noqa: E402
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -135,7 +136,6 @@ class PromptPool:
     hit, and its prefill would not be measured)."""
 
     def __init__(self, model_dir: Path, count: int, length: int) -> None:
-        from bench import up_bench
 
         self._prompts = up_bench.make_prompts(count, length, up_bench.vocab_size(model_dir))
 
@@ -152,7 +152,6 @@ def level_requests(c: int, requests: int | None) -> int:
 
 def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, pool: PromptPool, output_len: int,
           log_dir: Path, up_args: list[str]) -> list[dict]:
-    from bench import up_bench
     from entrypoints.cluster import free_port
 
     port = free_port()
@@ -240,9 +239,7 @@ def offline(model_dir: Path, levels: list[int], pool: PromptPool, output_len: in
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Hugging Face model directory (dummy weights of its shape are served)")
-    src.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape (bench/h200_bench.py)")
+    up_bench.add_model_source(p)
     p.add_argument("--modes", default="disagg,colocated", help="comma list of disagg, colocated")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of stream counts")
     p.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2C))")
@@ -265,12 +262,7 @@ def main() -> int:
             p.error(f"{flag}: must be >= 1, got {v}")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="step-gaps-") as tmp:
-        if a.llama8b:
-            from bench.h200_bench import LLAMA31_8B, write_model
-
-            model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
-        else:
-            model_dir = Path(a.model)
+        model_dir = up_bench.model_source(a, Path(tmp))
         served = sum(level_requests(c, a.requests) for c in levels)
         pool = PromptPool(model_dir, len(modes) * (2 + served) + 1 + sum(levels), a.input_len)
         for mode in modes:

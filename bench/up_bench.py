@@ -39,6 +39,18 @@ def log(*a) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
+def add_model_source(p: argparse.ArgumentParser) -> None:
+    """`--model DIR` or `--llama8b` (one of them), for the scripts that serve a shape with dummy weights."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Hugging Face model directory (dummy weights of its shape are served)")
+    src.add_argument("--llama8b", action="store_true", help="the Llama-3.1-8B shape (bench/h200_bench.py)")
+
+
+def model_source(a: argparse.Namespace, tmp: Path) -> Path:
+    """The model directory `add_model_source`'s flags name (the 8B shape is written under `tmp`)."""
+    return write_model(Path(tmp) / "llama31-8b", LLAMA31_8B) if a.llama8b else Path(a.model)
+
+
 def vocab_size(model_dir: Path) -> int:
     """The model's vocabulary size (its config.json): prompts are token ids below it."""
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
