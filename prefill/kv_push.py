@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.outputs import FinishReason, Request, StepOutput, StepPlan
 from kvtransfer import KVSender, KVTransferError
 from prefill.adapters import PrefillInput
-from prefill.push_mode import layers_due
+from prefill.push_mode import check_kv_push, layers_due
 from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
 from tandem.types import DEADLINE
 from worker.adapters import logprob_to_meta
@@ -89,7 +89,7 @@ class KvPusher:
 
     def __init__(self, loop: EngineLoop, sender: KVSender, ranks: RankSends | None = None,
                  rank_timeout_s: float = 30.0, push: str = "layer") -> None:
-        layers_due(0, 1, push)  # ValueError for an unknown mode
+        check_kv_push(push)
         self.loop = loop
         self.sender = sender
         self.ranks = ranks

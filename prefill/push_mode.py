@@ -10,15 +10,14 @@
 """
 from __future__ import annotations
 
-from worker.config import KV_PUSH_MODES
+from worker.config import check_kv_push
 
-__all__ = ["KV_PUSH_MODES", "layers_due"]
+__all__ = ["check_kv_push", "layers_due"]
 
 
 def layers_due(layer: int, num_layers: int, mode: str) -> range:
     """The layers to push once `layer` (of `num_layers`) has run in the pushing step."""
     if mode == "layer":
         return range(layer, layer + 1)
-    if mode == "step":
-        return range(num_layers) if layer == num_layers - 1 else range(0)
-    raise ValueError(f"kv_push: must be one of {', '.join(KV_PUSH_MODES)}, got {mode!r}")
+    check_kv_push(mode)
+    return range(num_layers) if layer == num_layers - 1 else range(0)  # "step"

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.model import LayerHook
 from kvtransfer import KVSender, KVTransferError, SendResult
-from prefill.push_mode import layers_due
+from prefill.push_mode import check_kv_push, layers_due
 from worker.transfer import KvPairingError
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class FollowerPusher:
 
     def __init__(self, rank: int, kv_layers: list, sender: KVSender, report: Callable[[dict[str, Any]], None],
                  push: str = "layer") -> None:
-        layers_due(0, 1, push)  # ValueError for an unknown mode
+        check_kv_push(push)
         self.rank = rank
         self.kv_layers = kv_layers
         self.sender = sender

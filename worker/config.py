@@ -24,6 +24,12 @@ DEFAULT_PORTS = {"prefill": 50060, "decode": 50070, "both": 50080}
 KV_PUSH_MODES = ("layer", "step")  # when a prefill worker pushes a prompt's KV (prefill.push_mode)
 
 
+def check_kv_push(mode: str) -> None:
+    """ValueError naming kv_push unless `mode` is one of KV_PUSH_MODES."""
+    if mode not in KV_PUSH_MODES:
+        raise ValueError(f"kv_push: must be one of {', '.join(KV_PUSH_MODES)}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """How this worker moves KV to or from its peers (prefill sends, decode receives)."""
@@ -37,8 +43,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"kv_timeout_s: must be > 0, got {self.timeout_s}")
-        if self.push not in KV_PUSH_MODES:
-            raise ValueError(f"kv_push: must be one of {', '.join(KV_PUSH_MODES)}, got {self.push!r}")
+        check_kv_push(self.push)
 
 
 @dataclass(frozen=True)
