@@ -121,15 +121,20 @@ class UpCluster:
             raise AssertionError(f"{exc}; decisions so far: {self.decisions()}; the agent's itl samples: "
                                  f"{self.samples('itl')}; the workers' mean steps: {self.mean_steps()}") from None
 
+    def worker_samples(self, worker: str) -> list:
+        """Every sample of the worker's own /metrics page."""
+        w = self.workers()[worker]
+        host = w.address.rsplit(":", 1)[0]
+        with urllib.request.urlopen(f"http://{host}:{w.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
     def mean_steps(self) -> dict[str, float]:
         """Worker -> its mean engine step (seconds) over the last second, from its own /metrics."""
         def sums() -> dict[str, tuple[float, float]]:
             out = {}
-            for name, w in self.workers().items():
-                host = w.address.rsplit(":", 1)[0]
-                with urllib.request.urlopen(f"http://{host}:{w.metrics_port}/metrics", timeout=5) as r:
-                    vals = {s.name: s.value for fam in text_string_to_metric_families(r.read().decode())
-                            for s in fam.samples if s.name.startswith("tandem_engine_step_seconds_")}
+            for name in self.workers():
+                vals = {s.name: s.value for s in self.worker_samples(name)}
                 out[name] = (vals.get("tandem_engine_step_seconds_sum", 0.0),
                              vals.get("tandem_engine_step_seconds_count", 0.0))
             return out
@@ -141,11 +146,7 @@ class UpCluster:
 
     def generate_calls(self, worker: str) -> float:
         """PrefillAndDecode calls the worker has served (its tandem_worker_rpcs)."""
-        w = self.workers()[worker]
-        host = w.address.rsplit(":", 1)[0]
-        with urllib.request.urlopen(f"http://{host}:{w.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+        return sum(s.value for s in self.worker_samples(worker)
                    if s.name == "tandem_worker_rpcs_total" and s.labels.get("method") == "PrefillAndDecode")
 
     def settled_calls(self, worker: str, quiet_s: float = 1.0) -> tuple[float] | None:
