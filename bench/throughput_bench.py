@@ -170,8 +170,8 @@ class Clusters:
 
     MODES = {"disagg": [], "colocated": ["--colocated"], "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"]}
 
-    def __init__(self, model_dir: Path, log_root: Path) -> None:
-        self.model_dir, self.log_root = model_dir, log_root
+    def __init__(self, model_dir: Path, log_root: Path, up_args: list[str] = ()) -> None:
+        self.model_dir, self.log_root, self.up_args = model_dir, log_root, list(up_args)
         self.mode: str | None = None
         self.proc: subprocess.Popen | None = None
         self.target = ""
@@ -192,7 +192,7 @@ class Clusters:
         up_bench.UP_TIMEOUT_S = max(30.0, timeout_s)  # start_up reads it for its deadline
         try:
             proc, banner, up_s = up_bench.start_up(self.model_dir, port, self.log_root / f"logs-{mode}",
-                                                   self.MODES[mode])
+                                                   [*self.MODES[mode], *self.up_args])
         except Exception as exc:
             self.failed[mode] = repr(exc)[:2000]
             raise
@@ -571,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="DIR",
                    help="a Hugging Face model directory to run instead of the Llama-3.1-8B shape (dummy weights "
                         "either way); a tiny one runs the cluster sections on a CPU, as the tests do")
+    p.add_argument("--up-args", default="", help="more `tandem up` flags for every cluster section, space-separated")
     p.add_argument("--log-dir", default=None, help="keep the clusters' logs here (default: a temporary directory)")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=_positive(int), default=1024)
@@ -655,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.h200_bench import LLAMA31_8B, write_model
 
         model_dir = Path(a.model) if a.model else write_model(work / "llama31-8b", LLAMA31_8B)
-        clusters = Clusters(model_dir, Path(a.log_dir) if a.log_dir else work)
+        clusters = Clusters(model_dir, Path(a.log_dir) if a.log_dir else work, a.up_args.split())
         try:
             for section, budget in steps:
                 left = t0 + a.deadline_s - time.time()

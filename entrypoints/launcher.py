@@ -117,7 +117,7 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
             children.append(child(w.name, "worker", argv, port))
         elif w.role == "prefill":
             children.append(child(w.name, "prefill", ["--port", str(port), "--worker-id", w.name,
-                                                      "--kv-push", a.kv_push, *disagg], port))
+                                                      "--kv-push", placement.kv_push(w.name, a.kv_push), *disagg], port))
         else:
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(child(w.name, "decode", ["--port", str(port), "--worker-id", w.name,
@@ -172,10 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
                    help="prefill -> decode KV transport (auto: cuda_ipc on shared GPUs, nccl across GPUs, "
                         "zmq on the CPU)")
-    p.add_argument("--kv-push", choices=KV_PUSH_MODES, default="layer", dest="kv_push",
+    p.add_argument("--kv-push", choices=("auto", *KV_PUSH_MODES), default="auto", dest="kv_push",
                    help="when prefill workers push a prompt's KV: layer = each layer as soon as it is computed "
                         "(overlaps the transfer with the forward), step = every layer once the forward has run "
-                        "(one burst, no decode-side copies between the prefill's layers)")
+                        "(one burst, no decode-side copies between the prefill's layers); auto = step where a "
+                        "prefill worker shares its GPU with a decode worker, else layer")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")

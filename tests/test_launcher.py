@@ -146,17 +146,26 @@ def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
 
 
 def test_kv_push_goes_to_the_prefill_workers() -> None:
-    """`--kv-push` is the prefill workers' (default `layer`); decode workers and the gateway get none."""
+    """`--kv-push` is the prefill workers' (auto: step where one shares a GPU with a decode worker,
+    layer on GPUs of its own and on the CPU); decode workers and the gateway get none."""
     from entrypoints.launcher import build_children, parse_args, placement_for
 
-    def pushes(*argv: str) -> dict[str, str | None]:
+    def pushes(*argv: str, visible: int = 1) -> dict[str, str | None]:
         a = parse_args(list(argv))
         return {c.name: c.argv[c.argv.index("--kv-push") + 1] if "--kv-push" in c.argv else None
-                for c in build_children(a, "/models/m", placement=placement_for(a, visible=1))}
+                for c in build_children(a, "/models/m", placement=placement_for(a, visible=visible))}
 
-    assert pushes() == {"prefill-0": "layer", "decode-0": None, "gateway": None}
-    assert pushes("--kv-push", "step", "--prefill-workers", "2") == {"prefill-0": "step", "prefill-1": "step",
-                                                                     "decode-0": None, "gateway": None}
+    assert pushes() == {"prefill-0": "step", "decode-0": None, "gateway": None}
+    assert pushes(visible=2) == {"prefill-0": "layer", "decode-0": None, "gateway": None}
+    assert pushes(visible=0) == {"prefill-0": "layer", "decode-0": None, "gateway": None}
+    assert pushes("--kv-push", "layer") == {"prefill-0": "layer", "decode-0": None, "gateway": None}
+    assert pushes("--kv-push", "step", "--prefill-workers", "2", visible=2) == {
+        "prefill-0": "step", "prefill-1": "step", "decode-0": None, "gateway": None}
+    # Two GPUs, two prefill workers: the decode worker has one, both prefill workers the other.
+    assert pushes("--prefill-workers", "2", visible=2) == {
+        "prefill-0": "layer", "prefill-1": "layer", "decode-0": None, "gateway": None}
+    # Two GPUs, two decode workers: the prefill worker joins one of them.
+    assert pushes("--decode-workers", "2", visible=2)["prefill-0"] == "step"
     with pytest.raises(SystemExit):
         parse_args(["--kv-push", "burst"])
 
