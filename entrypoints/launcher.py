@@ -41,6 +41,7 @@ from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementErr
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, HelpFormatter
+from worker.gpu_turn import create_turn_file
 
 logger = logging.getLogger("tandem.up")
 
@@ -110,6 +111,20 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
                               auth_token=auth_token, tls_ca=a.tls_ca)
 
     disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
+
+    def turn(name: str) -> list[str]:
+        """--gpu-turn for a worker sharing its GPU with workers of the other role (worker.gpu_turn):
+        one turn file per prefill worker, in the run directory."""
+        partners = placement.gpu_partners(name)
+        if ready_dir is None or not a.gpu_turn or not partners:
+            return []
+        prefills = [name] if placement.worker(name).role == "prefill" else partners
+        files = [ready_dir / f"{p}.gpu-turn" for p in prefills]
+        for f in files:
+            if not f.exists():
+                create_turn_file(f)
+        return ["--gpu-turn", ",".join(map(str, files))]
+
     for w in placement.workers:
         port = free_port()
         if w.role == "both":
@@ -117,11 +132,12 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
             children.append(child(w.name, "worker", argv, port))
         elif w.role == "prefill":
             children.append(child(w.name, "prefill", ["--port", str(port), "--worker-id", w.name,
-                                                      "--kv-push", placement.kv_push(w.name, a.kv_push), *disagg], port))
+                                                      "--kv-push", placement.kv_push(w.name, a.kv_push),
+                                                      *turn(w.name), *disagg], port))
         else:
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(child(w.name, "decode", ["--port", str(port), "--worker-id", w.name,
-                                                     "--kv-address", kv, *disagg], port))
+                                                     "--kv-address", kv, *turn(w.name), *disagg], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port), "--load-format", a.load_format]
     for c in children:
         gw += {"prefill": ["--prefill"], "decode": ["--decode"], "worker": ["--worker"]}[c.role] + [c.address]
@@ -177,6 +193,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(overlaps the transfer with the forward), step = every layer once the forward has run "
                         "(one burst, no decode-side copies between the prefill's layers); auto = step where a "
                         "prefill worker shares its GPU with a decode worker, else layer")
+    p.add_argument("--no-gpu-turn", action="store_false", dest="gpu_turn",
+                   help="where prefill and decode workers share a GPU, let a decode worker step while a prefill "
+                        "worker computes a prompt (the GPU then time-slices between them; default: the decode "
+                        "worker waits up to 50 ms for the prefill step, worker.gpu_turn)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")

@@ -24,6 +24,9 @@ Rules:
   on the GPU, and the decode worker's copy of each layer, interleaved with the forward, made the
   prefill step ~40% longer on an H200 (BENCHMARKS §11). Elsewhere each layer goes as soon as it
   is computed (`layer`), overlapping the transfer with the rest of the forward.
+- Turns (`Placement.gpu_partners`, `worker.gpu_turn`): a decode worker waits for the steps of
+  the prefill workers that share its GPU before its own (at most 50 ms), so a prompt's forward
+  does not take turns with decode steps.
 """
 from __future__ import annotations
 
@@ -76,14 +79,19 @@ class Placement:
         used = [g for w in self.workers for g in w.gpus]
         return len(used) != len(set(used))
 
+    def gpu_partners(self, name: str) -> list[str]:
+        """The workers of the other disaggregated role (decode for a prefill worker, prefill for
+        a decode worker) that share a GPU with worker `name`, in placement order."""
+        me = self.worker(name)
+        other = {"prefill": "decode", "decode": "prefill"}.get(me.role)
+        return [w.name for w in self.workers if w.role == other and set(me.gpus) & set(w.gpus)]
+
     def kv_push(self, name: str, requested: str = "auto") -> str:
         """When prefill worker `name` pushes a prompt's KV (`prefill.push_mode`): `requested`
         unless it is auto, then step where it shares a GPU with a decode worker, else layer."""
         if requested != "auto":
             return requested
-        own = set(self.worker(name).gpus)
-        shares = any(w.role == "decode" and own & set(w.gpus) for w in self.workers)
-        return "step" if shares else "layer"
+        return "step" if self.gpu_partners(name) else "layer"
 
     def worker(self, name: str) -> WorkerPlacement:
         for w in self.workers:

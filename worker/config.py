@@ -17,6 +17,7 @@ from typing import Any
 from engine import EngineConfig
 from tandem.netaddr import is_wildcard
 from tandem.types import ROLES
+from worker.gpu_turn import turn_paths
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class WorkerConfig:
     advertise_host: str | None = None  # None: `host`, or this machine's primary IP when host is a wildcard
     worker_id: str | None = None  # None: "{role}-{advertised host}-{port}"
     batch_window_ms: float | None = None  # None: 2 ms for prefill, 0 otherwise
+    gpu_turn: str | None = None  # turn files of a GPU shared with other workers (worker.gpu_turn)
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
@@ -108,6 +110,7 @@ class WorkerConfig:
             raise ValueError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
         if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
+        turn_paths(self.role, self.gpu_turn)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
         if self.role == "prefill" and self.engine.cuda_graphs:
@@ -274,6 +277,11 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="seconds a reservation waits for its KV when the request carries no timeout")
     p.add_argument("--batch-window-ms", type=float, default=None,
                    help="collect arrivals this long before stepping an idle engine (default 2 for prefill, 0 otherwise)")
+    p.add_argument("--gpu-turn", default=None, metavar="FILE[,FILE...]",
+                   help="where prefill and decode workers share a GPU (tandem up sets it): a prefill worker marks "
+                        "its steps in its FILE; a decode worker waits for the marks of every FILE given before "
+                        "each step (at most 50 ms), so a prompt's forward runs without taking turns with decode "
+                        "steps (default: none)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
     p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index (default: none; the gateway's embedded index)")
     p.add_argument("--namespace", default=None, help="prefix-index namespace (default: the model identity)")
@@ -331,6 +339,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         advertise_host=args.advertise_host,
         worker_id=args.worker_id,
         batch_window_ms=args.batch_window_ms,
+        gpu_turn=args.gpu_turn,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,

@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.outputs import FinishReason, StepOutput, StepPlan
 from tandem.native import set_thread_name
 from worker.events import KvEventHub
+from worker.gpu_turn import GpuTurn
 from worker.stats import StatsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class EngineLoop:
       engine's per-step token budget still caps the batch). 0 steps at once.
     on_layer: passed to `engine.step` (the prefill worker pushes KV from there).
     on_step: called on the engine thread after each step with its duration in seconds.
+    turn: the worker's side of a GPU shared with other workers (`worker.gpu_turn`): called
+      around each step; `on_turn_wait` gets the seconds a step waited for its turn (when > 0).
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class EngineLoop:
         batch_window_s: float = 0.0,
         on_layer: LayerHook | None = None,
         on_step: Callable[[float], None] | None = None,
+        turn: GpuTurn | None = None,
+        on_turn_wait: Callable[[float], None] | None = None,
     ) -> None:
         if not batch_window_s >= 0:
             raise ValueError(f"batch_window_s: must be >= 0, got {batch_window_s}")
@@ -85,6 +90,8 @@ class EngineLoop:
         self.batch_window_s = float(batch_window_s)
         self.on_layer = on_layer
         self._on_step = on_step
+        self.turn = turn or GpuTurn()
+        self._on_turn_wait = on_turn_wait
         self.events = KvEventHub()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
@@ -240,6 +247,9 @@ class EngineLoop:
                 logger.exception("engine timer failed")
 
     def _step(self) -> None:
+        waited = self.turn.before_step()
+        if waited and self._on_turn_wait is not None:
+            self._on_turn_wait(waited)
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step(on_layer=self.on_layer)
@@ -247,6 +257,8 @@ class EngineLoop:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))
             self._fail_all(exc)
             return
+        finally:
+            self.turn.after_step()
         self._steps += 1
         if self._on_step is not None:
             self._on_step(time.perf_counter() - t0)

@@ -113,11 +113,17 @@ class WorkerMetrics(MetricsEndpoint):
                                   [*labels, "stage"], buckets=_STEP_BUCKETS, registry=self.registry)
         self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
                              [*labels, "method", "code"], registry=self.registry)
+        self._turn_wait = Counter("tandem_worker_gpu_turn_wait_seconds",
+                                  "Seconds a decode worker's steps waited for prefill steps on its GPU (--gpu-turn)",
+                                  list(labels), registry=self.registry).labels(**labels)
         ProcessCollector(registry=self.registry)
         self._labels = labels
 
     def observe_step(self, seconds: float) -> None:
         self._step.observe(seconds)
+
+    def observe_turn_wait(self, seconds: float) -> None:
+        self._turn_wait.inc(seconds)
 
     def observe_prefill(self, stage: str, seconds: float) -> None:
         """A Prefill call's `stage` ("compute" or "handover") took `seconds`."""

@@ -36,6 +36,7 @@ from tandem.netaddr import advertised_host, host_port
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
+from worker.gpu_turn import GpuTurn, make_turn
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
 
@@ -82,6 +83,7 @@ class WorkerServer:
         self.sender: KVSender | None = None  # prefill: set by the role's services
         self.receiver: KVReceiver | None = None  # decode: set by the role's services
         self.publisher: IndexPublisher | None = None
+        self.turn = GpuTurn()  # the GPU shared with other workers: made at start (worker.gpu_turn)
         self.health: HealthServicer | None = None
         self.port = 0
         self.kv_address = ""  # as advertised: set by the role's services, wildcard hosts rewritten
@@ -124,8 +126,9 @@ class WorkerServer:
         except RuntimeError as exc:  # grpc's way of saying the address is taken
             raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
         worker_id = cfg.worker_id or f"{cfg.role}-{self.advertised_host}-{self.port}"
+        self.turn = make_turn(cfg.role, cfg.gpu_turn)
         loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
-                          on_step=self._observe_step)
+                          on_step=self._observe_step, turn=self.turn, on_turn_wait=self._observe_turn_wait)
         runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
         runtime.bridge = AsyncBridge(asyncio.get_running_loop())
         self.server, self.runtime = server, runtime
@@ -159,6 +162,10 @@ class WorkerServer:
             seconds += self._step_fault.after_step()
         if self.runtime is not None and self.runtime.metrics is not None:
             self.runtime.metrics.observe_step(seconds)
+
+    def _observe_turn_wait(self, seconds: float) -> None:
+        if self.runtime is not None and self.runtime.metrics is not None:
+            self.runtime.metrics.observe_turn_wait(seconds)
 
     def _start_publisher(self, runtime: WorkerRuntime) -> None:
         if not self.config.index.redis_url:
@@ -237,6 +244,7 @@ class WorkerServer:
         if self.publisher is not None:
             self.publisher.close()
         self.runtime.loop.stop()
+        self.turn.close()
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:

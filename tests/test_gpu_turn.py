@@ -1,0 +1,180 @@
+"""Turns on a shared GPU (`worker.gpu_turn`, `--gpu-turn`): the prefill side marks its steps in
+a turn file, the decode side waits for the marks (bounded), across real processes; bad values
+name the field; and a real decode worker given a turn file that is held busy spaces its tokens
+by the bound, then streams the offline engine's greedy tokens as before."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig, WorkerPoolConfig
+from harness import GatewayThread, start_workers, stop_workers, wait_idle
+from tandem import Client, SamplingParams
+from worker.gpu_turn import (DecodeTurn, GpuTurn, PrefillTurn, create_turn_file, make_turn, turn_paths)
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT = 60.0
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+FLAGS = ["--num-kv-blocks", "64", "--max-running", "8"]
+
+
+def _mark(path: Path) -> int:
+    return int.from_bytes(path.read_bytes(), "little", signed=True)
+
+
+def _hold(path: Path, seconds: float) -> subprocess.Popen:
+    """Another process that marks `path` busy for `seconds` (as a prefill worker's step would),
+    printing "held" once the mark is in."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from worker.gpu_turn import PrefillTurn
+        t = PrefillTurn({str(path)!r})
+        t.before_step()
+        print("held", flush=True)
+        time.sleep({seconds})
+        t.close()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_the_prefill_side_marks_its_steps(tmp_path: Path) -> None:
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    assert _mark(f) == 0 and f.stat().st_size == 8 and f.stat().st_mode & 0o777 == 0o600
+    f.write_bytes((12345).to_bytes(8, "little"))  # what a worker killed mid-step leaves
+    p = PrefillTurn(str(f))
+    assert _mark(f) == 0  # a (re)started prefill worker clears it
+    before = time.monotonic_ns()
+    assert p.before_step() == 0.0
+    assert before <= _mark(f) <= time.monotonic_ns()
+    p.after_step()
+    assert _mark(f) == 0
+    p.before_step()
+    p.close()
+    assert _mark(f) == 0
+
+
+def test_the_decode_side_waits_for_another_process(tmp_path: Path) -> None:
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    d = DecodeTurn([str(f)], max_wait_s=5.0)
+    assert not d.busy() and d.before_step() == 0.0 and d.waits == 0
+    holder = _hold(f, 0.4)
+    try:
+        assert d.busy()
+        waited = d.before_step()
+    finally:
+        holder.wait(10)
+    assert 0.2 <= waited < 3.0, waited  # released when the other process cleared its mark
+    assert d.waits == 1 and d.waited_s == pytest.approx(waited)
+    assert not d.busy()
+
+
+def test_the_wait_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None:
+    f, g = tmp_path / "a.gpu-turn", tmp_path / "b.gpu-turn"
+    for x in (f, g):
+        create_turn_file(x)
+    d = DecodeTurn([str(f), str(g)], max_wait_s=0.1, stale_s=1.0)
+    p = PrefillTurn(str(g))  # the second of two prefill workers on the GPU, never finishing its step
+    p.before_step()
+    t = time.monotonic()
+    waited = d.before_step()
+    assert 0.1 <= waited and time.monotonic() - t < 1.0
+    f.write_bytes((time.monotonic_ns() - 2_000_000_000).to_bytes(8, "little"))  # older than stale_s
+    p.after_step()
+    assert not d.busy() and d.before_step() == 0.0
+    d.close()
+    p.close()
+
+
+def test_bad_values_name_the_field(tmp_path: Path) -> None:
+    from worker.config import WorkerConfig, build_parser, config_from_args
+
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    assert turn_paths("decode", f"{f}, {f}") == [str(f), str(f)]
+    assert turn_paths("prefill", None) == [] and type(make_turn("decode", None)) is GpuTurn
+    for role, spec, match in [("prefill", f"{f},{f}", "one turn file"), ("both", str(f), "only prefill and decode"),
+                              ("decode", " , ", "FILE")]:
+        with pytest.raises(ValueError, match="gpu_turn") as err:
+            turn_paths(role, spec)
+        assert match in str(err.value)
+    with pytest.raises(ValueError, match="gpu_turn: cannot open"):
+        make_turn("decode", str(tmp_path / "missing"))
+    (tmp_path / "big").write_bytes(bytes(16))
+    with pytest.raises(ValueError, match="not a turn file"):
+        make_turn("prefill", str(tmp_path / "big"))
+    args = build_parser("prefill").parse_args(["--model", "m", "--gpu-turn", f"{f},{f}"])
+    with pytest.raises(ValueError, match="gpu_turn"):
+        config_from_args(args, "prefill")
+    with pytest.raises(ValueError, match="gpu_turn"):
+        WorkerConfig(role="both", engine=config_from_args(
+            build_parser("decode").parse_args(["--model", "m"]), "decode").engine, gpu_turn=str(f))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
+
+
+def _turn_wait_seconds(metrics_port: int) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "tandem_worker_gpu_turn_wait_seconds_total")
+
+
+def test_a_decode_worker_waits_for_a_held_turn_then_streams_on(model_dir: Path, tmp_path: Path) -> None:
+    """A decode worker waits on two turn files: its prefill worker's, and one the test holds for
+    1 s as a second prefill worker in a long step would. While it is held, each of the decode
+    worker's steps waits out the 50 ms bound (its tokens come that far apart, and it counts the
+    wait); the tokens are the offline engine's; the prefill worker leaves its own file idle."""
+    from engine import LLM
+    from worker.gpu_turn import MAX_WAIT_S
+
+    own, held = tmp_path / "prefill-0.gpu-turn", tmp_path / "prefill-1.gpu-turn"
+    for f in (own, held):
+        create_turn_file(f)
+    p, d = start_workers([("prefill", [*FLAGS, "--gpu-turn", str(own)]),
+                          ("decode", [*FLAGS, "--gpu-turn", f"{own},{held}", "--metrics-port", "0"])],
+                         model_dir, tmp_path / "w")
+    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0,
+                                     workers=WorkerPoolConfig(prefill=(p.address,), decode=(d.address,),
+                                                              local_prefill_tokens=0)))
+    prompt = [256, *range(40, 70)]
+    want = LLM(str(model_dir), num_kv_blocks=64, max_running=4).generate(
+        prompt, SamplingParams(max_tokens=60, **GREEDY))[0].token_ids
+    try:
+        assert gw.wait_ready(WAIT)
+        with Client(gw.target, timeout=WAIT) as c:
+            assert c.generate(prompt, max_tokens=60, **GREEDY).token_ids == want  # nothing held: no wait
+            assert _turn_wait_seconds(d.info["metrics_port"]) < 0.5
+            holder = _hold(held, 1.0)
+            got, arrivals = [], []
+            for chunk in c.stream(prompt, max_tokens=60, stream_interval=1, **GREEDY):
+                got += chunk.token_ids
+                arrivals.append((time.monotonic(), holder.poll() is None))
+            holder.wait(10)
+        assert got == want
+        during = [t for t, holding in arrivals[1:] if holding]  # the decode worker's tokens (not the first)
+        gaps = [b - a for a, b in zip(during, during[1:])]
+        assert len(gaps) >= 5, arrivals
+        assert min(gaps) >= 0.8 * MAX_WAIT_S, gaps  # every step waited out the bound
+        assert _turn_wait_seconds(d.info["metrics_port"]) >= 0.5
+    finally:
+        gw.stop()
+    for w in (p, d):
+        wait_idle(w, WAIT)
+    stop_workers([p, d])
+    assert _mark(own) == 0

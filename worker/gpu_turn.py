@@ -1,0 +1,154 @@
+"""Turns on a GPU that a prefill worker and a decode worker share (`--gpu-turn`).
+
+Two processes on one GPU do not run kernels side by side: the GPU time-slices between them.
+A prompt's forward that starts while the decode worker is stepping then takes turns with
+those steps and its first token comes about twice as late (BENCHMARKS §11). So, as a
+single engine would (SGLang runs a waiting prompt's prefill before the next decode step), the
+decode worker lets the prompt go first:
+
+- the prefill worker marks each engine step in its turn file: the step's start
+  (CLOCK_MONOTONIC, nanoseconds, which every process on the machine reads alike) before it,
+  0 after it (`PrefillTurn`);
+- before each of its own steps, the decode worker waits while any prefill worker on its GPU is
+  inside a step, for at most `MAX_WAIT_S` (its running streams never wait longer than that for
+  a token on a prefill's account), and ignores a mark older than `STALE_S` (a prefill worker
+  killed mid-step) (`DecodeTurn`).
+
+A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
+worker; nothing else is shared and either side may restart at any time.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+__all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "create_turn_file", "make_turn", "turn_paths"]
+
+MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps
+STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
+POLL_S = 0.0002
+_MARK = struct.Struct("<q")
+
+
+def create_turn_file(path: str | os.PathLike) -> None:
+    """An idle turn file (8 zero bytes), readable and writable by this user only."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, bytes(_MARK.size))
+    finally:
+        os.close(fd)
+
+
+def _map(path: str) -> mmap.mmap:
+    """The turn file's 8 bytes, mapped shared; ValueError naming gpu_turn if it is not one."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ValueError(f"gpu_turn: cannot open {path}: {exc.strerror}") from None
+    try:
+        if os.fstat(fd).st_size != _MARK.size:
+            raise ValueError(f"gpu_turn: {path} is not a turn file ({_MARK.size} bytes, made by tandem up)")
+        return mmap.mmap(fd, _MARK.size)
+    finally:
+        os.close(fd)
+
+
+class GpuTurn:
+    """What the engine loop calls around each step; the base class does nothing (no shared GPU)."""
+
+    def before_step(self) -> float:
+        """Called before a step; returns the seconds it waited."""
+        return 0.0
+
+    def after_step(self) -> None:
+        """Called after a step (also one that failed)."""
+
+    def close(self) -> None:
+        """Release the mapping (idle first, for a prefill worker)."""
+
+
+class PrefillTurn(GpuTurn):
+    """A prefill worker's side: marks its steps in its own turn file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mark = _map(path)
+        self.after_step()  # a restarted worker clears what its predecessor left
+
+    def before_step(self) -> float:
+        _MARK.pack_into(self._mark, 0, time.monotonic_ns() or 1)
+        return 0.0
+
+    def after_step(self) -> None:
+        _MARK.pack_into(self._mark, 0, 0)
+
+    def close(self) -> None:
+        if not self._mark.closed:
+            self.after_step()
+            self._mark.close()
+
+
+class DecodeTurn(GpuTurn):
+    """A decode worker's side: waits, before each step, for the prefill workers' marks."""
+
+    def __init__(self, paths: Sequence[str], max_wait_s: float = MAX_WAIT_S, stale_s: float = STALE_S) -> None:
+        if not paths:
+            raise ValueError("gpu_turn: no turn file given")
+        self.paths = list(paths)
+        self._marks = [_map(p) for p in self.paths]
+        self.max_wait_s, self.stale_ns = max_wait_s, int(stale_s * 1e9)
+        self.waits = 0  # steps that waited
+        self.waited_s = 0.0
+
+    def busy(self) -> bool:
+        """Whether some prefill worker is inside a step (begun less than `stale_s` ago)."""
+        now = time.monotonic_ns()
+        for mark in self._marks:
+            since = _MARK.unpack_from(mark, 0)[0]
+            if since and now - since < self.stale_ns:
+                return True
+        return False
+
+    def before_step(self) -> float:
+        if not self.busy():
+            return 0.0
+        start = time.monotonic()
+        end = start + self.max_wait_s
+        while time.monotonic() < end and self.busy():
+            time.sleep(POLL_S)
+        waited = time.monotonic() - start
+        self.waits += 1
+        self.waited_s += waited
+        return waited
+
+    def close(self) -> None:
+        for mark in self._marks:
+            if not mark.closed:
+                mark.close()
+
+
+def turn_paths(role: str, spec: str | None) -> list[str]:
+    """The turn files of a worker of `role` from its --gpu-turn value (ValueError naming gpu_turn
+    for a value that role cannot use): one for a prefill worker, one or more for a decode worker."""
+    if spec is None:
+        return []
+    paths = [p.strip() for p in spec.split(",") if p.strip()]
+    if not paths:
+        raise ValueError(f"gpu_turn: expected FILE[,FILE...], got {spec!r}")
+    if role == "prefill" and len(paths) != 1:
+        raise ValueError(f"gpu_turn: a prefill worker marks one turn file, got {len(paths)}: {spec!r}")
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"gpu_turn: only prefill and decode workers take turns, not a {role} worker")
+    return paths
+
+
+def make_turn(role: str, spec: str | None) -> GpuTurn:
+    """The turn of a worker of `role` from its --gpu-turn value: the prefill worker marks its
+    file, a decode worker waits on its files; None: no shared GPU, nothing to do."""
+    paths = turn_paths(role, spec)
+    if not paths:
+        return GpuTurn()
+    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths)
