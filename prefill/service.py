@@ -1,7 +1,7 @@
 """The tandem.v1.PrefillWorker servicer (grpc.aio; the engine runs on the engine thread).
 
-Prefill queues the prompt as a prefill-only request; the engine loop's batching window lets
-requests that arrive together share a step; the `KvPusher` pushes the KV during the step
+Prefill queues the prompt as a prefill-only request; requests that queue while a step runs
+share the next one (and `--batch-window-ms` can hold an idle engine for arrivals); the `KvPusher` pushes the KV during the step
 that samples the first token and commits; the RPC answers once the commit is handed to the
 transport.
 """

@@ -76,7 +76,7 @@ class WorkerConfig:
     port: int = 0  # 0: any free port (logged and written to ready_file)
     advertise_host: str | None = None  # None: `host`, or this machine's primary IP when host is a wildcard
     worker_id: str | None = None  # None: "{role}-{advertised host}-{port}"
-    batch_window_ms: float | None = None  # None: 2 ms for prefill, 0 otherwise
+    batch_window_ms: float = 0.0  # collect arrivals this long before stepping an idle engine
     gpu_turn: str | None = None  # turn files of a GPU shared with other workers (worker.gpu_turn)
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     drain_timeout_s: float = 30.0
@@ -108,7 +108,7 @@ class WorkerConfig:
             raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
-        if self.batch_window_ms is not None and not 0 <= self.batch_window_ms <= 1000:
+        if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
         turn_paths(self.role, self.gpu_turn)
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -125,8 +125,7 @@ class WorkerConfig:
 
     @property
     def batch_window_s(self) -> float:
-        ms = self.batch_window_ms if self.batch_window_ms is not None else (2.0 if self.role == "prefill" else 0.0)
-        return ms / 1000.0
+        return self.batch_window_ms / 1000.0
 
     def check_tp(self) -> None:
         """ValueError naming the field when the model or the machine cannot run `tp` ranks:
@@ -275,8 +274,9 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                         "(tcp port + r, ipc path + .rankR)")
     p.add_argument("--kv-timeout", type=float, default=30.0, dest="kv_timeout_s",
                    help="seconds a reservation waits for its KV when the request carries no timeout")
-    p.add_argument("--batch-window-ms", type=float, default=None,
-                   help="collect arrivals this long before stepping an idle engine (default 2 for prefill, 0 otherwise)")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="collect arrivals this long before stepping an idle engine (each one is a prompt's "
+                        "TTFT at low load; a busy engine batches what queued during its step anyway)")
     p.add_argument("--gpu-turn", default=None, metavar="FILE[,FILE...]",
                    help="where prefill and decode workers share a GPU (tandem up sets it): a prefill worker marks "
                         "its steps in its FILE; a decode worker waits for the marks of every FILE given before "
