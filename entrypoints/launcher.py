@@ -46,12 +46,49 @@ from worker.gpu_turn import create_turn_file
 logger = logging.getLogger("tandem.up")
 
 
-def placement_for(a: argparse.Namespace, visible: int | None = None) -> Placement:
-    """Where each worker of `a` runs (PlacementError naming the flag when it cannot)."""
+def placement_for(a: argparse.Namespace, visible: int | None = None, model: str | None = None) -> Placement:
+    """Where each worker of `a` runs (PlacementError naming the flag when it cannot). Without
+    --prefill-memory-ratio, a prefill worker sharing a GPU with a decode worker gets what it
+    needs of it when `model` and the GPU's size are known (entrypoints.memory_split), else
+    PREFILL_MEMORY_RATIO of a decode worker's share."""
     visible = visible_gpu_count() if visible is None else visible
-    return place(parse_gpus(a.gpus, visible), prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp,
-                 colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport,
-                 prefill_memory_ratio=a.prefill_memory_ratio)
+    gpus = parse_gpus(a.gpus, visible)
+
+    def placed(ratio: float) -> Placement:
+        return place(gpus, prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp, colocated=a.colocated,
+                     memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport, prefill_memory_ratio=ratio)
+
+    if a.prefill_memory_ratio is not None:
+        return placed(a.prefill_memory_ratio)
+    placement = placed(PREFILL_MEMORY_RATIO)
+    ratio = derived_prefill_ratio(a, model, placement) if model else None
+    return placement if ratio is None else placed(ratio)
+
+
+def derived_prefill_ratio(a: argparse.Namespace, model: str, placement: Placement) -> float | None:
+    """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
+    first GPU that hosts both roles; None when no GPU does or its size cannot be read."""
+    from engine.config import EngineConfig, ModelConfig, parse_dtype
+    from entrypoints.memory_split import gpu_memory_bytes, prefill_memory_ratio, prefill_need_bytes
+
+    for gpu in placement.gpus:
+        here = [w.role for w in placement.workers if gpu in w.gpus]
+        if "prefill" in here and "decode" in here:
+            break
+    else:
+        return None
+    size = gpu_memory_bytes(physical_gpus((gpu,)))
+    if size is None:
+        return None
+    mc = ModelConfig.from_dir(model)
+    dtype = parse_dtype(a.dtype, "--dtype") if a.dtype else mc.torch_dtype
+    need = prefill_need_bytes(mc, dtype_bytes=dtype.itemsize, kv_cache_dtype=a.kv_cache_dtype,
+                              max_model_len=a.max_model_len, max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
+                              tp=a.tp)
+    ratio = prefill_memory_ratio(need, size, a.gpu_memory_fraction, here.count("prefill"), here.count("decode"))
+    logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
+                need / 2**30, gpu, size / 2**30, ratio)
+    return ratio
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:
@@ -182,9 +219,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float, default=0.90,
                    dest="gpu_memory_fraction",
                    help="share of each GPU's memory for the whole cluster on it (split among the workers sharing it)")
-    p.add_argument("--prefill-memory-ratio", type=float, default=PREFILL_MEMORY_RATIO,
+    p.add_argument("--prefill-memory-ratio", type=float, default=None,
                    help="where prefill and decode workers share a GPU: a prefill worker's memory against a decode "
-                        "worker's (default %(default)g: decode holds the running sequences' KV)")
+                        "worker's (default: what the prefill worker needs — weights, one request of "
+                        f"--max-model-len, a step — the rest to the decode worker, whose KV holds the running "
+                        f"sequences; {PREFILL_MEMORY_RATIO:g} where the GPU's size cannot be read)")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
                    help="prefill -> decode KV transport (auto: cuda_ipc on shared GPUs, nccl across GPUs, "
                         "zmq on the CPU)")
@@ -329,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem up: {exc}", file=sys.stderr, flush=True)
             return 2
     try:
-        placement = placement_for(a)
+        placement = placement_for(a, model=model)
     except PlacementError as exc:
         print(f"tandem up: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_WEIGHT = 2.0
 PREFILL_MEMORY_RATIO = 0.5  # a prefill worker's weight against a decode worker's (--prefill-memory-ratio)
+MIN_PREFILL_MEMORY_RATIO, MAX_PREFILL_MEMORY_RATIO = 0.05, 20.0
 KV_TRANSPORTS = ("auto", "zmq", "nccl", "cuda_ipc")
 
 
@@ -151,8 +152,9 @@ def place(gpus: Sequence[int], *, prefill: int = 1, decode: int = 1, tp: int = 1
     if not (isinstance(memory_fraction, (int, float)) and 0 < memory_fraction <= 1):
         raise PlacementError(f"--gpu-memory-fraction: must be in (0, 1], got {memory_fraction!r}")
     if isinstance(prefill_memory_ratio, bool) or not isinstance(prefill_memory_ratio, (int, float)) \
-            or not 0.05 <= prefill_memory_ratio <= 20:
-        raise PlacementError(f"--prefill-memory-ratio: must be in [0.05, 20], got {prefill_memory_ratio!r}")
+            or not MIN_PREFILL_MEMORY_RATIO <= prefill_memory_ratio <= MAX_PREFILL_MEMORY_RATIO:
+        raise PlacementError(f"--prefill-memory-ratio: must be in [{MIN_PREFILL_MEMORY_RATIO:g}, "
+                             f"{MAX_PREFILL_MEMORY_RATIO:g}], got {prefill_memory_ratio!r}")
     if kv_transport not in KV_TRANSPORTS:
         raise PlacementError(f"--kv-transport: must be one of {', '.join(KV_TRANSPORTS)}, got {kv_transport!r}")
     names = worker_names(prefill, decode, colocated)

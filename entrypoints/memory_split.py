@@ -1,0 +1,90 @@
+"""A prefill worker's share of a GPU it shares with decode workers, from what it needs.
+
+Where `tandem up` puts a prefill and a decode worker on one GPU, the decode worker's KV holds
+every running sequence, so its share decides how many run at once; a prefill worker needs its
+weights, one step's activations and sampler rows, and KV for one request of `--max-model-len`
+plus a step's worth of other prompts (and its prefix cache keeps what that room allows).
+`prefill_need_bytes` adds those up the way the worker's own memory plan does
+(`engine.memory`), with the upper estimate of a step's activations and a margin;
+`prefill_memory_ratio` turns the need into the placement's prefill-to-decode ratio on a GPU of a
+given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when it can read the
+GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
+
+On an H200 (139.8 GiB) and Llama-3.1-8B (bf16, 131,072 tokens) the prefill worker needs
+~37 GiB of the cluster's 90%: 27%, and the decode worker gets 63% instead of 60%; a model of a
+32,768-token context leaves the decode worker ~75%.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+
+from engine.config import ModelConfig
+from engine.memory import NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, derive_max_running, estimate_step
+from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MARGIN_BYTES = 2 * GiB  # allocator slack and estimates that fall short
+KV_ELEMENT_BYTES = {"auto": None, "fp8": 1}  # None: the model dtype's
+
+
+def prefill_need_bytes(mc: ModelConfig, *, dtype_bytes: int, kv_cache_dtype: str, max_model_len: int | None,
+                       max_batched_tokens: int, tp: int = 1) -> int:
+    """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights, KV for one
+    request of `max_model_len` (None: the model's) plus one step's prompts, a step's
+    activations and sampler rows, what torch does not see, and MARGIN_BYTES."""
+    import torch
+
+    context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    kv_elem = KV_ELEMENT_BYTES.get(kv_cache_dtype) or dtype_bytes
+    kv_tokens = context + max_batched_tokens
+    kv = kv_tokens * 2 * mc.num_layers * mc.kv_size * kv_elem // tp
+    rows = derive_max_running(kv_tokens, context, "cuda")
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    activations = estimate_step(mc, dtype, max_batched_tokens, rows, tp)
+    weights = mc.num_params() * dtype_bytes // tp
+    sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return weights + kv + activations + sampler + NON_TORCH_BYTES + MARGIN_BYTES
+
+
+def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, prefill_per_gpu: int = 1,
+                         decode_per_gpu: int = 1) -> float:
+    """The placement's prefill-to-decode memory ratio that gives each of `prefill_per_gpu`
+    prefill workers `need_bytes` of a `gpu_bytes` GPU whose `cluster_share` is split among them
+    and `decode_per_gpu` decode workers (entrypoints.placement splits a GPU's share by weight:
+    prefill r, decode 1). Clamped to the ratios placement accepts, and never above 1 (the
+    decode workers get no less than a prefill worker): a model too big for that fails in the
+    worker with the flag to change."""
+    want = need_bytes / gpu_bytes  # the prefill worker's fraction of the GPU
+    rest = cluster_share - prefill_per_gpu * want
+    if rest <= 0:
+        return 1.0
+    ratio = want * decode_per_gpu / rest
+    return min(1.0, MAX_PREFILL_MEMORY_RATIO, max(MIN_PREFILL_MEMORY_RATIO, ratio))
+
+
+def gpu_memory_bytes(physical_gpu: str) -> int | None:
+    """Total memory of one GPU (an index or UUID as CUDA_VISIBLE_DEVICES names it), read with
+    nvidia-smi so that `tandem up` itself never opens a CUDA context; None when it cannot tell."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", physical_gpu],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("nvidia-smi could not tell GPU %s's memory (%s)", physical_gpu, exc)
+        return None
+    return parse_memory_mib(out)
+
+
+def parse_memory_mib(text: str) -> int | None:
+    """Bytes from nvidia-smi's `memory.total` in MiB (its first line); None for anything else."""
+    first = text.strip().splitlines()[0].strip() if text.strip() else ""
+    return int(first) * (1 << 20) if first.isdigit() and int(first) > 0 else None
+
+
+__all__ = ["gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio", "prefill_need_bytes"]

@@ -1,0 +1,116 @@
+"""A prefill worker's share of a GPU it shares with a decode worker, from what it needs
+(entrypoints.memory_split): the need adds up what the worker's memory plan takes, the ratio
+gives the prefill worker exactly that share through the placement, and `tandem up` uses it when
+it can read the GPU's size from nvidia-smi (here a stand-in script on PATH: no GPU on CI) and
+the fixed ratio otherwise or when --prefill-memory-ratio is given."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.h200_bench import LLAMA31_8B
+from engine.config import ModelConfig
+from engine.memory import NON_TORCH_BYTES
+from entrypoints.memory_split import MARGIN_BYTES, parse_memory_mib, prefill_memory_ratio, prefill_need_bytes
+from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, place
+
+GiB = 1 << 30
+H200_MIB = 143771
+
+
+def _need(**kw) -> int:
+    args = {"dtype_bytes": 2, "kv_cache_dtype": "auto", "max_model_len": None, "max_batched_tokens": 4096, **kw}
+    return prefill_need_bytes(ModelConfig.from_dict(LLAMA31_8B), **args)
+
+
+def test_the_need_covers_weights_one_longest_request_and_a_step() -> None:
+    mc = ModelConfig.from_dict(LLAMA31_8B)
+    weights = mc.num_params() * 2
+    kv_per_token = 2 * mc.num_layers * mc.kv_size * 2  # K and V, every layer, bf16: 128 KiB
+    assert kv_per_token == 128 << 10
+    need = _need()
+    floor = weights + (131072 + 4096) * kv_per_token + NON_TORCH_BYTES + MARGIN_BYTES
+    assert floor < need < floor + 4 * GiB  # plus a step's activations and sampler rows
+    # Less KV, and fewer sampler rows (the worker's max running follows its pool).
+    assert _need(max_model_len=8192) == pytest.approx(need - (131072 - 8192) * kv_per_token, abs=GiB / 2)
+    assert _need(max_model_len=10**7) == need  # capped at the model's context
+    assert need - _need(kv_cache_dtype="fp8") == pytest.approx((131072 + 4096) * kv_per_token / 2, rel=0.01)
+    assert _need(tp=2) < need / 2 + 3 * GiB  # each rank holds half the weights and half the KV heads
+
+
+@pytest.mark.parametrize("prefills,decodes", [(1, 1), (2, 1), (1, 2)])
+def test_the_ratio_gives_each_prefill_worker_its_need(prefills: int, decodes: int) -> None:
+    gpu = H200_MIB << 20
+    need = _need()
+    ratio = prefill_memory_ratio(need, gpu, 0.9, prefills, decodes)
+    pl = place([0], prefill=prefills, decode=decodes, prefill_memory_ratio=ratio)
+    for w in pl.workers:
+        share = w.memory_fraction * gpu
+        if w.role == "prefill":
+            assert share == pytest.approx(need, abs=gpu * 5e-5)  # shares are rounded to 4 decimals
+        else:
+            assert share > need / (1 if prefills == 1 else 2)
+    assert sum(w.memory_fraction for w in pl.workers) == pytest.approx(0.9, abs=3e-4)
+
+
+def test_the_ratio_is_clamped() -> None:
+    gpu = 80 * GiB
+    assert prefill_memory_ratio(60 * GiB, gpu, 0.9) == 1.0  # never more than a decode worker's share
+    assert prefill_memory_ratio(200 * GiB, gpu, 0.9) == 1.0
+    assert prefill_memory_ratio(1 << 20, gpu, 0.9) == MIN_PREFILL_MEMORY_RATIO
+
+
+def test_nvidia_smi_output_is_parsed_or_refused() -> None:
+    assert parse_memory_mib("143771\n") == H200_MIB << 20
+    assert parse_memory_mib("81559\n81559\n") == 81559 << 20
+    for bad in ("", "[N/A]", "0", "-5", "12.5"):
+        assert parse_memory_mib(bad) is None
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "llama31-8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return d
+
+
+@pytest.fixture
+def nvidia_smi(tmp_path: Path, monkeypatch) -> Path:
+    """An `nvidia-smi` on PATH that answers the memory query as an H200 does and logs its argv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'smi.log'}\necho {H200_MIB}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path / "smi.log"
+
+
+def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidia_smi: Path, monkeypatch) -> None:
+    from entrypoints.launcher import parse_args, placement_for
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    assert "-i 3" in nvidia_smi.read_text()  # the physical GPU, as the workers will see it
+    pre, dec = pl.worker("prefill-0").memory_fraction, pl.worker("decode-0").memory_fraction
+    assert pre * (H200_MIB << 20) == pytest.approx(_need(), abs=(H200_MIB << 20) * 5e-5)
+    assert pre + dec == pytest.approx(0.9) and 0.6 < dec < 0.7  # §11: 60% with the fixed ratio
+    short = placement_for(parse_args(["--max-model-len", "8192"]), visible=1, model=str(model_dir))
+    assert short.worker("decode-0").memory_fraction > dec + 0.05
+    fixed = placement_for(parse_args(["--prefill-memory-ratio", "0.5"]), visible=1, model=str(model_dir))
+    assert fixed.worker("decode-0").memory_fraction == pytest.approx(0.6)
+    apart = placement_for(parse_args([]), visible=2, model=str(model_dir))  # nothing shared: nothing to derive
+    assert apart.worker("decode-0").memory_fraction == apart.worker("prefill-0").memory_fraction == 0.9
+
+
+def test_without_nvidia_smi_the_fixed_ratio_stays(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from entrypoints.launcher import parse_args, placement_for
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
+    pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    assert pl.worker("prefill-0").memory_fraction == pytest.approx(0.3)
+    assert pl.worker("decode-0").memory_fraction == pytest.approx(0.6)
