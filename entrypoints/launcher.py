@@ -84,7 +84,7 @@ def derived_prefill_ratio(a: argparse.Namespace, model: str, placement: Placemen
     dtype = parse_dtype(a.dtype, "--dtype") if a.dtype else mc.torch_dtype
     need = prefill_need_bytes(mc, dtype_bytes=dtype.itemsize, kv_cache_dtype=a.kv_cache_dtype,
                               max_model_len=a.max_model_len, max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
-                              tp=a.tp)
+                              max_running=a.max_running, tp=a.tp)
     ratio = prefill_memory_ratio(need, size, a.gpu_memory_fraction, here.count("prefill"), here.count("decode"))
     logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
                 need / 2**30, gpu, size / 2**30, ratio)

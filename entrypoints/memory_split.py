@@ -11,8 +11,8 @@ given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when i
 GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
 
 On an H200 (139.8 GiB) and Llama-3.1-8B (bf16, 131,072 tokens) the prefill worker needs
-~37 GiB of the cluster's 90%: 27%, and the decode worker gets 63% instead of 60%; a model of a
-32,768-token context leaves the decode worker ~75%.
+~38.3 GiB: 27.6% of the GPU, and the decode worker gets 62.4% instead of 60%; with
+`--max-model-len 32768` the decode worker gets 71%.
 """
 from __future__ import annotations
 
@@ -21,30 +21,35 @@ import shutil
 import subprocess
 
 from engine.config import ModelConfig
-from engine.memory import NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, derive_max_running, estimate_step
+from engine.memory import MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-MARGIN_BYTES = 2 * GiB  # allocator slack and estimates that fall short
+MARGIN_BYTES = 1 * GiB  # allocator slack (estimate_step is already an upper estimate)
+# What CUDA reports as a GPU's memory against nvidia-smi's memory.total (H200: 139.8 of 140.4
+# GiB); the workers' shares are fractions of the former.
+CUDA_VISIBLE_SHARE = 0.99
 KV_ELEMENT_BYTES = {"auto": None, "fp8": 1}  # None: the model dtype's
 
 
 def prefill_need_bytes(mc: ModelConfig, *, dtype_bytes: int, kv_cache_dtype: str, max_model_len: int | None,
-                       max_batched_tokens: int, tp: int = 1) -> int:
+                       max_batched_tokens: int, max_running: int | None = None, tp: int = 1) -> int:
     """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights, KV for one
     request of `max_model_len` (None: the model's) plus one step's prompts, a step's
-    activations and sampler rows, what torch does not see, and MARGIN_BYTES."""
+    activations and the sampler's rows as the worker plans them (`Engine._derive_num_blocks`:
+    `max_running` rows, or the device's ceiling before the pool is known), what torch does not
+    see, and MARGIN_BYTES."""
     import torch
 
     context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     kv_elem = KV_ELEMENT_BYTES.get(kv_cache_dtype) or dtype_bytes
     kv_tokens = context + max_batched_tokens
     kv = kv_tokens * 2 * mc.num_layers * mc.kv_size * kv_elem // tp
-    rows = derive_max_running(kv_tokens, context, "cuda")
+    rows = max_running or MAX_RUNNING_CEILING_CUDA
     dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
-    activations = estimate_step(mc, dtype, max_batched_tokens, rows, tp)
+    activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
     weights = mc.num_params() * dtype_bytes // tp
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     return weights + kv + activations + sampler + NON_TORCH_BYTES + MARGIN_BYTES
@@ -58,7 +63,7 @@ def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, 
     prefill r, decode 1). Clamped to the ratios placement accepts, and never above 1 (the
     decode workers get no less than a prefill worker): a model too big for that fails in the
     worker with the flag to change."""
-    want = need_bytes / gpu_bytes  # the prefill worker's fraction of the GPU
+    want = need_bytes / (gpu_bytes * CUDA_VISIBLE_SHARE)  # the prefill worker's fraction of the GPU
     rest = cluster_share - prefill_per_gpu * want
     if rest <= 0:
         return 1.0
