@@ -402,11 +402,18 @@ def test_receiver_process_killed_makes_sends_fail_within_the_timeout(tmp_path: P
             proc.kill()
             proc.join(timeout=WAIT_S)
             t0 = time.monotonic()
-            try:
-                result = send_all(sender, "after", address, fresh_seed())
-                failure = None if result.ok else result.error
-            except KVTransferError as exc:
-                failure = str(exc)
+            # A transfer counts as sent once it is handed to the socket; the first one after the
+            # kill may be, before the sender's I/O thread has seen the connection close (a loaded
+            # machine). The next one must fail.
+            failure = None
+            for attempt in range(2):
+                try:
+                    result = send_all(sender, f"after-{attempt}", address, fresh_seed())
+                    failure = None if result.ok else result.error
+                except KVTransferError as exc:
+                    failure = str(exc)
+                if failure is not None:
+                    break
             elapsed = time.monotonic() - t0
             t1 = time.monotonic()
         assert time.monotonic() - t1 < 3.0  # close does not wait for the dead peer
@@ -414,7 +421,7 @@ def test_receiver_process_killed_makes_sends_fail_within_the_timeout(tmp_path: P
         if proc.is_alive():
             proc.kill()
     assert failure is not None and any(why in failure for why in ("timed out", "went away", "full")), failure
-    assert elapsed < 3 * sender.send_timeout_s + 1.0
+    assert elapsed < 2 * (3 * sender.send_timeout_s + 1.0)
     assert os.listdir(tmp_path) == []
 
 
