@@ -80,10 +80,15 @@ def derived_prefill_ratio(a: argparse.Namespace, model: str, placement: Placemen
     size = gpu_memory_bytes(physical_gpus((gpu,)))
     if size is None:
         return None
-    mc = ModelConfig.from_dir(model)
-    dtype = parse_dtype(a.dtype, "--dtype") if a.dtype else mc.torch_dtype
+    try:
+        mc = ModelConfig.from_dir(model)
+        dtype = parse_dtype(a.dtype, "--dtype") if a.dtype else mc.torch_dtype
+    except (OSError, ValueError) as exc:  # the workers say what is wrong with the model
+        logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
+        return None
     need = prefill_need_bytes(mc, dtype_bytes=dtype.itemsize, kv_cache_dtype=a.kv_cache_dtype,
-                              max_model_len=a.max_model_len, max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
+                              max_model_len=a.max_model_len,
+                              max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
                               max_running=a.max_running, tp=a.tp)
     ratio = prefill_memory_ratio(need, size, a.gpu_memory_fraction, here.count("prefill"), here.count("decode"))
     logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
@@ -222,7 +227,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-memory-ratio", type=float, default=None,
                    help="where prefill and decode workers share a GPU: a prefill worker's memory against a decode "
                         "worker's (default: what the prefill worker needs — weights, one request of "
-                        f"--max-model-len, a step — the rest to the decode worker, whose KV holds the running "
+                        "--max-model-len, a step — and the rest to the decode worker, whose KV holds the running "
                         f"sequences; {PREFILL_MEMORY_RATIO:g} where the GPU's size cannot be read)")
     p.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nccl", "cuda_ipc"],
                    help="prefill -> decode KV transport (auto: cuda_ipc on shared GPUs, nccl across GPUs, "

@@ -114,3 +114,13 @@ def test_without_nvidia_smi_the_fixed_ratio_stays(model_dir: Path, tmp_path: Pat
     pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
     assert pl.worker("prefill-0").memory_fraction == pytest.approx(0.3)
     assert pl.worker("decode-0").memory_fraction == pytest.approx(0.6)
+
+
+def test_a_model_that_cannot_be_read_keeps_the_fixed_ratio(tmp_path: Path, nvidia_smi: Path) -> None:
+    """The workers name what is wrong with the model; placement does not fail on it first."""
+    from entrypoints.launcher import parse_args, placement_for
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pl = placement_for(parse_args([]), visible=1, model=str(empty))
+    assert pl.worker("prefill-0").memory_fraction == pytest.approx(0.3)
