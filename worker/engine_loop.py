@@ -25,6 +25,7 @@ from engine.outputs import FinishReason, StepOutput, StepPlan
 from tandem.native import set_thread_name
 from worker.events import KvEventHub
 from worker.gpu_turn import GpuTurn
+from worker.step_profiler import StepProfiler
 from worker.stats import StatsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class EngineLoop:
     on_step: called on the engine thread after each step with its duration in seconds.
     turn: the worker's side of a GPU shared with other workers (`worker.gpu_turn`): called
       around each step; `on_turn_wait` gets the seconds a step waited for its turn (when > 0).
+    profiler: `worker.step_profiler.StepProfiler`, called around each step (after the turn).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class EngineLoop:
         on_step: Callable[[float], None] | None = None,
         turn: GpuTurn | None = None,
         on_turn_wait: Callable[[float], None] | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         if not batch_window_s >= 0:
             raise ValueError(f"batch_window_s: must be >= 0, got {batch_window_s}")
@@ -92,6 +95,7 @@ class EngineLoop:
         self._on_step = on_step
         self.turn = turn or GpuTurn()
         self._on_turn_wait = on_turn_wait
+        self.profiler = profiler
         self.events = KvEventHub()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
@@ -250,6 +254,8 @@ class EngineLoop:
         waited = self.turn.before_step()
         if waited and self._on_turn_wait is not None:
             self._on_turn_wait(waited)
+        if self.profiler is not None:
+            self.profiler.before_step()
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step(on_layer=self.on_layer)
@@ -259,6 +265,8 @@ class EngineLoop:
             return
         finally:
             self.turn.after_step()
+            if self.profiler is not None:
+                self.profiler.after_step()
         self._steps += 1
         if self._on_step is not None:
             self._on_step(time.perf_counter() - t0)

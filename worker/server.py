@@ -37,6 +37,7 @@ from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
 from worker.gpu_turn import GpuTurn, make_turn
+from worker.step_profiler import StepProfiler
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
 
@@ -84,6 +85,7 @@ class WorkerServer:
         self.receiver: KVReceiver | None = None  # decode: set by the role's services
         self.publisher: IndexPublisher | None = None
         self.turn = GpuTurn()  # the GPU shared with other workers: made at start (worker.gpu_turn)
+        self.profiler: StepProfiler | None = None  # TANDEM_PROFILE_DIR (worker.step_profiler)
         self.health: HealthServicer | None = None
         self.port = 0
         self.kv_address = ""  # as advertised: set by the role's services, wildcard hosts rewritten
@@ -127,8 +129,10 @@ class WorkerServer:
             raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
         worker_id = cfg.worker_id or f"{cfg.role}-{self.advertised_host}-{self.port}"
         self.turn = make_turn(cfg.role, cfg.gpu_turn)
+        self.profiler = StepProfiler.from_env(worker_id)
         loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
-                          on_step=self._observe_step, turn=self.turn, on_turn_wait=self._observe_turn_wait)
+                          on_step=self._observe_step, turn=self.turn, on_turn_wait=self._observe_turn_wait,
+                          profiler=self.profiler)
         runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
         runtime.bridge = AsyncBridge(asyncio.get_running_loop())
         self.server, self.runtime = server, runtime
@@ -245,6 +249,8 @@ class WorkerServer:
             self.publisher.close()
         self.runtime.loop.stop()
         self.turn.close()
+        if self.profiler is not None:
+            self.profiler.close()
         if self.sender is not None:
             self.sender.close()
         if self.receiver is not None:
