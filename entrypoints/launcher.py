@@ -61,39 +61,16 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
     if a.prefill_memory_ratio is not None:
         return placed(a.prefill_memory_ratio)
     placement = placed(PREFILL_MEMORY_RATIO)
-    ratio = derived_prefill_ratio(a, model, placement) if model else None
+    if model is None:
+        return placement
+    from engine.config import EngineConfig
+    from entrypoints.memory_split import shared_gpu_ratio
+
+    ratio = shared_gpu_ratio(placement, model, physical_gpus, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+                             max_model_len=a.max_model_len,
+                             max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
+                             max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction)
     return placement if ratio is None else placed(ratio)
-
-
-def derived_prefill_ratio(a: argparse.Namespace, model: str, placement: Placement) -> float | None:
-    """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
-    first GPU that hosts both roles; None when no GPU does or its size cannot be read."""
-    from engine.config import EngineConfig, ModelConfig, parse_dtype
-    from entrypoints.memory_split import gpu_memory_bytes, prefill_memory_ratio, prefill_need_bytes
-
-    for gpu in placement.gpus:
-        here = [w.role for w in placement.workers if gpu in w.gpus]
-        if "prefill" in here and "decode" in here:
-            break
-    else:
-        return None
-    size = gpu_memory_bytes(physical_gpus((gpu,)))
-    if size is None:
-        return None
-    try:
-        mc = ModelConfig.from_dir(model)
-        dtype = parse_dtype(a.dtype, "--dtype") if a.dtype else mc.torch_dtype
-    except (OSError, ValueError) as exc:  # the workers say what is wrong with the model
-        logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
-        return None
-    need = prefill_need_bytes(mc, dtype_bytes=dtype.itemsize, kv_cache_dtype=a.kv_cache_dtype,
-                              max_model_len=a.max_model_len,
-                              max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
-                              max_running=a.max_running, tp=a.tp)
-    ratio = prefill_memory_ratio(need, size, a.gpu_memory_fraction, here.count("prefill"), here.count("decode"))
-    logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
-                need / 2**30, gpu, size / 2**30, ratio)
-    return ratio
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+from collections.abc import Callable
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, parse_dtype
 from engine.memory import MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step
-from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO
+from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,37 @@ def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, 
     return min(1.0, MAX_PREFILL_MEMORY_RATIO, max(MIN_PREFILL_MEMORY_RATIO, ratio))
 
 
+def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
+                     dtype: str | None, kv_cache_dtype: str, max_model_len: int | None, max_batched_tokens: int,
+                     max_running: int | None, tp: int, cluster_share: float) -> float | None:
+    """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
+    first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi); None
+    when no GPU does, its size cannot be read, or the model's config cannot (the workers then
+    report what is wrong with it)."""
+    for gpu in placement.gpus:
+        here = [w.role for w in placement.workers if gpu in w.gpus]
+        if "prefill" in here and "decode" in here:
+            break
+    else:
+        return None
+    size = gpu_memory_bytes(physical((gpu,)))
+    if size is None:
+        return None
+    try:
+        mc = ModelConfig.from_dir(model)
+        element = parse_dtype(dtype, "--dtype") if dtype else mc.torch_dtype
+    except (OSError, ValueError) as exc:
+        logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
+        return None
+    need = prefill_need_bytes(mc, dtype_bytes=element.itemsize, kv_cache_dtype=kv_cache_dtype,
+                              max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
+                              max_running=max_running, tp=tp)
+    ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
+    logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
+                need / GiB, gpu, size / GiB, ratio)
+    return ratio
+
+
 def gpu_memory_bytes(physical_gpu: str) -> int | None:
     """Total memory of one GPU (an index or UUID as CUDA_VISIBLE_DEVICES names it), read with
     nvidia-smi so that `tandem up` itself never opens a CUDA context; None when it cannot tell."""
@@ -92,4 +124,4 @@ def parse_memory_mib(text: str) -> int | None:
     return int(first) * (1 << 20) if first.isdigit() and int(first) > 0 else None
 
 
-__all__ = ["gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio", "prefill_need_bytes"]
+__all__ = ["gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio", "prefill_need_bytes", "shared_gpu_ratio"]
