@@ -17,6 +17,7 @@ from engine.model import CausalLM
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]  # decode graphs are captured up to this batch size
 
 
 class DecodeGraphs:

@@ -21,10 +21,9 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from engine.cuda_graphs import DEFAULT_BUCKETS
+from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.kv_cache import KVCache
-from engine.memory import (MAX_RUNNING_CEILING_CPU, MAX_RUNNING_CEILING_CUDA, check_weights_fit, default_max_running,
-                           estimate_step, plan_kv, profile_step, too_small)
+from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.radix_cache import RadixCache
@@ -32,6 +31,7 @@ from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.shard import ModelShard, WholeModel
+from engine.warm_up import warm_up
 from tandem.detokenize import IncrementalDetokenizer
 from tandem.hashing import model_identity, seed_hash
 from tandem.rules import STOP_STRING, STOP_TOKEN, Stop, StopChecker, StopText, blocks_needed, check_prompt_ids
@@ -45,7 +45,6 @@ __all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "EngineStats", "Fi
            "StepObserver", "StepOutput", "StepPlan"]
 
 OVERLAP_ENV = "TANDEM_OVERLAP_SCHEDULE"
-MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]  # decode graphs are captured up to this batch size
 
 
 class Engine:
@@ -101,7 +100,9 @@ class Engine:
                             sum(enabled), len(enabled))
         kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
         block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
-        num_blocks = config.num_kv_blocks or self._derive_num_blocks(block_bytes, kv_config, kv_dtype)
+        num_blocks = config.num_kv_blocks or derive_num_blocks(
+            config, self.model, self.model_config, kv_config, kv_dtype, dtype, device, self.shard.runs_alone,
+            _world_size(self.shard), self.max_model_len, block_bytes)
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
         # Block ids are the scheduling process's, so every process of the replica needs as many.
         num_blocks, num_host = self.shard.agree_block_counts(num_blocks, num_host, device)
@@ -144,72 +145,9 @@ class Engine:
                     dtype, num_blocks, config.block_size, ", overlapped steps" if self.overlap else "")
 
     def warm_up(self) -> float:
-        """Run the kinds of step a server meets (one prefill, a prefill of several sequences next
-        to running decodes, a prefill behind a cached prefix, plain decodes) on synthetic
-        prompts, so their kernels are compiled before the first request. Leaves no request
-        behind. Returns the seconds it took."""
-        t0 = time.perf_counter()
-        vocab = self.model_config.vocab_size
-        # Prompts fit the context and, all four at once, a quarter of the cache.
-        room = max(4, min(self.max_model_len - 8, 320, self.allocator.num_total * self.config.block_size // 4 - 16))
-        long = room - room // 8
-
-        def prompt(n: int, salt: int) -> list[int]:
-            return [(salt + i * 7919) % (vocab - 1) + 1 for i in range(max(1, n))]
-
-        params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
-        ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(4)]
-        self.admit(prompt(min(37, long), 1), params, ids[0])
-        self.step()  # one sequence's prefill; its decodes follow
-        self.admit(prompt(long, 2), params, ids[1])
-        self.admit(prompt(min(17, long), 3), params, ids[2])
-        while self.has_unfinished():  # several prefills beside a decode, then decodes
-            self.step()
-        self.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
-        while self.has_unfinished():
-            self.step()
-        seconds = time.perf_counter() - t0
-        logger.info("warm-up steps ran in %.1f s", seconds)
-        return seconds
-
-    def _derive_num_blocks(self, block_bytes: int, kv_config: ModelConfig, kv_dtype: torch.dtype) -> int:
-        """KV blocks for this engine (engine/memory.py says what is accounted for). On CUDA: the
-        whole budget of its --gpu-memory-fraction once weights, the largest step's activations,
-        CUDA graphs, the sampler and the rest are counted; on the CPU: cpu_kv_cache_gb. With an
-        explicit max_running, no more than max_running max-length requests can use. ValueError
-        naming the flag when one request of max_model_len does not fit."""
-        cfg, bs = self.config, self.config.block_size
-        per_request = -(-self.max_model_len // bs)
-        max_batch = cfg.max_running or (MAX_RUNNING_CEILING_CUDA if self.device.type == "cuda" else
-                                        MAX_RUNNING_CEILING_CPU)
-        if self.device.type == "cuda":
-            alone = self.shard.runs_alone
-            num_tokens = cfg.max_batched_tokens
-            rows = min(max_batch, num_tokens)
-            if alone:
-                step = profile_step(self.model, kv_config, bs, kv_dtype, self.device, num_tokens,
-                                    self.max_model_len, rows)
-            else:
-                step = estimate_step(self.model_config, self.dtype, num_tokens, rows, _world_size(self.shard))
-            graph_batch = min(max_batch, MAX_GRAPH_BATCH)
-            graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and cfg.cuda_graphs else 0
-            plan = plan_kv(device=self.device, fraction=cfg.gpu_memory_fraction, step_activations=step,
-                           num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
-                           vocab_size=self.model_config.vocab_size)
-            blocks = max(0, plan.kv) // block_bytes
-            logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
-            if blocks < per_request:
-                raise ValueError(too_small(plan, blocks, per_request, block_bytes, cfg.gpu_memory_fraction,
-                                           self.max_model_len))
-        else:
-            blocks = int(cfg.cpu_kv_cache_gb * 2**30 // block_bytes)
-            if blocks < per_request:
-                raise ValueError(f"max_model_len: one request of --max-model-len {self.max_model_len} needs "
-                                 f"{per_request} KV blocks, the CPU KV budget (cpu_kv_cache_gb "
-                                 f"{cfg.cpu_kv_cache_gb:g}) holds {blocks}; lower --max-model-len")
-        if cfg.max_running is not None or self.device.type != "cuda":
-            blocks = min(blocks, max_batch * per_request)
-        return max(1, blocks)
+        """Compile the kernels of the steps a server meets before the first request
+        (engine/warm_up.py); returns the seconds it took."""
+        return warm_up(self)
 
     # ---- requests ----------------------------------------------------------------------------
     def admit(

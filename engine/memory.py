@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH
 from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,46 @@ def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
                       activations=step_activations, graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
+
+
+def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, kv_config: ModelConfig,
+                      kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, alone: bool, world_size: int,
+                      max_model_len: int, block_bytes: int) -> int:
+    """KV blocks for an engine whose weights are loaded on `device`. On CUDA: the whole budget
+    of its gpu_memory_fraction once weights, the largest step's activations (profiled when the
+    process runs the model `alone`, else `estimate_step` for its tensor-parallel share), CUDA
+    graphs, the sampler and the rest are counted (`plan_kv`); on the CPU: cpu_kv_cache_gb. With
+    an explicit max_running, no more than max_running max-length requests can use. ValueError
+    naming the flag when one request of max_model_len does not fit."""
+    bs = config.block_size
+    per_request = -(-max_model_len // bs)
+    max_batch = config.max_running or (MAX_RUNNING_CEILING_CUDA if device.type == "cuda" else MAX_RUNNING_CEILING_CPU)
+    if device.type == "cuda":
+        num_tokens = config.max_batched_tokens
+        rows = min(max_batch, num_tokens)
+        if alone:
+            step = profile_step(model, kv_config, bs, kv_dtype, device, num_tokens, max_model_len, rows)
+        else:
+            step = estimate_step(model_config, dtype, num_tokens, rows, world_size)
+        graph_batch = min(max_batch, MAX_GRAPH_BATCH)
+        graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and config.cuda_graphs else 0
+        plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
+                       num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
+                       vocab_size=model_config.vocab_size)
+        blocks = max(0, plan.kv) // block_bytes
+        logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
+        if blocks < per_request:
+            raise ValueError(too_small(plan, blocks, per_request, block_bytes, config.gpu_memory_fraction,
+                                       max_model_len))
+    else:
+        blocks = int(config.cpu_kv_cache_gb * GiB // block_bytes)
+        if blocks < per_request:
+            raise ValueError(f"max_model_len: one request of --max-model-len {max_model_len} needs "
+                             f"{per_request} KV blocks, the CPU KV budget (cpu_kv_cache_gb "
+                             f"{config.cpu_kv_cache_gb:g}) holds {blocks}; lower --max-model-len")
+    if config.max_running is not None or device.type != "cuda":
+        blocks = min(blocks, max_batch * per_request)
+    return max(1, blocks)
 
 
 def too_small(plan: MemoryPlan, blocks: int, need_blocks: int, block_bytes: int, fraction: float,

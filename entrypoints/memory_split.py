@@ -39,7 +39,7 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype_bytes: int, kv_cache_dtype: str
                        max_batched_tokens: int, max_running: int | None = None, tp: int = 1) -> int:
     """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights, KV for one
     request of `max_model_len` (None: the model's) plus one step's prompts, a step's
-    activations and the sampler's rows as the worker plans them (`Engine._derive_num_blocks`:
+    activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
     `max_running` rows, or the device's ceiling before the pool is known), what torch does not
     see, and MARGIN_BYTES."""
     import torch

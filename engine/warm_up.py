@@ -1,0 +1,44 @@
+"""Warm-up: the kinds of step a server meets, run on synthetic prompts before the first request
+so that their kernels are compiled (Triton JIT, cuBLAS heuristics) when requests come."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from tandem.types import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(engine: Engine) -> float:
+    """Run one prefill, a prefill of several sequences next to running decodes, a prefill behind
+    a cached prefix, and plain decodes on `engine`. Leaves no request behind. Returns the seconds
+    it took."""
+    t0 = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    # Prompts fit the context and, all four at once, a quarter of the cache.
+    room = max(4, min(engine.max_model_len - 8, 320, engine.allocator.num_total * engine.config.block_size // 4 - 16))
+    long = room - room // 8
+
+    def prompt(n: int, salt: int) -> list[int]:
+        return [(salt + i * 7919) % (vocab - 1) + 1 for i in range(max(1, n))]
+
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(4)]
+    engine.admit(prompt(min(37, long), 1), params, ids[0])
+    engine.step()  # one sequence's prefill; its decodes follow
+    engine.admit(prompt(long, 2), params, ids[1])
+    engine.admit(prompt(min(17, long), 3), params, ids[2])
+    while engine.has_unfinished():  # several prefills beside a decode, then decodes
+        engine.step()
+    engine.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up steps ran in %.1f s", seconds)
+    return seconds
