@@ -74,7 +74,7 @@ def test_the_decode_side_waits_for_another_process(tmp_path: Path) -> None:
         waited = d.before_step()
     finally:
         holder.wait(10)
-    assert 0.2 <= waited < 3.0, waited  # released when the other process cleared its mark
+    assert 0.05 <= waited < 3.0, waited  # released when the other process cleared its mark (not the 5 s bound)
     assert d.waits == 1 and d.waited_s == pytest.approx(waited)
     assert not d.busy()
 
