@@ -66,7 +66,7 @@ def run(rank: int, world: int, store_address: str, link_address: str, config_jso
         if config.role == "prefill":
             from prefill.tp_push import FollowerPusher
 
-            sender = make_sender(config.transfer.transport, config.transfer.sender_options, token)
+            sender = make_sender(config.transfer.transport, config.transfer.sender_options, token, engine)
             link = FollowerLink(rank, link_address, lambda kind, body: None, auth_token=token)
             on_step = FollowerPusher(rank, engine.kv_cache.layers, sender, lambda body: link.send(RESULT, body),
                                      config.transfer.push).on_step

@@ -34,7 +34,8 @@ def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: Wo
     if cfg.role == "prefill":
         from prefill.service import PrefillService
 
-        worker.sender = make_sender(cfg.transfer.transport, cfg.transfer.sender_options, worker.auth_token)
+        worker.sender = make_sender(cfg.transfer.transport, cfg.transfer.sender_options, worker.auth_token,
+                                    worker.engine)
         rank_sends = None
         if ranks is not None:
             from prefill.tp_push import RankSends

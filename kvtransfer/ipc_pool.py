@@ -67,6 +67,7 @@ class SendPool:
         self._unlinker = weakref.finalize(self, _unlink, path) if path else None
         self._cond = threading.Condition()
         self._free = [True] * slots
+        self._cursor = 0  # where the next search for a free run starts (`_find_run`)
         self._leases: dict[int, Lease] = {}
         self._next_id = 0
         self.waits = 0  # acquires that had to wait for a release (backpressure)
@@ -134,11 +135,17 @@ class SendPool:
             return lease
 
     def _find_run(self, nslots: int) -> int | None:
-        run = 0
-        for i, free in enumerate(self._free):
-            run = run + 1 if free else 0
-            if run == nslots:
-                return i - nslots + 1
+        """The first slot of a free run of `nslots`, looking from where the last lease ended
+        (next fit): leases are released about in the order they were taken, so the pool fills
+        like a ring and the run is usually right there, whatever the pool's size."""
+        start = self._cursor if self._cursor + nslots <= self.slots else 0
+        for lo, hi in ((start, self.slots), (0, min(start + nslots - 1, self.slots))):
+            run = 0
+            for i in range(lo, hi):
+                run = run + 1 if self._free[i] else 0
+                if run == nslots:
+                    self._cursor = (i + 1) % self.slots
+                    return i - nslots + 1
         return None
 
     def release(self, lease_id: int) -> bool:

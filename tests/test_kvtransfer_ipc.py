@@ -661,3 +661,62 @@ def test_gpu_pool_between_processes_lands_bit_exact(dtype: str) -> None:
                 wait_until(lambda: gpu("stats")["slots_in_use"] == 0, "every slot to be released")
     finally:
         assert gpu.close() == 0
+
+
+def test_the_pool_finds_a_free_run_whenever_one_exists(tmp_path: Path) -> None:
+    """Next-fit leasing (SendPool._find_run) against a plain scan, over random leases and
+    releases: a free run of the asked length is found exactly when one exists, and a lease
+    never overlaps another."""
+    import random
+
+    from kvtransfer.ipc_pool import SendPool
+
+    pool = SendPool.create(torch.zeros(4, 4), 24, 4096, str(tmp_path))
+    rng = random.Random(7)
+    held: dict[int, set[int]] = {}
+    try:
+        for _ in range(3000):
+            if held and rng.random() < 0.45:
+                lease_id = rng.choice(list(held))
+                assert pool.release(lease_id)
+                del held[lease_id]
+                continue
+            n = rng.randint(1, 6)
+            taken = set().union(*held.values()) if held else set()
+            exists = any(all(i not in taken for i in range(s, s + n)) for s in range(pool.slots - n + 1))
+            try:
+                lease = pool.acquire(n, 0.0, lambda: None)
+            except KVTransferError:
+                assert not exists, (n, sorted(taken))
+                continue
+            assert exists
+            got = set(range(lease.slot, lease.slot + lease.slots))
+            assert lease.slots == n and not got & taken and max(got) < pool.slots
+            held[lease.lease_id] = got
+        assert pool.in_use == sum(len(v) for v in held.values())
+    finally:
+        pool.unlink()
+
+
+def test_a_prefill_workers_pool_holds_a_whole_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """worker.transfer.staging_options: one step of every layer's K and V (plus a partly filled
+    slot for a few prompts a layer), in 1 MiB slots; options given explicitly still win; other
+    transports get none."""
+    from engine import Engine, EngineConfig
+    from worker.transfer import STAGING_SLOT_BYTES, STAGING_SPARE_SLOTS, make_sender, staging_options
+
+    engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, max_batched_tokens=512,
+                                 device="cpu"))
+    k, _ = engine.kv_cache.layers[0]
+    step_bytes = 2 * (512 // engine.config.block_size) * k[0].numel() * k.element_size()
+    layers = len(engine.kv_cache.layers)
+    opts = staging_options(engine)
+    assert opts["slot_bytes"] == STAGING_SLOT_BYTES
+    assert opts["slots"] == layers * (-(-step_bytes // STAGING_SLOT_BYTES) + STAGING_SPARE_SLOTS)
+    assert opts["slots"] * opts["slot_bytes"] >= layers * step_bytes  # a whole step fits at once
+    with make_sender("cuda_ipc", {"shm_dir": str(tmp_path)}, engine=engine) as sized:
+        assert (sized.slots, sized.slot_bytes) == (opts["slots"], STAGING_SLOT_BYTES)
+    with make_sender("cuda_ipc", {"shm_dir": str(tmp_path), "slots": 3}, engine=engine) as given:
+        assert given.slots == 3
+    make_sender("zmq", None, engine=engine).close()  # no pool options for a transport without one
+    engine.close()

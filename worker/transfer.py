@@ -41,9 +41,33 @@ def split_kv_addresses(kv_address: str) -> list[str]:
     return [p.strip() for p in kv_address.split(",")]
 
 
-def make_sender(transport: str, options: dict[str, Any] | None = None, auth_token: str | None = None) -> KVSender:
-    """A sender presenting `auth_token` (the cluster token) in each connection's handshake."""
-    return get_transport(transport).create_sender(**{**(options or {}), "auth_token": auth_token})
+STAGING_SLOT_BYTES = 1 << 20
+STAGING_SPARE_SLOTS = 8  # per layer: the last, partly filled slot of that many prompts in a step
+STAGING_MAX_BYTES = 2 << 30
+STAGED_TRANSPORTS = ("cuda_ipc",)  # the transports whose sender stages into a pool of slots
+
+
+def staging_options(engine: Engine) -> dict[str, int]:
+    """The staging pool of a prefill worker's ipc sender: room for one whole step
+    (max_batched_tokens) of every layer's K and V, in 1 MiB slots, plus a partly filled slot for
+    a few prompts a layer, at most STAGING_MAX_BYTES. With less, a step that pushes several
+    prompts at once (`--kv-push step`) waits mid-push for the decode worker to release slots
+    (the transport's default, 64 slots of 4 MiB, holds two 1,024-token prompts of an 8B model)."""
+    k, _ = engine.kv_cache.layers[0]
+    block_bytes = k[0].numel() * k.element_size()  # one block of K in one layer (this rank's heads)
+    blocks = -(-engine.config.max_batched_tokens // engine.config.block_size)
+    per_layer = -(-2 * blocks * block_bytes // STAGING_SLOT_BYTES) + STAGING_SPARE_SLOTS
+    slots = min(len(engine.kv_cache.layers) * per_layer, STAGING_MAX_BYTES // STAGING_SLOT_BYTES)
+    return {"slots": slots, "slot_bytes": STAGING_SLOT_BYTES}
+
+
+def make_sender(transport: str, options: dict[str, Any] | None = None, auth_token: str | None = None,
+                engine: Engine | None = None) -> KVSender:
+    """A sender presenting `auth_token` (the cluster token) in each connection's handshake;
+    with `engine`, a staging transport's pool is sized from its steps (`staging_options`), and
+    `options` may still override it."""
+    sized = staging_options(engine) if engine is not None and transport in STAGED_TRANSPORTS else {}
+    return get_transport(transport).create_sender(**{**sized, **(options or {}), "auth_token": auth_token})
 
 
 def make_receiver(transport: str, engine: Engine, bind: str, on_complete: OnComplete,
