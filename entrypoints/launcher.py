@@ -41,7 +41,7 @@ from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementErr
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, HelpFormatter
-from worker.gpu_turn import create_turn_file
+from worker.gpu_turn import MAX_WAIT_S, create_turn_file
 
 logger = logging.getLogger("tandem.up")
 
@@ -133,16 +133,18 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
 
     def turn(name: str) -> list[str]:
         """--gpu-turn for a worker sharing its GPU with workers of the other role (worker.gpu_turn):
-        one turn file per prefill worker, in the run directory."""
+        one turn file per prefill worker, in the run directory; a decode worker waits on its
+        prefill workers' files, at most --gpu-turn-max-wait-ms a step."""
         partners = placement.gpu_partners(name)
         if ready_dir is None or not a.gpu_turn or not partners:
             return []
-        prefills = [name] if placement.worker(name).role == "prefill" else partners
-        files = [ready_dir / f"{p}.gpu-turn" for p in prefills]
+        decode = placement.worker(name).role == "decode"
+        files = [ready_dir / f"{p}.gpu-turn" for p in (partners if decode else [name])]
         for f in files:
             if not f.exists():
                 create_turn_file(f)
-        return ["--gpu-turn", ",".join(map(str, files))]
+        wait = ["--gpu-turn-max-wait-ms", f"{a.gpu_turn_max_wait_ms:g}"] if decode else []
+        return ["--gpu-turn", ",".join(map(str, files)), *wait]
 
     for w in placement.workers:
         port = free_port()
@@ -217,7 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-gpu-turn", action="store_false", dest="gpu_turn",
                    help="where prefill and decode workers share a GPU, let a decode worker step while a prefill "
                         "worker computes a prompt (the GPU then time-slices between them; default: the decode "
-                        "worker waits up to 50 ms for the prefill step, worker.gpu_turn)")
+                        "worker waits for the prefill step, up to --gpu-turn-max-wait-ms; worker.gpu_turn)")
+    p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
+                   help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     p.add_argument("--redis-url", default=None, help="share the prefix index through Redis (default: embedded)")
@@ -274,6 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.gpu_memory_fraction <= 1:
         p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
+    if not 0 < a.gpu_turn_max_wait_ms <= 1000:
+        p.error(f"--gpu-turn-max-wait-ms must be in (0, 1000], got {a.gpu_turn_max_wait_ms:g}")
     if len({bool(a.tls_cert), bool(a.tls_key), bool(a.tls_ca)}) > 1:
         p.error("--tls-cert: give --tls-cert, --tls-key and --tls-ca together (or none)")
     for flag in ("tls_cert", "tls_key", "tls_ca"):

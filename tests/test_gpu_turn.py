@@ -116,9 +116,13 @@ def test_bad_values_name_the_field(tmp_path: Path) -> None:
     args = build_parser("prefill").parse_args(["--model", "m", "--gpu-turn", f"{f},{f}"])
     with pytest.raises(ValueError, match="gpu_turn"):
         config_from_args(args, "prefill")
+    engine = config_from_args(build_parser("decode").parse_args(["--model", "m"]), "decode").engine
     with pytest.raises(ValueError, match="gpu_turn"):
-        WorkerConfig(role="both", engine=config_from_args(
-            build_parser("decode").parse_args(["--model", "m"]), "decode").engine, gpu_turn=str(f))
+        WorkerConfig(role="both", engine=engine, gpu_turn=str(f))
+    for bad in (0, -1, 5000):
+        with pytest.raises(ValueError, match="gpu_turn_max_wait_ms"):
+            WorkerConfig(role="decode", engine=engine, gpu_turn=str(f), gpu_turn_max_wait_ms=bad)
+    assert make_turn("decode", str(f), 0.02).max_wait_s == 0.02
 
 
 @pytest.fixture(scope="module")

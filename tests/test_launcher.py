@@ -170,6 +170,35 @@ def test_kv_push_goes_to_the_prefill_workers() -> None:
         parse_args(["--kv-push", "burst"])
 
 
+def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
+    """tandem up makes one turn file per prefill worker that shares its GPU, in its run
+    directory: the prefill worker marks it, the decode worker waits on it (with the bound it was
+    given); none with --no-gpu-turn, on separate GPUs, or on the CPU."""
+    from entrypoints.launcher import build_children, parse_args, placement_for
+    from worker.gpu_turn import MAX_WAIT_S
+
+    def turns(*argv: str, visible: int = 1) -> dict[str, list[str]]:
+        a = parse_args(list(argv))
+        out = {}
+        for c in build_children(a, "/models/m", placement=placement_for(a, visible=visible), ready_dir=tmp_path):
+            i = c.argv.index("--gpu-turn") if "--gpu-turn" in c.argv else None
+            out[c.name] = c.argv[i:i + 4 if c.role == "decode" else i + 2] if i is not None else []
+        return out
+
+    turn = str(tmp_path / "prefill-0.gpu-turn")
+    assert turns() == {"prefill-0": ["--gpu-turn", turn],
+                       "decode-0": ["--gpu-turn", turn, "--gpu-turn-max-wait-ms", f"{MAX_WAIT_S * 1000:g}"],
+                       "gateway": []}
+    assert (tmp_path / "prefill-0.gpu-turn").read_bytes() == bytes(8)
+    assert turns("--gpu-turn-max-wait-ms", "20")["decode-0"][-1] == "20"
+    assert turns("--prefill-workers", "2", visible=1)["decode-0"][1] == f"{turn},{tmp_path / 'prefill-1.gpu-turn'}"
+    for argv, visible in ((["--no-gpu-turn"], 1), ([], 2), ([], 0)):
+        assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
+    for bad in ("0", "-5", "2000"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gpu-turn-max-wait-ms", bad])
+
+
 def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
     """What each child is handed from the placement and the users' flags (no GPU needed)."""
     from entrypoints.launcher import build_children, parse_args, placement_for

@@ -17,7 +17,7 @@ from typing import Any
 from engine import EngineConfig
 from tandem.netaddr import is_wildcard
 from tandem.types import ROLES
-from worker.gpu_turn import turn_paths
+from worker.gpu_turn import MAX_WAIT_S, turn_paths
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class WorkerConfig:
     worker_id: str | None = None  # None: "{role}-{advertised host}-{port}"
     batch_window_ms: float = 0.0  # collect arrivals this long before stepping an idle engine
     gpu_turn: str | None = None  # turn files of a GPU shared with other workers (worker.gpu_turn)
+    gpu_turn_max_wait_ms: float = MAX_WAIT_S * 1000  # decode: the longest a step waits for prefill steps
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
@@ -111,6 +112,8 @@ class WorkerConfig:
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
         turn_paths(self.role, self.gpu_turn)
+        if not 0 < self.gpu_turn_max_wait_ms <= 1000:
+            raise ValueError(f"gpu_turn_max_wait_ms: must be in (0, 1000], got {self.gpu_turn_max_wait_ms}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
         if self.role == "prefill" and self.engine.cuda_graphs:
@@ -280,8 +283,11 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--gpu-turn", default=None, metavar="FILE[,FILE...]",
                    help="where prefill and decode workers share a GPU (tandem up sets it): a prefill worker marks "
                         "its steps in its FILE; a decode worker waits for the marks of every FILE given before "
-                        "each step (at most 50 ms), so a prompt's forward runs without taking turns with decode "
-                        "steps (default: none)")
+                        "each step (at most --gpu-turn-max-wait-ms), so a prompt's forward runs without taking "
+                        "turns with decode steps (default: none)")
+    p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
+                   help="decode: the longest a step waits for prefill steps on its GPU (the most a running "
+                        "stream's token is delayed on a prefill's account)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
     p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index (default: none; the gateway's embedded index)")
     p.add_argument("--namespace", default=None, help="prefix-index namespace (default: the model identity)")
@@ -340,6 +346,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         worker_id=args.worker_id,
         batch_window_ms=args.batch_window_ms,
         gpu_turn=args.gpu_turn,
+        gpu_turn_max_wait_ms=args.gpu_turn_max_wait_ms,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,

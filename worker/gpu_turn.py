@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 __all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "create_turn_file", "make_turn", "turn_paths"]
 
-MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps
+MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
 _MARK = struct.Struct("<q")
@@ -145,10 +145,11 @@ def turn_paths(role: str, spec: str | None) -> list[str]:
     return paths
 
 
-def make_turn(role: str, spec: str | None) -> GpuTurn:
+def make_turn(role: str, spec: str | None, max_wait_s: float = MAX_WAIT_S) -> GpuTurn:
     """The turn of a worker of `role` from its --gpu-turn value: the prefill worker marks its
-    file, a decode worker waits on its files; None: no shared GPU, nothing to do."""
+    file, a decode worker waits on its files (at most `max_wait_s` a step); None: no shared
+    GPU, nothing to do."""
     paths = turn_paths(role, spec)
     if not paths:
         return GpuTurn()
-    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths)
+    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths, max_wait_s)
