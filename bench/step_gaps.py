@@ -10,8 +10,8 @@ concurrency C, keeps C greedy streams (stream_interval 1, as `tandem bench`) in 
 `tandem_engine_step_seconds` sum and count and the KV transfer counters from its /metrics. The
 row says, per level: the client's TTFT and inter-token time (P50 and mean), the decode-side
 worker's mean step, the inter-token mean minus that step (time a token spends outside the
-engine's step: the loop between steps, the listener, the RPC hops) and the prefill worker's
-mean step. Then, with the cluster stopped, the offline engine (`LLM`, same flags' defaults) runs
+engine's step: the loop between steps, the listener, the RPC hops), the prefill worker's mean
+step, and what the decode worker's steps waited for prefill steps on a shared GPU (per step). Then, with the cluster stopped, the offline engine (`LLM`, same flags' defaults) runs
 C sequences of the same prompt length for `--output-len` steps: its ms/step is what the
 services' inter-token time is measured against, and one lone prompt's prefill what TTFT is.
 """
@@ -40,6 +40,7 @@ HISTOGRAMS = {"tandem_engine_step_seconds": None, "tandem_prefill_stage_seconds"
               "tandem_gateway_worker_call_seconds": "stage"}
 KV_SECONDS = "tandem_kv_transfer_seconds_total"
 KV_BYTES = "tandem_kv_transfer_bytes_total"
+TURN_WAIT = "tandem_worker_gpu_turn_wait_seconds_total"
 
 
 def metrics_ports(banner: list[str]) -> dict[str, int]:
@@ -54,10 +55,11 @@ def metrics_ports(banner: list[str]) -> dict[str, int]:
 
 
 def scrape(port: int) -> dict[str, float]:
-    """One process's histogram sums and counts (keyed `series[:stage]_sum|_count`) and sent KV."""
+    """One process's histogram sums and counts (keyed `series[:stage]_sum|_count`), sent KV and
+    the seconds its steps waited for their turn on a shared GPU."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0}
+    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0, "turn_wait_seconds": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             for name, label in HISTOGRAMS.items():
@@ -69,6 +71,8 @@ def scrape(port: int) -> dict[str, float]:
                 out["kv_seconds"] += s.value
             elif s.name == KV_BYTES and s.labels.get("direction") == "sent":
                 out["kv_bytes"] += s.value
+            elif s.name == TURN_WAIT:
+                out["turn_wait_seconds"] += s.value
     return out
 
 
@@ -177,6 +181,9 @@ def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, p
                         row[f"{kind}_steps"] = count
                         name = f"{kind}_step"
                     row[f"{name}_mean_ms"] = ms
+                if kind == "decode" and row.get("decode_steps"):
+                    waited = after[w]["turn_wait_seconds"] - before[w]["turn_wait_seconds"]
+                    row["decode_turn_wait_ms_per_step"] = waited / row["decode_steps"] * 1e3
                 sent = after[w]["kv_bytes"] - before[w]["kv_bytes"]
                 if sent:
                     row["kv_ms_per_request"] = (after[w]["kv_seconds"] - before[w]["kv_seconds"]) / n * 1e3
