@@ -11,7 +11,8 @@ concurrency C, keeps C greedy streams (stream_interval 1, as `tandem bench`) in 
 row says, per level: the client's TTFT and inter-token time (P50 and mean), the decode-side
 worker's mean step, the inter-token mean minus that step (time a token spends outside the
 engine's step: the loop between steps, the listener, the RPC hops), the prefill worker's mean
-step, and what the decode worker's steps waited for prefill steps on a shared GPU (per step). Then, with the cluster stopped, the offline engine (`LLM`, same flags' defaults) runs
+step, and what the decode worker's steps waited for prefill steps on a shared GPU (per step).
+Then, with the cluster stopped, the offline engine (`LLM`, same flags' defaults) runs
 C sequences of the same prompt length for `--output-len` steps: its ms/step is what the
 services' inter-token time is measured against, and one lone prompt's prefill what TTFT is.
 """

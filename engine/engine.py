@@ -98,7 +98,7 @@ class Engine:
             if not all(enabled):
                 logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",
                             sum(enabled), len(enabled))
-        kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn}[config.kv_cache_dtype]
+        kv_dtype = KVCache.storage_dtype(config.kv_cache_dtype, dtype)
         block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
         num_blocks = config.num_kv_blocks or derive_num_blocks(
             config, self.model, self.model_config, kv_config, kv_dtype, dtype, device, self.shard.runs_alone,

@@ -41,6 +41,11 @@ class KVCache:
         self.host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
 
     @staticmethod
+    def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+        """What K and V are stored as for --kv-cache-dtype: auto (the model's dtype) or fp8 (e4m3)."""
+        return {"auto": model_dtype, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
+
+    @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem

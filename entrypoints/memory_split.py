@@ -21,7 +21,10 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
+import torch
+
 from engine.config import ModelConfig, parse_dtype
+from engine.kv_cache import KVCache
 from engine.memory import MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
@@ -32,26 +35,21 @@ MARGIN_BYTES = 1 * GiB  # allocator slack (estimate_step is already an upper est
 # What CUDA reports as a GPU's memory against nvidia-smi's memory.total (H200: 139.8 of 140.4
 # GiB); the workers' shares are fractions of the former.
 CUDA_VISIBLE_SHARE = 0.99
-KV_ELEMENT_BYTES = {"auto": None, "fp8": 1}  # None: the model dtype's
 
 
-def prefill_need_bytes(mc: ModelConfig, *, dtype_bytes: int, kv_cache_dtype: str, max_model_len: int | None,
+def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: str, max_model_len: int | None,
                        max_batched_tokens: int, max_running: int | None = None, tp: int = 1) -> int:
-    """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights, KV for one
-    request of `max_model_len` (None: the model's) plus one step's prompts, a step's
+    """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights of `dtype`,
+    KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
     activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
     `max_running` rows, or the device's ceiling before the pool is known), what torch does not
     see, and MARGIN_BYTES."""
-    import torch
-
     context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    kv_elem = KV_ELEMENT_BYTES.get(kv_cache_dtype) or dtype_bytes
-    kv_tokens = context + max_batched_tokens
-    kv = kv_tokens * 2 * mc.num_layers * mc.kv_size * kv_elem // tp
+    kv_dtype = KVCache.storage_dtype(kv_cache_dtype, dtype)
+    kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
     rows = max_running or MAX_RUNNING_CEILING_CUDA
-    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
-    weights = mc.num_params() * dtype_bytes // tp
+    weights = mc.num_params() * dtype.itemsize // tp
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     return weights + kv + activations + sampler + NON_TORCH_BYTES + MARGIN_BYTES
 
@@ -94,7 +92,7 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
     except (OSError, ValueError) as exc:
         logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
         return None
-    need = prefill_need_bytes(mc, dtype_bytes=element.itemsize, kv_cache_dtype=kv_cache_dtype,
+    need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
                               max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
                               max_running=max_running, tp=tp)
     ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.h200_bench import LLAMA31_8B
 from engine.config import ModelConfig
@@ -22,7 +23,7 @@ H200_MIB = 143771
 
 
 def _need(**kw) -> int:
-    args = {"dtype_bytes": 2, "kv_cache_dtype": "auto", "max_model_len": None, "max_batched_tokens": 4096, **kw}
+    args = {"dtype": torch.bfloat16, "kv_cache_dtype": "auto", "max_model_len": None, "max_batched_tokens": 4096, **kw}
     return prefill_need_bytes(ModelConfig.from_dict(LLAMA31_8B), **args)
 
 
