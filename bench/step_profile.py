@@ -1,6 +1,11 @@
 """Where a decode step's time goes: host phases and GPU kernels at a few batch sizes.
 
     python bench/step_profile.py --batch 1,64,384 --ctx 1024 [--out step_profile.json]
+    python bench/step_profile.py --mixed 0,256 --ctx 1024 --prefill-tokens 1024,8192
+
+`--mixed` profiles steps that carry prefill instead: `batch` sequences decoding at `ctx`, then
+fresh `ctx`-token prompts for `prefill-tokens` tokens arrive and the next step takes them (as
+many as the step's token budget holds) beside the decodes; batch 0 is a prefill-only step.
 
 Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences are prefilled to
 `ctx` tokens and then decode steps are timed two ways: as they run (wall ms per step), and with a
@@ -97,10 +102,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
             for _ in range(3):
                 eng.step()
             torch.cuda.synchronize()
-        events = prof.key_averages()
-        kernels = [{"name": e.key[:90], "us_per_step": round(e.device_time_total / 3, 1), "calls": e.count // 3}
-                   for e in sorted(events, key=lambda e: -e.device_time_total)[:12]]
-        gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / 3 / 1e3, 3)
+        kernels, gpu_total = _top_kernels(prof, 3)
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
     overlap = eng.overlap
@@ -110,6 +112,68 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     torch.cuda.empty_cache()
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
             "synced_phase_ms": phases, "top_kernels": kernels}
+
+
+def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
+    events = prof.key_averages()
+    kernels = [{"name": e.key[:90], "us_per_step": round(e.device_time_total / steps, 1), "calls": e.count // steps}
+               for e in sorted(events, key=lambda e: -e.device_time_total)[:16]]
+    gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / steps / 1e3, 3)
+    return kernels, gpu_total
+
+
+def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv_cache_dtype: str = "auto",
+                  repeats: int = 3) -> dict:
+    """Time and profile a step carrying `prefill_tokens` of fresh prompts beside `batch` decodes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import LLM, SamplingParams
+
+    prompts_per_step = max(1, -(-prefill_tokens // ctx))
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch + prompts_per_step,
+              max_model_len=ctx + 4096, max_batched_tokens=max(8192, prefill_tokens + batch), enable_prefix_cache=False,
+              kv_cache_dtype=kv_cache_dtype)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(0)
+    vocab = min(128000, eng.model_config.vocab_size)
+    def admit(n: int, length: int, max_tokens: int = 1) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        for p in torch.randint(0, vocab, (n, length), generator=g).tolist():
+            eng.admit(p, params)
+
+    admit(batch, ctx, max_tokens=4096)
+    while eng.stats().queued_prefill_tokens:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+
+    def one_step() -> float:
+        last = prefill_tokens - (prompts_per_step - 1) * ctx
+        admit(prompts_per_step - 1, ctx)
+        admit(1, last)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t
+        eng.step()  # the prompts (one token each) leave
+        return took
+
+    one_step()  # warm: shapes this step has not seen
+    walls = [one_step() for _ in range(repeats)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        admit(prompts_per_step, min(ctx, prefill_tokens))
+        torch.cuda.synchronize()
+        eng.step()
+        torch.cuda.synchronize()
+    kernels, gpu_total = _top_kernels(prof, 1)
+    for request_id in eng.request_ids():
+        eng.abort(request_id)
+    del llm, eng
+    torch.cuda.empty_cache()
+    return {"decode_batch": batch, "ctx": ctx, "prefill_tokens": prefill_tokens, "kv_cache_dtype": kv_cache_dtype,
+            "wall_ms_per_step": round(sorted(walls)[len(walls) // 2] * 1e3, 3), "gpu_ms_per_step": gpu_total,
+            "top_kernels": kernels}
 
 
 def main() -> int:
@@ -122,11 +186,18 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--mixed", default=None, help="decode batches for steps that carry prefill (0: prefill only)")
+    p.add_argument("--prefill-tokens", default="1024,8192", help="prefill tokens per step, with --mixed")
     a = p.parse_args()
     res = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
-        for b in map(int, a.batch.split(",")):
+        if a.mixed is not None:
+            for b in map(int, a.mixed.split(",")):
+                for n in map(int, a.prefill_tokens.split(",")):
+                    res.append(profile_mixed(model_dir, b, a.ctx, n, a.kv_cache_dtype))
+                    print(json.dumps(res[-1]), flush=True)
+        for b in map(int, a.batch.split(",")) if a.mixed is None else ():
             res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None, a.kv_cache_dtype))
             print(json.dumps(res[-1]), flush=True)
     if a.out:
