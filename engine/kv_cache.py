@@ -13,6 +13,9 @@ logger = logging.getLogger(__name__)
 class KVCache:
     """K and V of shape [num_blocks, block_size, num_kv_heads, head_dim] per layer.
 
+    All of it is one allocation, `stacked` [num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]; `layers[i]` is (stacked[i, 0], stacked[i, 1]), each contiguous, so one indexing
+    op can read a block of every layer (the KV push of a whole step, `kvtransfer.ipc_cuda`).
     `dtype` may be torch.float8_e4m3fn (values stored divided by k_scale / v_scale).
     Host swap space is a pinned (on CUDA) pool with the same layout, `num_host_blocks` deep.
     """
@@ -31,10 +34,8 @@ class KVCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.k_scale, self.v_scale = k_scale, v_scale
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
+        self.stacked = torch.zeros((config.num_layers, 2, *shape), dtype=dtype, device=device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(kv[0], kv[1]) for kv in self.stacked]
         self.num_host_blocks = num_host_blocks
         pin = device.type == "cuda"
         host_shape = (config.num_layers, 2, num_host_blocks, *shape[1:])
@@ -51,16 +52,11 @@ class KVCache:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
-        src = torch.tensor(device_blocks, dtype=torch.long, device=self.layers[0][0].device)
+        src = torch.tensor(device_blocks, dtype=torch.long, device=self.stacked.device)
         dst = torch.tensor(host_blocks, dtype=torch.long)
-        for i, (k, v) in enumerate(self.layers):
-            self.host[i, 0, dst] = k.index_select(0, src).to("cpu")
-            self.host[i, 1, dst] = v.index_select(0, src).to("cpu")
+        self.host[:, :, dst] = self.stacked.index_select(2, src).to("cpu")
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
-        device = self.layers[0][0].device
         src = torch.tensor(host_blocks, dtype=torch.long)
-        dst = torch.tensor(device_blocks, dtype=torch.long, device=device)
-        for i, (k, v) in enumerate(self.layers):
-            k.index_copy_(0, dst, self.host[i, 0, src].to(device, non_blocking=True))
-            v.index_copy_(0, dst, self.host[i, 1, src].to(device, non_blocking=True))
+        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.stacked.device)
+        self.stacked.index_copy_(2, dst, self.host[:, :, src].to(self.stacked.device, non_blocking=True))

@@ -122,6 +122,22 @@ class KVSender(ABC):
         dst_block_ids[i]. Every layer of a transfer carries the same destination blocks.
         """
 
+    def send_layers(
+        self,
+        request_id: str,
+        layers: Sequence[int],
+        caches: Sequence[tuple[Any, Any]],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        """`send_layer` for each of `layers`, `caches[i]` being layer `layers[i]`'s (src_k, src_v),
+        all with the same blocks: how a step's whole KV goes at once. A transport may stage them
+        together; on an error the layers before the failing one may have been queued."""
+        if len(layers) != len(caches):
+            raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
+        for layer, (src_k, src_v) in zip(layers, caches):
+            self.send_layer(request_id, layer, src_k, src_v, src_block_ids, dst_block_ids)
+
     @abstractmethod
     def commit(self, request_id: str, meta: dict[str, Any]) -> Future[SendResult]:
         """Queue the commit after all layers; `meta` is JSON-able and reaches the receiver.

@@ -134,6 +134,18 @@ class SendPool:
             self._leases[lease.lease_id] = lease
             return lease
 
+    def acquire_layers(self, nslots: int, count: int, timeout_s: float,
+                       stopped: Callable[[], str | None]) -> list[Lease]:
+        """`count` leases of `nslots` slots each, back to back in one run (one search and at
+        most one wait for all of them); each is released on its own. Errors as `acquire`."""
+        run = self.acquire(nslots * count, timeout_s, stopped)
+        with self._cond:
+            del self._leases[run.lease_id]
+            leases = [Lease(self._next_id + i, run.slot + i * nslots, nslots) for i in range(count)]
+            self._next_id += count
+            self._leases.update((lease.lease_id, lease) for lease in leases)
+        return leases
+
     def _find_run(self, nslots: int) -> int | None:
         """The first slot of a free run of `nslots`, looking from where the last lease ended
         (next fit): leases are released about in the order they were taken, so the pool fills
@@ -199,6 +211,26 @@ class SendPool:
             np.take(rows, idx, axis=0, out=out.numpy().reshape(n, -1), mode="clip")  # ids are in range
 
         pair.run(take, (block_rows(src_k), k_out), (block_rows(src_v), v_out), payload)
+
+    def stage_layers(self, leases: Sequence[Lease], caches: Sequence[tuple[Any, Any]], src_block_ids: Any,
+                     payload: int, pair: PairPool) -> None:
+        """`stage` for several layers, `caches[i]` into `leases[i]` (from `acquire_layers`). A GPU
+        cache allocated as one (`engine.kv_cache.KVCache`) goes in one indexing kernel."""
+        if self.closed:
+            raise KVTransferError("the channel's staging pool is closed")
+        if self.kind == CUDA and len(leases) > 1:
+            from kvtransfer import ipc_cuda
+
+            stacked = ipc_cuda.stacked_layers(caches)
+            step = leases[0].slots
+            back_to_back = all(lease.slot == leases[0].slot + i * step for i, lease in enumerate(leases))
+            if stacked is not None and back_to_back:
+                ipc_cuda.gather_layers(stacked, src_block_ids, self.buffer, leases[0].slot * self.slot_bytes,
+                                       step * self.slot_bytes, v_offset(payload),
+                                       [self.events[lease.slot] for lease in leases])
+                return
+        for lease, (src_k, src_v) in zip(leases, caches, strict=True):
+            self.stage(lease, src_k, src_v, src_block_ids, payload, pair)
 
     def unlink(self) -> None:
         """Remove the shared-memory file's name; mappings stay valid (the receiver has mapped it)."""

@@ -83,6 +83,11 @@ class Channel:
             self._entries.append(entry)
             self._wake()
 
+    def put_all(self, entries: list[Any]) -> None:
+        with self._cond:
+            self._entries.extend(entries)
+            self._wake()
+
     def close(self) -> None:
         with self._cond:
             self._closing = True

@@ -123,6 +123,48 @@ class IpcSender(OutgoingTransfers, KVSender):
         channel.put(LayerItem(state, KIND_LAYER, layer=layer, src=src, dst=dst, lease=lease, dtype=dtype,
                                shape=(len(src), *block_shape)))
 
+    def send_layers(
+        self, request_id: str, layers: Sequence[int], caches: Sequence[tuple[Any, Any]],
+        src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+    ) -> None:
+        """All of `layers` in one run of the pool, staged together (one kernel for a GPU cache
+        allocated as one) and handed to the channel at once; layer by layer when the run would
+        not fit the pool, so a pool smaller than a step still moves it."""
+        if len(layers) != len(caches):
+            raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers: {list(layers)} names a layer twice")
+        if len(layers) < 2:
+            return super().send_layers(request_id, layers, caches, src_block_ids, dst_block_ids)
+        state = self._state(request_id)
+        checked = [state.check_layer(layer, k, v, src_block_ids, dst_block_ids)
+                   for layer, (k, v) in zip(layers, caches)]
+        src, dst, nbytes = checked[0]
+        channel: Channel = state.channel
+        pool = channel.ensure_pool(caches[0][0])
+        payload = nbytes // 2
+        need = wire.slots_needed(payload, pool.slot_bytes)
+        if not payload or need * len(layers) > pool.slots:
+            return super().send_layers(request_id, layers, caches, src_block_ids, dst_block_ids)
+        for k, _ in caches[1:]:
+            pool.check_source(k)
+        assert state.layout is not None
+        dtype, block_shape = state.layout
+        leases = pool.acquire_layers(need, len(layers), self.send_timeout_s, channel.stopped)
+        try:
+            ids = state.src_index(src, caches[0][0].device) if pool.kind == CUDA else src
+            pool.stage_layers(leases, caches, ids, payload, self._pair_pool)
+        except BaseException:
+            for lease in leases:
+                pool.release(lease.lease_id)
+            raise
+        state.layers.update(layers)
+        channel.put_all([
+            LayerItem(state, KIND_LAYER, layer=layer, src=src, dst=dst, lease=lease, dtype=dtype,
+                      shape=(len(src), *block_shape))
+            for layer, lease in zip(layers, leases)
+        ])
+
     def stats(self) -> dict[str, float]:
         channels = [*self._channels.values(), *self._retired]
         pools = [c.pool for c in self._channels.values() if c.pool is not None and c.broken is None]

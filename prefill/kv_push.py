@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.outputs import FinishReason, Request, StepOutput, StepPlan
 from kvtransfer import KVSender, KVTransferError
 from prefill.adapters import PrefillInput
-from prefill.push_mode import check_kv_push, layers_due
+from prefill.push_mode import check_kv_push, layers_due, named_layers
 from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
 from tandem.types import DEADLINE
 from worker.adapters import logprob_to_meta
@@ -127,7 +127,8 @@ class KvPusher:
         if not self.jobs:
             return
         for job in self._pushing(plan):
-            for due in layers_due(layer, job.num_layers, self.push):
+            due = layers_due(layer, job.num_layers, self.push)
+            if due:
                 self._push(job, due)
 
     def step_extras(self, plan: StepPlan) -> bytes:
@@ -144,19 +145,19 @@ class KvPusher:
             job.rank_sends = self.ranks.watch(job.transfer_id, self.rank_timeout_s)
         return encode_plans(plans)
 
-    def _push(self, job: PrefillJob, layer: int) -> None:
+    def _push(self, job: PrefillJob, layers: range) -> None:
         target = job.inp.target
         try:
             if not job.opened:
                 self.sender.open(job.transfer_id, target.kv_addresses[0], job.num_layers)
                 job.opened = True
-            k, v = self.loop.engine.kv_cache.layers[layer]
+            caches = [self.loop.engine.kv_cache.layers[layer] for layer in layers]
             first = target.num_cached_blocks
             src = job.request.block_table[first : first + len(target.dst_block_ids)]
-            self.sender.send_layer(job.transfer_id, layer, k, v, src, target.dst_block_ids)
-            job.layers_sent += 1
+            self.sender.send_layers(job.transfer_id, layers, caches, src, target.dst_block_ids)
+            job.layers_sent += len(layers)
         except (KVTransferError, ValueError) as exc:
-            job.error = f"kv push of layer {layer} failed: {exc}"
+            job.error = f"kv push of {named_layers(layers)} failed: {exc}"
             logger.warning("%s: %s", job.inp.request_id, job.error)
 
     def _on_output(self, engine: Engine, job: PrefillJob, out: StepOutput | BaseException) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from worker.config import check_kv_push
 
-__all__ = ["check_kv_push", "layers_due"]
+__all__ = ["check_kv_push", "layers_due", "named_layers"]
 
 
 def layers_due(layer: int, num_layers: int, mode: str) -> range:
@@ -21,3 +21,8 @@ def layers_due(layer: int, num_layers: int, mode: str) -> range:
         return range(layer, layer + 1)
     check_kv_push(mode)
     return range(num_layers) if layer == num_layers - 1 else range(0)  # "step"
+
+
+def named_layers(layers: range) -> str:
+    """`layers` as an error message names them: "layer 3", "layers 0-31"."""
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.model import LayerHook
 from kvtransfer import KVSender, KVTransferError, SendResult
-from prefill.push_mode import check_kv_push, layers_due
+from prefill.push_mode import check_kv_push, layers_due, named_layers
 from worker.transfer import KvPairingError
 
 logger = logging.getLogger(__name__)
@@ -94,25 +94,24 @@ class FollowerPusher:
 
         def after_layer(layer: int) -> None:
             for plan in plans:
-                for due in layers_due(layer, plan.num_layers, self.push):
-                    if plan.transfer_id in failed or not self._push(plan, due):
-                        failed.add(plan.transfer_id)
-                        break
+                due = layers_due(layer, plan.num_layers, self.push)
+                if due and plan.transfer_id not in failed and not self._push(plan, due):
+                    failed.add(plan.transfer_id)
 
         return after_layer
 
-    def _push(self, plan: PushPlan, layer: int) -> bool:
+    def _push(self, plan: PushPlan, layers: range) -> bool:
         tid = plan.transfer_id
         try:
-            if layer == 0:
+            if layers[0] == 0:
                 self.sender.open(tid, plan.addresses[self.rank], plan.num_layers)
-            k, v = self.kv_layers[layer]
-            self.sender.send_layer(tid, layer, k, v, plan.src_block_ids, plan.dst_block_ids)
-            if layer == plan.num_layers - 1:
+            caches = [self.kv_layers[layer] for layer in layers]
+            self.sender.send_layers(tid, layers, caches, plan.src_block_ids, plan.dst_block_ids)
+            if layers[-1] == plan.num_layers - 1:
                 fut = self.sender.commit(tid, {"rank": self.rank})
                 fut.add_done_callback(lambda f: self.report(sent_body(tid, f.result())))
         except (KVTransferError, ValueError, IndexError) as exc:
-            error = f"rank {self.rank}: kv push of layer {layer} failed: {exc}"
+            error = f"rank {self.rank}: kv push of {named_layers(layers)} failed: {exc}"
             logger.warning("%s: %s", tid, error)
             self.sender.abort(tid, error)
             self.report(sent_body(tid, SendResult(tid, False, error=error)))

@@ -140,9 +140,16 @@ def _step(sender: IpcSender, op: str, kw: dict[str, Any]) -> Any:
     if kw.get("device"):
         src_k, src_v = [t.to(kw["device"]) for t in src_k], [t.to(kw["device"]) for t in src_v]
     rid = kw["rid"]
+    if kw.get("stacked"):  # one allocation, as the engine's KVCache: [layers, 2, blocks, ...]
+        stacked = torch.stack([torch.stack(pair) for pair in zip(src_k, src_v)])
+        src_k, src_v = [kv[0] for kv in stacked], [kv[1] for kv in stacked]
     if kw.get("open", True):
         sender.open(rid, kw["address"], LAYERS)
-    for layer in kw.get("layers", range(LAYERS)):
+    layers = kw.get("layers", range(LAYERS))
+    if kw.get("together"):
+        sender.send_layers(rid, layers, [(src_k[i], src_v[i]) for i in layers], kw.get("src", SRC_IDS),
+                           kw.get("dst", DST_IDS))
+    for layer in () if kw.get("together") else layers:
         sender.send_layer(rid, layer, src_k[layer], src_v[layer], kw.get("src", SRC_IDS), kw.get("dst", DST_IDS))
     end = kw.get("end", "commit")
     if end == "commit":
@@ -213,6 +220,51 @@ def test_layers_from_another_process_land_byte_identical(prefill: Prefill, shm_d
     assert result.bytes_received == payload == stats["bytes_received"]
     assert dest.holds(seed) and dest.untouched(OTHERS)
     assert stats["transfers_ok"] == 1 and stats["channels_opened"] == 1 and stats["checksum_failures"] == 0
+
+
+@pytest.mark.parametrize("slots", [SLOTS, 2])
+def test_a_steps_layers_sent_together_land_byte_identical(shm_dir: Path, slots: int) -> None:
+    """`send_layers`: one run of the pool for every layer, or layer by layer where the pool is
+    smaller than the step (2 slots for 3 layers)."""
+    dest, seed = Dest(torch.bfloat16), fresh_seed()
+    p = start_prefill(slots=slots, slot_bytes=SLOT_BYTES, send_timeout_s=5.0, shm_dir=str(shm_dir))
+    try:
+        with get_transport("cuda_ipc").create_receiver(dest.sink) as receiver:
+            receiver.expect("st", DST_IDS, LAYERS, deadline_s=WAIT_S)
+            sent = p("transfer", rid="st", address=receiver.address, dtype="bfloat16", seed=seed, together=True,
+                     stacked=True)
+            result = wait_one(receiver)
+        wait_until(lambda: p("stats")["slots_in_use"] == 0, "every slot to be released")
+        assert sent["ok"] and result.ok and result.layers_received == LAYERS, (sent, result.error)
+        assert dest.holds(seed) and dest.untouched(OTHERS)
+    finally:
+        assert p.close() == 0
+
+
+def test_stacked_layers_gather_every_layer_into_back_to_back_leases() -> None:
+    """The one-kernel staging of a step (`ipc_cuda.gather_layers`), on the CPU against the
+    per-layer copy it replaces: leases of 3 slots, V at its aligned offset, blocks in any order."""
+    from kvtransfer import ipc_cuda
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    stacked = torch.randn(LAYERS, 2, SRC_BLOCKS, *BLOCK, generator=gen).to(torch.bfloat16)
+    caches = [(kv[0], kv[1]) for kv in stacked]
+    assert ipc_cuda.stacked_layers([(k.clone(), v.clone()) for k, v in caches]) is None  # separate allocations
+    assert ipc_cuda.stacked_layers(caches[::-1]) is None  # not in allocation order
+    view = ipc_cuda.stacked_layers(caches)
+    assert view is not None and torch.equal(view, stacked.flatten(3))
+    ids = torch.randperm(SRC_BLOCKS, generator=gen)[:5]
+    payload = len(ids) * stacked[0, 0, 0].nbytes
+    slot_bytes, need = 4096, wire.slots_needed(payload, 4096)
+    buffer = torch.zeros((2 + LAYERS * need) * slot_bytes, dtype=torch.uint8)
+    ipc_cuda.gather_layers(view, ids, buffer, 2 * slot_bytes, need * slot_bytes, wire.v_offset(payload), [])
+    for layer, (k, v) in enumerate(caches):
+        start = (2 + layer * need) * slot_bytes
+        got_k = buffer[start:start + payload].view(torch.bfloat16).view(len(ids), *BLOCK)
+        v_start = start + wire.v_offset(payload)
+        got_v = buffer[v_start:v_start + payload].view(torch.bfloat16).view(len(ids), *BLOCK)
+        assert torch.equal(got_k, k[ids]) and torch.equal(got_v, v[ids]), layer
+    assert not buffer[:2 * slot_bytes].any()  # nothing before the first lease was written
 
 
 @pytest.fixture
@@ -465,6 +517,12 @@ def test_bad_options_and_arguments_name_the_field(sender: IpcSender) -> None:
             sender.send_layer("r", 0, k, k, [SRC_BLOCKS], [0])
         with pytest.raises(ValueError, match="^src_v:"):
             sender.send_layer("r", 0, k, k[:4], [0], [0])
+        with pytest.raises(ValueError, match="^caches:"):
+            sender.send_layers("r", [0, 1], [(k, k)], [1, 2], [3, 4])
+        with pytest.raises(ValueError, match="^layers:"):
+            sender.send_layers("r", [1, 1], [(k, k), (k, k)], [1, 2], [3, 4])
+        with pytest.raises(ValueError, match="^layer:"):
+            sender.send_layers("r", [1, LAYERS], [(k, k), (k, k)], [1, 2], [3, 4])
         big = torch.randn(SRC_BLOCKS, 64, 8, 16)  # 32 blocks of it need more than the whole pool
         sender.open("big", receiver.address, 1)
         with pytest.raises(KVTransferError, match="does not fit the staging pool"):
@@ -640,10 +698,12 @@ def test_disaggregated_workers_over_the_ipc_transport_match_the_offline_engine(t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_pool_between_processes_lands_bit_exact(dtype: str) -> None:
+def test_gpu_pool_between_processes_lands_bit_exact(dtype: str, together: bool) -> None:
     """The real thing: a GPU cache in the prefill process, CUDA IPC pool and events, a GPU cache
-    here (the same GPU, and a second one when there is one)."""
+    here (the same GPU, and a second one when there is one); `together`: a step's layers from
+    one allocation in one `send_layers` (one indexing kernel)."""
     gpu = start_prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0)
     try:
         for device in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
@@ -652,7 +712,8 @@ def test_gpu_pool_between_processes_lands_bit_exact(dtype: str) -> None:
                 for i in range(4):  # more layers than slots: slots are reused
                     rid, seed = f"gpu-{device}-{i}", fresh_seed()
                     receiver.expect(rid, DST_IDS, LAYERS, deadline_s=WAIT_S)
-                    sent = gpu("transfer", rid=rid, address=receiver.address, dtype=dtype, seed=seed, device="cuda:0")
+                    sent = gpu("transfer", rid=rid, address=receiver.address, dtype=dtype, seed=seed, device="cuda:0",
+                               together=together, stacked=together)
                     assert sent["ok"], sent
                     result = wait_one(receiver)
                     assert result.ok, result.error
