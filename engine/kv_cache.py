@@ -14,8 +14,8 @@ class KVCache:
     """K and V of shape [num_blocks, block_size, num_kv_heads, head_dim] per layer.
 
     All of it is one allocation, `stacked` [num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]; `layers[i]` is (stacked[i, 0], stacked[i, 1]), each contiguous, so one indexing
-    op can read a block of every layer (the KV push of a whole step, `kvtransfer.ipc_cuda`).
+    head_dim]; `layers[i]` is (stacked[i, 0], stacked[i, 1]), each contiguous, so a block of
+    every layer moves in one op (swapping to and from the host pool).
     `dtype` may be torch.float8_e4m3fn (values stored divided by k_scale / v_scale).
     Host swap space is a pinned (on CUDA) pool with the same layout, `num_host_blocks` deep.
     """

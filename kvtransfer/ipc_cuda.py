@@ -127,45 +127,6 @@ def gather(src_k: torch.Tensor, src_v: torch.Tensor, src_block_ids: Sequence[int
     event.record(torch.cuda.current_stream(src_k.device))
 
 
-def stacked_layers(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-    """The layers' K and V as one [layers, 2, num_blocks, block_elems] view of their storage, or
-    None when they are not laid out evenly in one allocation (`engine.kv_cache.KVCache.stacked`
-    is: one layer after the other, K before V)."""
-    k0, v0 = caches[0]
-    size, elem = k0.element_size(), k0.numel() // max(k0.shape[0], 1)
-    kv_step = v0.data_ptr() - k0.data_ptr()
-    layer_step = caches[1][0].data_ptr() - k0.data_ptr() if len(caches) > 1 else kv_step * 2
-    storage = k0.untyped_storage().data_ptr()
-    for i, (k, v) in enumerate(caches):
-        for t, ptr in ((k, k0.data_ptr() + i * layer_step), (v, k0.data_ptr() + i * layer_step + kv_step)):
-            if (t.shape != k0.shape or t.dtype != k0.dtype or t.device != k0.device or not t.is_contiguous()
-                    or t.data_ptr() != ptr or t.untyped_storage().data_ptr() != storage):
-                return None
-    if kv_step <= 0 or layer_step <= 0 or kv_step % size or layer_step % size:
-        return None
-    return torch.as_strided(k0, (len(caches), 2, k0.shape[0], elem), (layer_step // size, kv_step // size, elem, 1))
-
-
-def gather_layers(stacked: torch.Tensor, src_block_ids: torch.Tensor, buffer: torch.Tensor, first_byte: int,
-                  lease_bytes: int, v_start: int, events: Sequence[torch.cuda.Event]) -> None:
-    """Copy blocks `src_block_ids` (an int64 tensor on the cache's device) of every layer in
-    `stacked` (`stacked_layers`) into leases laid back to back in `buffer` from `first_byte`,
-    `lease_bytes` apart, V `v_start` bytes into each; then record every lease's event.
-
-    One indexing kernel for all layers, on the caller's current stream; nothing waits.
-    """
-    layers, _, _, elem = stacked.shape
-    size = stacked.element_size()
-    n = src_block_ids.numel()
-    out = torch.as_strided(buffer.view(stacked.dtype), (layers, 2, n, elem),
-                           (lease_bytes // size, v_start // size, elem, 1), first_byte // size)
-    torch.index_select(stacked, 2, src_block_ids, out=out)
-    if events:
-        stream = torch.cuda.current_stream(stacked.device)
-        for event in events:
-            event.record(stream)
-
-
 def new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 

@@ -214,21 +214,11 @@ class SendPool:
 
     def stage_layers(self, leases: Sequence[Lease], caches: Sequence[tuple[Any, Any]], src_block_ids: Any,
                      payload: int, pair: PairPool) -> None:
-        """`stage` for several layers, `caches[i]` into `leases[i]` (from `acquire_layers`). A GPU
-        cache allocated as one (`engine.kv_cache.KVCache`) goes in one indexing kernel."""
-        if self.closed:
-            raise KVTransferError("the channel's staging pool is closed")
-        if self.kind == CUDA and len(leases) > 1:
-            from kvtransfer import ipc_cuda
+        """`stage` for several layers, `caches[i]` into `leases[i]` (from `acquire_layers`).
 
-            stacked = ipc_cuda.stacked_layers(caches)
-            step = leases[0].slots
-            back_to_back = all(lease.slot == leases[0].slot + i * step for i, lease in enumerate(leases))
-            if stacked is not None and back_to_back:
-                ipc_cuda.gather_layers(stacked, src_block_ids, self.buffer, leases[0].slot * self.slot_bytes,
-                                       step * self.slot_bytes, v_offset(payload),
-                                       [self.events[lease.slot] for lease in leases])
-                return
+        Per layer on purpose: one indexing op of contiguous blocks into a contiguous lease is the
+        fast gather on a GPU; one op over every layer writes a strided lease and takes the
+        general path, several times slower than all the per-layer ops together."""
         for lease, (src_k, src_v) in zip(leases, caches, strict=True):
             self.stage(lease, src_k, src_v, src_block_ids, payload, pair)
 

@@ -127,9 +127,9 @@ class IpcSender(OutgoingTransfers, KVSender):
         self, request_id: str, layers: Sequence[int], caches: Sequence[tuple[Any, Any]],
         src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
     ) -> None:
-        """All of `layers` in one run of the pool, staged together (one kernel for a GPU cache
-        allocated as one) and handed to the channel at once; layer by layer when the run would
-        not fit the pool, so a pool smaller than a step still moves it."""
+        """All of `layers` in one run of the pool (one search, at most one wait), staged and handed
+        to the channel at once (one wake-up of its thread instead of one per layer); layer by
+        layer when the run would not fit the pool, so a pool smaller than a step still moves it."""
         if len(layers) != len(caches):
             raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
         if len(set(layers)) != len(layers):

@@ -225,7 +225,7 @@ def test_layers_from_another_process_land_byte_identical(prefill: Prefill, shm_d
 @pytest.mark.parametrize("slots", [SLOTS, 2])
 def test_a_steps_layers_sent_together_land_byte_identical(shm_dir: Path, slots: int) -> None:
     """`send_layers`: one run of the pool for every layer, or layer by layer where the pool is
-    smaller than the step (2 slots for 3 layers)."""
+    smaller than the step (2 slots for 3 layers); the caches as the engine allocates them."""
     dest, seed = Dest(torch.bfloat16), fresh_seed()
     p = start_prefill(slots=slots, slot_bytes=SLOT_BYTES, send_timeout_s=5.0, shm_dir=str(shm_dir))
     try:
@@ -239,32 +239,6 @@ def test_a_steps_layers_sent_together_land_byte_identical(shm_dir: Path, slots: 
         assert dest.holds(seed) and dest.untouched(OTHERS)
     finally:
         assert p.close() == 0
-
-
-def test_stacked_layers_gather_every_layer_into_back_to_back_leases() -> None:
-    """The one-kernel staging of a step (`ipc_cuda.gather_layers`), on the CPU against the
-    per-layer copy it replaces: leases of 3 slots, V at its aligned offset, blocks in any order."""
-    from kvtransfer import ipc_cuda
-
-    gen = torch.Generator().manual_seed(fresh_seed())
-    stacked = torch.randn(LAYERS, 2, SRC_BLOCKS, *BLOCK, generator=gen).to(torch.bfloat16)
-    caches = [(kv[0], kv[1]) for kv in stacked]
-    assert ipc_cuda.stacked_layers([(k.clone(), v.clone()) for k, v in caches]) is None  # separate allocations
-    assert ipc_cuda.stacked_layers(caches[::-1]) is None  # not in allocation order
-    view = ipc_cuda.stacked_layers(caches)
-    assert view is not None and torch.equal(view, stacked.flatten(3))
-    ids = torch.randperm(SRC_BLOCKS, generator=gen)[:5]
-    payload = len(ids) * stacked[0, 0, 0].nbytes
-    slot_bytes, need = 4096, wire.slots_needed(payload, 4096)
-    buffer = torch.zeros((2 + LAYERS * need) * slot_bytes, dtype=torch.uint8)
-    ipc_cuda.gather_layers(view, ids, buffer, 2 * slot_bytes, need * slot_bytes, wire.v_offset(payload), [])
-    for layer, (k, v) in enumerate(caches):
-        start = (2 + layer * need) * slot_bytes
-        got_k = buffer[start:start + payload].view(torch.bfloat16).view(len(ids), *BLOCK)
-        v_start = start + wire.v_offset(payload)
-        got_v = buffer[v_start:v_start + payload].view(torch.bfloat16).view(len(ids), *BLOCK)
-        assert torch.equal(got_k, k[ids]) and torch.equal(got_v, v[ids]), layer
-    assert not buffer[:2 * slot_bytes].any()  # nothing before the first lease was written
 
 
 @pytest.fixture
@@ -703,7 +677,7 @@ def test_disaggregated_workers_over_the_ipc_transport_match_the_offline_engine(t
 def test_gpu_pool_between_processes_lands_bit_exact(dtype: str, together: bool) -> None:
     """The real thing: a GPU cache in the prefill process, CUDA IPC pool and events, a GPU cache
     here (the same GPU, and a second one when there is one); `together`: a step's layers from
-    one allocation in one `send_layers` (one indexing kernel)."""
+    one allocation in one `send_layers`."""
     gpu = start_prefill(slots=SLOTS, slot_bytes=SLOT_BYTES, send_timeout_s=5.0)
     try:
         for device in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else []):
