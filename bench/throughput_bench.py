@@ -411,23 +411,47 @@ def _ratio(num: Any, den: Any, digits: int = 3) -> float | None:
     return round(num / den, digits) if isinstance(num, (int, float)) and isinstance(den, (int, float)) and den else None
 
 
-def summarize(sections: dict) -> dict:
-    """The issue's keys from the sections' results (None where a section is missing or failed)."""
+# The table's ratios: key -> (numerator, denominator), each (section, field). A ratio is quoted
+# from one run (both sections measured by the same command, on the same machine): each run
+# records the ratios it measured, and the summary takes the latest run's.
+RATIOS = {
+    "fp8kv_over_bf16": (("offline_fp8kv", "output_tok_s"), ("offline_bf16", "output_tok_s")),
+    "b1_speed_over_gptfast": (("gptfast", "gptfast_b1_ms_per_token"), ("decode_b1", "decode_b1_ms_per_token")),
+    "services_vs_offline": (("services", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "colocated_vs_offline": (("colocated", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "services_small_prefill_vs_offline": (("services_small_prefill", "output_tok_s"), ("offline_subset", "output_tok_s")),
+}
+
+
+def run_ratios(sections: dict, names: list[str]) -> dict:
+    """The ratios whose two sections are both among `names` (one run's) and succeeded."""
+    ratios = {}
+    for key, ((num, num_key), (den, den_key)) in RATIOS.items():
+        if num in names and den in names:
+            value = _ratio(_get(sections, num, num_key), _get(sections, den, den_key))
+            if value is not None:
+                ratios[key] = value
+    return ratios
+
+
+def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
+    """The issue's keys from the sections' results (None where a section is missing or failed).
+
+    With `runs` (the file's run records), each ratio is the one the latest run that measured both
+    its sections recorded (`run_ratios`), or None when no run did; without `runs`, or for a
+    record from before runs kept their ratios, the quotient of what the sections hold."""
     g = lambda name, key: _get(sections, name, key)  # noqa: E731
-    bf16, fp8kv = g("offline_bf16", "output_tok_s"), g("offline_fp8kv", "output_tok_s")
-    ours_b1, peer_b1 = g("decode_b1", "decode_b1_ms_per_token"), g("gptfast", "gptfast_b1_ms_per_token")
-    subset = g("offline_subset", "output_tok_s")
-    return {
-        "offline_bf16_out_tok_s": bf16, "offline_fp8kv_out_tok_s": fp8kv, "fp8kv_over_bf16": _ratio(fp8kv, bf16),
+    summary = {
+        "offline_bf16_out_tok_s": g("offline_bf16", "output_tok_s"),
+        "offline_fp8kv_out_tok_s": g("offline_fp8kv", "output_tok_s"), "fp8kv_over_bf16": None,
         "offline_fp8_out_tok_s": g("offline_fp8", "output_tok_s"),
-        "decode_b1_ms_per_token": ours_b1, "weight_read_floor_ms": g("decode_b1", "weight_read_floor_ms"),
+        "decode_b1_ms_per_token": g("decode_b1", "decode_b1_ms_per_token"),
+        "weight_read_floor_ms": g("decode_b1", "weight_read_floor_ms"),
         "decode_b1_roofline_fraction": g("decode_b1", "decode_b1_roofline_fraction"),
-        "gptfast_b1_ms_per_token": peer_b1, "b1_speed_over_gptfast": _ratio(peer_b1, ours_b1),
+        "gptfast_b1_ms_per_token": g("gptfast", "gptfast_b1_ms_per_token"), "b1_speed_over_gptfast": None,
         "services_out_tok_s": g("services", "output_tok_s"), "colocated_out_tok_s": g("colocated", "output_tok_s"),
-        "offline_subset_out_tok_s": subset,
-        "services_vs_offline": _ratio(g("services", "output_tok_s"), subset),
-        "colocated_vs_offline": _ratio(g("colocated", "output_tok_s"), subset),
-        "services_small_prefill_vs_offline": _ratio(g("services_small_prefill", "output_tok_s"), subset),
+        "offline_subset_out_tok_s": g("offline_subset", "output_tok_s"),
+        "services_vs_offline": None, "colocated_vs_offline": None, "services_small_prefill_vs_offline": None,
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),
@@ -436,6 +460,18 @@ def summarize(sections: dict) -> dict:
         "copy_GBps": g("ceilings", "copy_GBps"), "matmul_bf16_TFLOPs": g("ceilings", "matmul_bf16_TFLOPs"),
         "matmul_fp8_TFLOPs": g("ceilings", "matmul_fp8_TFLOPs"),
     }
+    for key, ((num, num_key), (den, den_key)) in RATIOS.items():
+        quotient = _ratio(g(num, num_key), g(den, den_key))
+        if runs is None:
+            summary[key] = quotient
+            continue
+        touched = [run for run in runs if {num, den} & set(run.get("sections", ()))]
+        both = [run for run in touched if {num, den} <= set(run.get("sections", ()))]
+        if both and isinstance(both[-1].get("ratios"), dict):
+            summary[key] = both[-1]["ratios"].get(key)
+        elif both and touched[-1] is both[-1]:  # an older record, and no later run measured either
+            summary[key] = quotient
+    return summary
 
 
 def _round(x: Any) -> Any:
@@ -648,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
 
     def write() -> None:
-        result.update(summarize(sections))
+        run_record["ratios"] = run_ratios(sections, list(run_record["section_seconds"]))  # what this run measured
+        result.update(summarize(sections, result["runs"]))
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="throughput-bench-") as tmp:
@@ -685,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     run_record["total_s"] = round(time.time() - t0, 1)
     write()
     log(f"wrote {out}")
-    print(format_table(summarize(sections)), flush=True)
+    print(format_table(summarize(sections, result["runs"])), flush=True)
     return 1 if failed else 0
 
 

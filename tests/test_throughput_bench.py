@@ -73,7 +73,8 @@ def test_writes_json_records_a_failing_gpu_section_and_runs_the_rest(tmp_path):
 
 def test_merge_keeps_the_earlier_group_and_recomputes_the_summary(tmp_path):
     first = tmp_path / "a.json"
-    first.write_text(json.dumps({"runs": [{"sections": ["offline_bf16"]}], "sections": {
+    first.write_text(json.dumps({"runs": [{"sections": ["offline_bf16", "offline_fp8kv", "decode_b1", "gptfast"]}],
+                                 "sections": {
         "offline_bf16": {"output_tok_s": 10_000.0}, "offline_fp8kv": {"output_tok_s": 12_500.0},
         "decode_b1": {"decode_b1_ms_per_token": 4.0, "decode_b1_roofline_fraction": 0.8}, "gptfast": {
             "gptfast_b1_ms_per_token": 4.9}}}))
@@ -84,6 +85,26 @@ def test_merge_keeps_the_earlier_group_and_recomputes_the_summary(tmp_path):
     assert res["fp8kv_over_bf16"] == 1.25
     assert res["b1_speed_over_gptfast"] == pytest.approx(4.9 / 4.0, abs=1e-3)
     assert len(res["runs"]) == 2 and "env" in res["sections"] and "offline_bf16" in res["sections"]
+
+
+def test_a_ratio_comes_from_one_run_not_from_sections_of_two(tmp_path):
+    """A later run that measured only the denominator does not make a ratio with an earlier run's
+    numerator: the table keeps the ratio the earlier run measured with both."""
+    first = tmp_path / "a.json"
+    first.write_text(json.dumps({
+        "runs": [{"sections": ["colocated", "offline_subset"], "ratios": {"colocated_vs_offline": 0.9}},
+                 {"sections": ["offline_subset"], "ratios": {}}],
+        "sections": {"colocated": {"output_tok_s": 9_000.0}, "offline_subset": {"output_tok_s": 12_000.0}}}))
+    out = tmp_path / "b.json"
+    r = run("--only", "env", "--merge", str(first), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["colocated_vs_offline"] == 0.9  # not 9,000 / 12,000
+    assert res["services_vs_offline"] is None and res["runs"][-1]["ratios"] == {}
+    sections = {"services": {"output_tok_s": 7_000.0}, "offline_subset": {"output_tok_s": 8_750.0},
+                "colocated": {"output_tok_s": 1.0}}
+    assert tb.run_ratios(sections, ["services", "offline_subset"]) == {"services_vs_offline": 0.8}
+    assert tb.run_ratios(sections, ["colocated"]) == {}
 
 
 def test_summary_ratios_skip_failed_sections():
