@@ -6,7 +6,7 @@ the workers' own engine step time, and both against the offline engine at the sa
 
 For each mode it starts `tandem up` (dummy weights), sends one warm-up request, then, for each
 concurrency C, keeps C greedy streams (stream_interval 1, as `tandem bench`) in flight until
-`--requests` (default max(8, 2C)) have finished. Around each level it reads every worker's
+`--requests` (default max(16, 2C)) have finished. Around each level it reads every worker's
 `tandem_engine_step_seconds` sum and count and the KV transfer counters from its /metrics. The
 row says, per level: the client's TTFT and inter-token time (P50 and mean), the decode-side
 worker's mean step, the inter-token mean minus that step (time a token spends outside the
@@ -152,7 +152,7 @@ class PromptPool:
 
 
 def level_requests(c: int, requests: int | None) -> int:
-    return requests or max(8, 2 * c)
+    return requests or max(16, 2 * c)
 
 
 def serve(model_dir: Path, mode: str, levels: list[int], requests: int | None, pool: PromptPool, output_len: int,
@@ -250,7 +250,7 @@ def main() -> int:
     up_bench.add_model_source(p)
     p.add_argument("--modes", default="disagg,colocated", help="comma list of disagg, colocated")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of stream counts")
-    p.add_argument("--requests", type=int, default=None, help="requests per level (default max(8, 2C))")
+    p.add_argument("--requests", type=int, default=None, help="requests per level (default max(16, 2C): one stream's lone-prompt figures vary by ~10 ms between 8-request runs)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine's reference rows")

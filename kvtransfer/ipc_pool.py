@@ -212,16 +212,6 @@ class SendPool:
 
         pair.run(take, (block_rows(src_k), k_out), (block_rows(src_v), v_out), payload)
 
-    def stage_layers(self, leases: Sequence[Lease], caches: Sequence[tuple[Any, Any]], src_block_ids: Any,
-                     payload: int, pair: PairPool) -> None:
-        """`stage` for several layers, `caches[i]` into `leases[i]` (from `acquire_layers`).
-
-        Per layer on purpose: one indexing op of contiguous blocks into a contiguous lease is the
-        fast gather on a GPU; one op over every layer writes a strided lease and takes the
-        general path, several times slower than all the per-layer ops together."""
-        for lease, (src_k, src_v) in zip(leases, caches, strict=True):
-            self.stage(lease, src_k, src_v, src_block_ids, payload, pair)
-
     def unlink(self) -> None:
         """Remove the shared-memory file's name; mappings stay valid (the receiver has mapped it)."""
         if self._unlinker is not None:

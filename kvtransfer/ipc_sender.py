@@ -128,8 +128,13 @@ class IpcSender(OutgoingTransfers, KVSender):
         src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
     ) -> None:
         """All of `layers` in one run of the pool (one search, at most one wait), staged and handed
-        to the channel at once (one wake-up of its thread instead of one per layer); layer by
-        layer when the run would not fit the pool, so a pool smaller than a step still moves it."""
+        to the channel at once (one wake-up of its thread instead of one per layer); as separate
+        `send_layer` calls when the run would not fit the pool, so a pool smaller than a step
+        still moves it.
+
+        Each layer is gathered by its own index op: a contiguous layer into its contiguous lease
+        is the GPU's fast gather, where one op over every layer into the strided run measured
+        slower than all of them (BENCHMARKS §12)."""
         if len(layers) != len(caches):
             raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
         if len(set(layers)) != len(layers):
@@ -153,7 +158,8 @@ class IpcSender(OutgoingTransfers, KVSender):
         leases = pool.acquire_layers(need, len(layers), self.send_timeout_s, channel.stopped)
         try:
             ids = state.src_index(src, caches[0][0].device) if pool.kind == CUDA else src
-            pool.stage_layers(leases, caches, ids, payload, self._pair_pool)
+            for lease, (k, v) in zip(leases, caches):  # per layer: see the docstring
+                pool.stage(lease, k, v, ids, payload, self._pair_pool)
         except BaseException:
             for lease in leases:
                 pool.release(lease.lease_id)

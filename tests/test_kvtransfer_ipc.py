@@ -701,7 +701,7 @@ def test_gpu_pool_between_processes_lands_bit_exact(dtype: str, together: bool) 
 def test_the_pool_finds_a_free_run_whenever_one_exists(tmp_path: Path) -> None:
     """Next-fit leasing (SendPool._find_run) against a plain scan, over random leases and
     releases: a free run of the asked length is found exactly when one exists, and a lease
-    never overlaps another."""
+    never overlaps another; `acquire_layers` gives back-to-back leases released one by one."""
     import random
 
     from kvtransfer.ipc_pool import SendPool
@@ -716,18 +716,24 @@ def test_the_pool_finds_a_free_run_whenever_one_exists(tmp_path: Path) -> None:
                 assert pool.release(lease_id)
                 del held[lease_id]
                 continue
-            n = rng.randint(1, 6)
+            n, count = rng.randint(1, 6), rng.choice([1, 1, 2, 3])  # count > 1: acquire_layers
             taken = set().union(*held.values()) if held else set()
-            exists = any(all(i not in taken for i in range(s, s + n)) for s in range(pool.slots - n + 1))
+            run = n * count
+            exists = any(all(i not in taken for i in range(s, s + run)) for s in range(pool.slots - run + 1))
             try:
-                lease = pool.acquire(n, 0.0, lambda: None)
+                leases = [pool.acquire(n, 0.0, lambda: None)] if count == 1 else \
+                    pool.acquire_layers(n, count, 0.0, lambda: None)
             except KVTransferError:
-                assert not exists, (n, sorted(taken))
+                assert not exists, (run, sorted(taken))
                 continue
-            assert exists
-            got = set(range(lease.slot, lease.slot + lease.slots))
-            assert lease.slots == n and not got & taken and max(got) < pool.slots
-            held[lease.lease_id] = got
+            assert exists and len(leases) == count
+            assert [lease.slot for lease in leases] == [leases[0].slot + i * n for i in range(count)]  # back to back
+            for lease in leases:  # each its own lease, released on its own later
+                got = set(range(lease.slot, lease.slot + lease.slots))
+                assert lease.slots == n and not got & taken and max(got) < pool.slots
+                assert lease.lease_id not in held
+                held[lease.lease_id] = got
+                taken |= got
         assert pool.in_use == sum(len(v) for v in held.values())
     finally:
         pool.unlink()
