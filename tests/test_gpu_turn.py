@@ -96,6 +96,50 @@ def test_the_wait_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None
     p.close()
 
 
+def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_turn(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """While a decode step waits for a prefill worker's step (here held for seconds), what is
+    submitted to the worker's engine thread (a Reserve, an abort) runs at once and a stop ends
+    the wait; only the step waits."""
+    from engine import Engine, EngineConfig, SamplingParams
+    from worker.engine_loop import EngineLoop
+
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    prefill = PrefillTurn(str(f))  # stands for the prefill worker: its step runs until after_step
+    turn = DecodeTurn([str(f)], max_wait_s=4.0, stale_s=60.0)
+    engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu"))
+    loop = EngineLoop(engine, turn=turn)
+    loop.start()
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    try:
+        loop.submit(lambda e: e.admit([256, *range(40, 60)], params, "streaming")).result(WAIT)
+        prefill.before_step()
+        time.sleep(0.3)  # the loop's next step is waiting for the turn now
+        t = time.monotonic()
+        assert loop.submit(lambda e: e.admit([256, *range(70, 80)], params, "next")).result(WAIT) is not None
+        assert loop.submit(lambda e: loop.abort_now("next")).result(WAIT) is True
+        served = time.monotonic() - t
+        assert served < 1.5, served  # not after the 4 s the step may wait
+        assert turn.waits == 0  # and that wait is still going on
+        prefill.after_step()
+        wait_until = time.monotonic() + WAIT
+        while turn.waits == 0:
+            assert time.monotonic() < wait_until, "the step never went on after the turn was released"
+            time.sleep(0.01)
+        prefill.before_step()
+        time.sleep(0.3)
+        t = time.monotonic()
+        loop.stop(timeout=WAIT)
+        assert time.monotonic() - t < 2.5  # the stop ended the wait
+        assert not loop.running
+    finally:
+        loop.stop(timeout=WAIT)
+        prefill.close()
+        turn.close()
+        engine.close()
+
+
 def test_bad_values_name_the_field(tmp_path: Path) -> None:
     from worker.config import WorkerConfig, build_parser, config_from_args
 

@@ -105,6 +105,7 @@ class EngineLoop:
         self._generated = 0
         self._snapshot = take_snapshot(engine, 0, 0)
         self._stopped = threading.Event()
+        self._stop_taken = False  # the stop sentinel was taken by a command run inside a turn's wait
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -197,6 +198,8 @@ class EngineLoop:
                 self._run_timers()
                 if self.engine.has_unfinished():
                     self._step()
+                if self._stop_taken:
+                    break
                 self._after_iteration()
         finally:
             self._shutdown()
@@ -250,10 +253,20 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine timer failed")
 
+    def _pause(self, seconds: float) -> bool:
+        """A turn's wait (`GpuTurn.before_step`): run what is submitted meanwhile, so a Reserve or
+        an abort does not wait for another worker's prefill step. False once the stop came."""
+        if not self._run_commands(self._take(seconds)):
+            self._stop_taken = True
+        return not self._stop_taken
+
     def _step(self) -> None:
-        waited = self.turn.before_step()
+        waited = self.turn.before_step(self._pause)
         if waited and self._on_turn_wait is not None:
             self._on_turn_wait(waited)
+        if self._stop_taken or not self.engine.has_unfinished():  # commands ran during the wait
+            self.turn.after_step()
+            return
         if self.profiler is not None:
             self.profiler.before_step()
         t0 = time.perf_counter()

@@ -12,7 +12,9 @@ decode worker lets the prompt go first:
 - before each of its own steps, the decode worker waits while any prefill worker on its GPU is
   inside a step, for at most `MAX_WAIT_S` (its running streams never wait longer than that for
   a token on a prefill's account), and ignores a mark older than `STALE_S` (a prefill worker
-  killed mid-step) (`DecodeTurn`).
+  killed mid-step) (`DecodeTurn`). The engine loop waits through its `pause`, which runs the
+  commands that arrive meanwhile (a Reserve for the next prompt, an abort), so only the step
+  waits, not the worker.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -23,7 +25,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "create_turn_file", "make_turn", "turn_paths"]
 
@@ -31,6 +33,11 @@ MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-tu
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
 _MARK = struct.Struct("<q")
+
+
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return True
 
 
 def create_turn_file(path: str | os.PathLike) -> None:
@@ -59,8 +66,10 @@ def _map(path: str) -> mmap.mmap:
 class GpuTurn:
     """What the engine loop calls around each step; the base class does nothing (no shared GPU)."""
 
-    def before_step(self) -> float:
-        """Called before a step; returns the seconds it waited."""
+    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
+        """Called before a step; returns the seconds it waited. A wait goes through `pause(s)`,
+        which returns within about `s` seconds, and False to end the wait at once (the loop is
+        stopping)."""
         return 0.0
 
     def after_step(self) -> None:
@@ -78,7 +87,7 @@ class PrefillTurn(GpuTurn):
         self._mark = _map(path)
         self.after_step()  # a restarted worker clears what its predecessor left
 
-    def before_step(self) -> float:
+    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
         _MARK.pack_into(self._mark, 0, time.monotonic_ns() or 1)
         return 0.0
 
@@ -112,13 +121,14 @@ class DecodeTurn(GpuTurn):
                 return True
         return False
 
-    def before_step(self) -> float:
+    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
         if not self.busy():
             return 0.0
         start = time.monotonic()
         end = start + self.max_wait_s
         while time.monotonic() < end and self.busy():
-            time.sleep(POLL_S)
+            if not pause(POLL_S):
+                break
         waited = time.monotonic() - start
         self.waits += 1
         self.waited_s += waited
