@@ -41,7 +41,7 @@ from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementErr
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, HelpFormatter
-from worker.gpu_turn import MAX_WAIT_S, create_turn_file
+from worker.gpu_turn import MAX_WAIT_S, check_max_wait_ms, create_turn_file
 
 logger = logging.getLogger("tandem.up")
 
@@ -278,8 +278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.gpu_memory_fraction <= 1:
         p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
-    if not 0 < a.gpu_turn_max_wait_ms <= 1000:
-        p.error(f"--gpu-turn-max-wait-ms must be in (0, 1000], got {a.gpu_turn_max_wait_ms:g}")
+    try:
+        check_max_wait_ms(a.gpu_turn_max_wait_ms, "--gpu-turn-max-wait-ms")
+    except ValueError as exc:
+        p.error(str(exc))
     if len({bool(a.tls_cert), bool(a.tls_key), bool(a.tls_ca)}) > 1:
         p.error("--tls-cert: give --tls-cert, --tls-key and --tls-ca together (or none)")
     for flag in ("tls_cert", "tls_key", "tls_ca"):

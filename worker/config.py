@@ -17,7 +17,7 @@ from typing import Any
 from engine import EngineConfig
 from tandem.netaddr import is_wildcard
 from tandem.types import ROLES
-from worker.gpu_turn import MAX_WAIT_S, turn_paths
+from worker.gpu_turn import MAX_WAIT_S, check_max_wait_ms, turn_paths
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class WorkerConfig:
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError(f"batch_window_ms: must be in [0, 1000], got {self.batch_window_ms}")
         turn_paths(self.role, self.gpu_turn)
-        if not 0 < self.gpu_turn_max_wait_ms <= 1000:
-            raise ValueError(f"gpu_turn_max_wait_ms: must be in (0, 1000], got {self.gpu_turn_max_wait_ms}")
+        check_max_wait_ms(self.gpu_turn_max_wait_ms, "gpu_turn_max_wait_ms")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
         if self.role == "prefill" and self.engine.cuda_graphs:

@@ -27,9 +27,11 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "create_turn_file", "make_turn", "turn_paths"]
+__all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_max_wait_ms", "create_turn_file",
+           "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
+MAX_WAIT_LIMIT_MS = 1000.0  # the largest --gpu-turn-max-wait-ms accepted
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
 _MARK = struct.Struct("<q")
@@ -38,6 +40,12 @@ _MARK = struct.Struct("<q")
 def _sleep(seconds: float) -> bool:
     time.sleep(seconds)
     return True
+
+
+def check_max_wait_ms(ms: float, field: str) -> None:
+    """ValueError naming `field` unless `ms` is a wait bound this module takes: (0, 1000] ms."""
+    if not 0 < ms <= MAX_WAIT_LIMIT_MS:
+        raise ValueError(f"{field}: must be in (0, {MAX_WAIT_LIMIT_MS:g}], got {ms:g}")
 
 
 def create_turn_file(path: str | os.PathLike) -> None:
