@@ -347,6 +347,10 @@ class RequestRunner:
         finally:
             if not task.done():
                 task.cancel()
+            elif not task.cancelled():
+                # Finished as this wait was cancelled or gave up: its error (a DeadlineReached, say)
+                # has no reader any more, and unread it would be logged as never retrieved.
+                task.exception()
         self.metrics.stalls.labels(stage).inc()
         self.placer.registry.suspect(w, f"no progress on a {stage} for {limit:.1f} s")
         raise WorkerUnavailable(stage, f"stalled: no progress on the worker for {limit:.1f} s", w)
