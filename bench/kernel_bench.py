@@ -303,6 +303,7 @@ def decode_sweep() -> dict:
                     err, gbps = None, repr(exc)[:80]
                 rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
                              t.opaque_cvt, t.min_partition, t.resident, gbps, err])
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress: the sweep takes minutes
             del kc, vc
     return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s, err]": rows}
 

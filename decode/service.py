@@ -150,7 +150,7 @@ class DecodeService(wire.DecodeWorkerServicer):
         if res.timer is not None:
             res.timer.cancel()
         self.table.remove(res, "activated")
-        self.loop.listen(inp.request_id, coalescing(stream.put, inp.stream_interval))
+        self.loop.listen(inp.request_id, coalescing(stream.put_all, inp.stream_interval))
         try:
             out = engine.activate(inp.request_id, inp.first_token_id, logprob, inp.params)
         except BaseException:
@@ -213,7 +213,7 @@ class DecodeService(wire.DecodeWorkerServicer):
         def add(engine: Engine):
             request = engine.admit(inp.token_ids, inp.params, inp.request_id, inp.tier,
                                    num_output_tokens=inp.num_output_tokens, field="token_ids")
-            self.loop.listen(inp.request_id, coalescing(stream.put, inp.stream_interval))
+            self.loop.listen(inp.request_id, coalescing(stream.put_all, inp.stream_interval))
             if deadline is not None:
                 self._set_deadline(engine, inp.request_id, deadline)
             return request

@@ -6,6 +6,7 @@ first token at once, `Client.generate` answered with one token chunk, bad values
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,21 +42,49 @@ def outputs(n: int, end: bool = True) -> list[StepOutput]:
 
 @pytest.mark.parametrize("every", [1, 2, 4, 16])
 def test_the_worker_listener_hands_over_in_groups_in_order(every):
-    got: list[list[StepOutput]] = []
-    batch: list[StepOutput] = []
-
-    def put(item):  # what reaches the stream, grouped by the listener call that carried it
-        batch.append(item)
-
-    listen = coalescing(put, every)
+    got: list[list[StepOutput]] = []  # what reaches the stream, a group per put_all
+    listen = coalescing(lambda group: got.append(list(group)), every)
     for out in outputs(11):
         listen(out)
-        if batch:
-            got.append(list(batch))
-            batch.clear()
     assert [o for g in got for o in g] == outputs(11)  # nothing lost, nothing reordered
     assert [len(g) for g in got] == ([1] * 11 if every == 1 else
                                      [1, *[every] * ((10 - 1) // every), 10 - every * ((10 - 1) // every)])
+
+
+def test_a_group_reaches_the_stream_whole_while_the_loop_drains():
+    """The engine thread hands a group over while the event loop is draining earlier ones: a
+    reader's get_batch holds whole groups only (a group split across two reads would go out as
+    two chunks, one of them ending mid-interval), and every item arrives once, in order."""
+    from worker.streams import AsyncBridge, ItemStream
+
+    groups, size = 2000, 5
+
+    async def run() -> list[list[int]]:
+        stream = ItemStream(AsyncBridge(asyncio.get_running_loop()))
+
+        def engine_thread() -> None:
+            for g in range(groups):
+                stream.put_all([g * size + i for i in range(size)])
+
+        feeder = threading.Thread(target=engine_thread)
+        feeder.start()
+        reads, seen = [], 0
+        while seen < groups * size:
+            batch = await asyncio.wait_for(stream.get_batch(), WAIT)
+            reads.append(batch)
+            seen += len(batch)
+            await asyncio.sleep(0)  # let the bridge's callbacks interleave with the reads
+        feeder.join()
+        return reads
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the two threads take turns between any two posts
+    try:
+        reads = asyncio.run(run())
+    finally:
+        sys.setswitchinterval(switch)
+    assert [x for r in reads for x in r] == list(range(groups * size))
+    assert all(len(r) % size == 0 and r[0] % size == 0 for r in reads), [len(r) for r in reads if len(r) % size]
 
 
 def test_held_tokens_go_out_after_the_hold_bound():
@@ -87,7 +116,7 @@ def test_held_tokens_go_out_after_the_hold_bound():
 
 def test_the_worker_listener_flushes_before_an_error():
     seen: list = []
-    listen = coalescing(seen.append, 8)
+    listen = coalescing(seen.extend, 8)
     first, second, third = outputs(3, end=False)
     listen(first)
     listen(second)

@@ -27,8 +27,13 @@ class AsyncBridge:
         self._scheduled = False
 
     def post(self, q: asyncio.Queue, item: Any) -> None:
+        self.post_all(q, [item])
+
+    def post_all(self, q: asyncio.Queue, items: list[Any]) -> None:
+        """Post `items` in order, at once: a reader of `q` sees all of them or none (the event
+        loop puts everything pending in one callback)."""
         with self._lock:
-            self._pending.append((q, item))
+            self._pending.extend((q, item) for item in items)
             if self._scheduled:
                 return
             self._scheduled = True
@@ -58,6 +63,10 @@ class ItemStream:
         """Any thread."""
         self._bridge.post(self._queue, item)
 
+    def put_all(self, items: list[Any]) -> None:
+        """Any thread: `items` in order, reaching a reader together (one `get_batch` sees all)."""
+        self._bridge.post_all(self._queue, items)
+
     async def get_batch(self, timeout: float | None = None) -> list[Any]:
         """Every item available now, waiting (up to `timeout`) for at least one.
         Raises TimeoutError when none came in time."""
@@ -71,15 +80,16 @@ class ItemStream:
         return items
 
 
-def coalescing(put: Callable[[Any], None], every: int) -> Callable[[Any], None]:
-    """A request's listener (engine thread) that passes its outputs on to `put` in groups, so
-    that the event loop wakes, and the stream sends a chunk, once a group rather than once a
-    step: as `tandem.rules.StreamGrouping` says for `every` (the first output at once, then
-    whenever the outputs held carry `every` new tokens, or were held WORKER_MAX_HOLD_S), and at
-    the end (a finished output, or an exception) with everything held before it, in order.
-    Nothing is reordered or dropped. every <= 1: `put` itself."""
+def coalescing(put_all: Callable[[list[Any]], None], every: int) -> Callable[[Any], None]:
+    """A request's listener (engine thread) that passes its outputs on to `put_all` a group per
+    call (ItemStream.put_all, so the reader never sees part of one), so that the event loop
+    wakes, and the stream sends a chunk, once a group rather than once a step: as
+    `tandem.rules.StreamGrouping` says for `every` (the first output at once, then whenever the
+    outputs held carry `every` new tokens, or were held WORKER_MAX_HOLD_S), and at the end (a
+    finished output, or an exception) with everything held before it, in order. Nothing is
+    reordered or dropped. every <= 1: each output is a group."""
     if every <= 1:
-        return put
+        return lambda item: put_all([item])
     grouping = StreamGrouping(every, max_hold_s=WORKER_MAX_HOLD_S)
     held: list[Any] = []
 
@@ -87,8 +97,8 @@ def coalescing(put: Callable[[Any], None], every: int) -> Callable[[Any], None]:
         end = isinstance(item, BaseException) or item.finished
         held.append(item)
         if grouping.add(0 if isinstance(item, BaseException) else len(item.new_token_ids), end):
-            for h in held:
-                put(h)
+            group = held[:]
             held.clear()
+            put_all(group)
 
     return listener
