@@ -41,14 +41,23 @@ SMOKE = Shapes(tokens=37, hidden=96, inter=80, hq=4, hk=2, d=32, decode_batch=3,
                copy_bytes=1 << 20)
 
 
-def paged_kv(lens: list[int], s: Shapes, dtype: torch.dtype, dev: str, spare: int = 7):
-    """Random K/V caches and random, non-contiguous block tables holding `lens` tokens per sequence."""
+BLOCK_ORDERS = ("random", "sequential")
+
+
+def paged_kv(lens: list[int], s: Shapes, dtype: torch.dtype, dev: str, spare: int = 7, order: str = "random"):
+    """Random K/V caches and block tables holding `lens` tokens per sequence. order "random":
+    blocks scattered over the cache (a cache after much churn); "sequential": each sequence's
+    blocks side by side, as a fresh engine hands them out to a batch admitted together (the
+    engine's FP8 decode kernel read 3.7 TB/s at a shape where random order here reads 3.0,
+    BENCHMARKS.md section 13)."""
+    if order not in BLOCK_ORDERS:
+        raise ValueError(f"order: one of {BLOCK_ORDERS}, got {order!r}")
     need = [(n + s.block_size - 1) // s.block_size for n in lens]
     num_blocks = sum(need) + spare
     shape = (num_blocks, s.block_size, s.hk, s.d)
     kc = torch.randn(shape, device=dev, dtype=torch.float32).to(dtype)
     vc = torch.randn(shape, device=dev, dtype=torch.float32).to(dtype)
-    perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    perm = (torch.randperm(num_blocks, device=dev) if order == "random" else torch.arange(num_blocks, device=dev)).to(torch.int32)
     width = max(1, max(need))
     table = torch.zeros((len(lens), width), dtype=torch.int32, device=dev)
     at = 0
@@ -267,11 +276,11 @@ def speed(s: Shapes, ceil: dict) -> dict:
     return out
 
 
-def decode_sweep() -> dict:
+def decode_sweep(order: str = "random") -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s,
-    max error vs reference]."""
+    max error vs reference]. `order`: where each sequence's KV blocks lie (paged_kv)."""
     from kernels import decode_attention as da
 
     rows: list[list] = []
@@ -281,7 +290,7 @@ def decode_sweep() -> dict:
     for (batch, ctx) in ((64, 4096), (384, 1024), (1, 1024)):
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
         for cache in (torch.bfloat16, fp8):
-            kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda")
+            kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda", order=order)
             q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
             moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
             check = min(batch, 4)
@@ -386,6 +395,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
+    ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
+                    help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     args = ap.parse_args()
     if args.cpu_smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -397,7 +408,7 @@ def main() -> int:
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
         if args.decode_sweep or args.gemv_sweep:
-            print(json.dumps({**(decode_sweep() if args.decode_sweep else {}),
+            print(json.dumps({**(decode_sweep(args.block_order) if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {})}))
             return 0
         s = Shapes()

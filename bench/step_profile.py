@@ -11,7 +11,10 @@ Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences a
 `ctx` tokens and then decode steps are timed two ways: as they run (wall ms per step), and with a
 device synchronize around each phase (schedule, prepare, forward, logits, sample, postprocess) so
 each phase's own host + GPU time shows (which also turns the overlapped step synchronous). The
-top GPU kernels of one step come from torch.profiler. `--no-overlap` runs synchronous steps.
+top GPU kernels of one step come from torch.profiler, and so does the time a step leaves the
+device idle (`gpu_idle_ms_per_step`: gaps between its kernels and copies, where the host did
+not keep it fed). `--no-overlap` runs synchronous steps; `--trace DIR` also writes a Chrome
+trace of three steps with the host's calls beside the device's kernels.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ class _SchedulerPhases:
 
 
 def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
-                  kv_cache_dtype: str = "auto") -> dict:
+                  kv_cache_dtype: str = "auto", trace_dir: Path | None = None) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
@@ -96,13 +99,21 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
 
     from torch.profiler import ProfilerActivity, profile
 
-    kernels, gpu_total = [], None
+    kernels, gpu_total, gpu_idle = [], None, None
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 eng.step()
             torch.cuda.synchronize()
         kernels, gpu_total = _top_kernels(prof, 3)
+        gpu_idle = _gpu_idle_ms(prof, 3)
+        if trace_dir is not None:  # host and device on one timeline (the host side runs slower traced)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as traced:
+                for _ in range(3):
+                    eng.step()
+                torch.cuda.synchronize()
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            traced.export_chrome_trace(str(trace_dir / f"steps_b{batch}_ctx{ctx}_{kv_cache_dtype}.json"))
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
     overlap = eng.overlap
@@ -110,7 +121,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         eng.abort(request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
-    return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap, "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total,
+    return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
+            "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
             "synced_phase_ms": phases, "top_kernels": kernels}
 
 
@@ -120,6 +132,31 @@ def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
                for e in sorted(events, key=lambda e: -e.device_time_total)[:16]]
     gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / steps / 1e3, 3)
     return kernels, gpu_total
+
+
+def _gpu_idle_ms(prof, steps: int) -> float | None:
+    """Milliseconds a step in which the device ran nothing (`idle_ms` of the profiled window's
+    kernels and copies)."""
+    return idle_ms([(e.time_range.start, e.time_range.end) for e in prof.events()
+                    if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"], steps)
+
+
+def idle_ms(spans_us: list[tuple[float, float]], steps: int) -> float | None:
+    """Of device activity spans (start, end) in microseconds: the milliseconds per step between
+    the first start and the last end that no span covers (None without spans)."""
+    spans = sorted((a, b) for a, b in spans_us if b > a)
+    if not spans:
+        return None
+    busy, (cur_start, cur_end) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = max(end for _, end in spans) - spans[0][0]
+    return round((window - busy) / steps / 1e3, 3)
 
 
 def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv_cache_dtype: str = "auto",
@@ -188,6 +225,8 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--mixed", default=None, help="decode batches for steps that carry prefill (0: prefill only)")
     p.add_argument("--prefill-tokens", default="1024,8192", help="prefill tokens per step, with --mixed")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="also write a Chrome trace (host and device) of three decode steps per batch size here")
     a = p.parse_args()
     res = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -198,7 +237,8 @@ def main() -> int:
                     res.append(profile_mixed(model_dir, b, a.ctx, n, a.kv_cache_dtype))
                     print(json.dumps(res[-1]), flush=True)
         for b in map(int, a.batch.split(",")) if a.mixed is None else ():
-            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None, a.kv_cache_dtype))
+            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None, a.kv_cache_dtype,
+                                     Path(a.trace) if a.trace else None))
             print(json.dumps(res[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -1,0 +1,33 @@
+"""bench/step_profile.py's device-idle arithmetic (the profile itself needs a GPU): the time
+between a window's first and last device span that no span covers, per step."""
+from __future__ import annotations
+
+import random
+
+from bench.step_profile import idle_ms
+
+
+def brute_idle_us(spans: list[tuple[int, int]]) -> int:
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = set()
+    for a, b in spans:
+        covered.update(range(a, b))
+    return (hi - lo) - len(covered)
+
+
+def test_idle_matches_a_unit_by_unit_count_on_random_spans():
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = []
+        for _ in range(rng.randint(1, 12)):
+            a = rng.randint(0, 3000)
+            spans.append((a, a + rng.randint(1, 800)))
+        steps = rng.randint(1, 4)
+        assert idle_ms(spans, steps) == round(brute_idle_us(spans) / steps / 1e3, 3), spans
+
+
+def test_gaps_overlaps_and_nothing():
+    assert idle_ms([(0, 1000), (3000, 4000)], 1) == 2.0  # one 2 ms gap
+    assert idle_ms([(0, 3000), (1000, 2000), (2500, 5000)], 1) == 0.0  # nested and overlapping
+    assert idle_ms([(0, 1000), (1000, 2000), (4000, 6000)], 2) == 1.0  # 2 ms over 2 steps
+    assert idle_ms([], 3) is None and idle_ms([(5, 5)], 1) is None  # no span with a length
