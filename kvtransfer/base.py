@@ -133,8 +133,7 @@ class KVSender(ABC):
         """`send_layer` for each of `layers`, `caches[i]` being layer `layers[i]`'s (src_k, src_v),
         all with the same blocks: how a step's whole KV goes at once. A transport may stage them
         together; on an error the layers before the failing one may have been queued."""
-        if len(layers) != len(caches):
-            raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
+        check_layers(layers, caches)
         for layer, (src_k, src_v) in zip(layers, caches):
             self.send_layer(request_id, layer, src_k, src_v, src_block_ids, dst_block_ids)
 
@@ -284,3 +283,12 @@ def get_transport(name: str) -> Transport:
 
 
 OnComplete = Callable[[TransferResult], None]
+
+
+def check_layers(layers: Sequence[int], caches: Sequence[tuple[Any, Any]]) -> None:
+    """What `KVSender.send_layers` takes: one (src_k, src_v) pair per layer, no layer twice;
+    ValueError naming the argument otherwise."""
+    if len(layers) != len(caches):
+        raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers: {list(layers)} names a layer twice")

@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 
 from kvtransfer import ipc_wire as wire
-from kvtransfer.base import KVSender, KVTransferError
+from kvtransfer.base import KVSender, KVTransferError, check_layers
 from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_LAYER, check_checksum_algorithm
 from kvtransfer.ipc_pool import CUDA, MAX_SLOTS
 from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem
@@ -135,10 +135,7 @@ class IpcSender(OutgoingTransfers, KVSender):
         Each layer is gathered by its own index op: a contiguous layer into its contiguous lease
         is the GPU's fast gather, where one op over every layer into the strided run measured
         slower than all of them (BENCHMARKS §12)."""
-        if len(layers) != len(caches):
-            raise ValueError(f"caches: {len(caches)} (src_k, src_v) pairs for {len(layers)} layers")
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"layers: {list(layers)} names a layer twice")
+        check_layers(layers, caches)
         if len(layers) < 2:
             return super().send_layers(request_id, layers, caches, src_block_ids, dst_block_ids)
         state = self._state(request_id)

@@ -218,6 +218,11 @@ def test_sender_rejects_bad_arguments() -> None:
             sender.send_layer("r", 0, k, k[:4], [0], [0])
         with pytest.raises(ValueError, match="^src_k:"):
             sender.send_layer("r", 0, k[0], k[0], [0], [0])
+        # send_layers (the base class's loop for this transport) checks its lists before any layer goes
+        with pytest.raises(ValueError, match="^caches:"):
+            sender.send_layers("r", [0, 1], [(k, k)], [1, 2], [3, 4])
+        with pytest.raises(ValueError, match="^layers:"):
+            sender.send_layers("r", [0, 0], [(k, k), (k, k)], [1, 2], [3, 4])
         sender.send_layer("r", 0, k, k, [1, 2], [3, 4])
         with pytest.raises(ValueError, match="^layer:"):
             sender.send_layer("r", 0, k, k, [1, 2], [3, 4])
