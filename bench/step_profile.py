@@ -13,7 +13,8 @@ device synchronize around each phase (schedule, prepare, forward, logits, sample
 each phase's own host + GPU time shows (which also turns the overlapped step synchronous). The
 top GPU kernels of one step come from torch.profiler, and so does the time a step leaves the
 device idle (`gpu_idle_ms_per_step`: gaps between its kernels and copies, where the host did
-not keep it fed). `--no-overlap` runs synchronous steps; `--trace DIR` also writes a Chrome
+not keep it fed), and torch's sync debug mode lists what in a step made the host wait for the
+device (`synchronizing_calls`). `--no-overlap` runs synchronous steps; `--trace DIR` also writes a Chrome
 trace of three steps with the host's calls beside the device's kernels.
 """
 from __future__ import annotations
@@ -116,6 +117,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
             traced.export_chrome_trace(str(trace_dir / f"steps_b{batch}_ctx{ctx}_{kv_cache_dtype}.json"))
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
+    syncs = _synchronizing_calls(eng, 3)
     overlap = eng.overlap
     for request_id in eng.request_ids():
         eng.abort(request_id)
@@ -123,7 +125,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     torch.cuda.empty_cache()
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
             "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
-            "synced_phase_ms": phases, "top_kernels": kernels}
+            "synchronizing_calls": syncs, "synced_phase_ms": phases, "top_kernels": kernels}
 
 
 def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
@@ -132,6 +134,27 @@ def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
                for e in sorted(events, key=lambda e: -e.device_time_total)[:16]]
     gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / steps / 1e3, 3)
     return kernels, gpu_total
+
+
+def _synchronizing_calls(eng, steps: int) -> dict:
+    """What in `steps` engine steps made the host wait for the device (torch's sync debug mode:
+    .item(), pageable copies, nonzero, ...), each warning's first line with its count; an
+    overlapped step should have one, the wait for the step before's samples."""
+    import warnings
+
+    found: dict[str, int] = defaultdict(int)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        found[str(w.message).splitlines()[0][:160]] += 1
+    return dict(found)
 
 
 def _gpu_idle_ms(prof, steps: int) -> float | None:
