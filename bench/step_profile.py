@@ -14,7 +14,9 @@ each phase's own host + GPU time shows (which also turns the overlapped step syn
 top GPU kernels of one step come from torch.profiler, and so does the time a step leaves the
 device idle (`gpu_idle_ms_per_step`: gaps between its kernels and copies, where the host did
 not keep it fed), and torch's sync debug mode lists what in a step made the host wait for the
-device (`synchronizing_calls`). `--no-overlap` runs synchronous steps; `--trace DIR` also writes a Chrome
+device (`synchronizing_calls`), and PyTorch's caching allocator what it did a step
+(`allocator_per_step`: a retry frees cached blocks, which synchronizes the device). `--no-overlap`
+runs synchronous steps; `--trace DIR` also writes a Chrome
 trace of three steps with the host's calls beside the device's kernels.
 """
 from __future__ import annotations
@@ -79,11 +81,13 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps
+    allocator = _allocator_events(before, torch.cuda.memory_stats(), steps)
 
     acc: dict[str, float] = defaultdict(float)
     runner = eng.runner
@@ -125,7 +129,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     torch.cuda.empty_cache()
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
             "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
-            "synchronizing_calls": syncs, "synced_phase_ms": phases, "top_kernels": kernels}
+            "synchronizing_calls": syncs, "allocator_per_step": allocator, "synced_phase_ms": phases,
+            "top_kernels": kernels}
 
 
 def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
@@ -134,6 +139,15 @@ def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
                for e in sorted(events, key=lambda e: -e.device_time_total)[:16]]
     gpu_total = round(sum(e.device_time_total for e in events if e.device_time_total) / steps / 1e3, 3)
     return kernels, gpu_total
+
+
+def _allocator_events(before: dict, after: dict, steps: int) -> dict:
+    """What PyTorch's caching allocator did a step between two memory_stats(): retries (a
+    cudaMalloc that failed until cached blocks were freed, each free synchronizing the device)
+    and cudaMalloc / cudaFree calls. Steady decode steps should show none."""
+    keys = {"alloc_retries": "num_alloc_retries", "device_mallocs": "num_device_alloc",
+            "device_frees": "num_device_free", "sync_all_streams": "num_sync_all_streams"}
+    return {name: round((after.get(k, 0) - before.get(k, 0)) / steps, 3) for name, k in keys.items()}
 
 
 def _synchronizing_calls(eng, steps: int) -> dict:

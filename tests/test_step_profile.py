@@ -31,3 +31,12 @@ def test_gaps_overlaps_and_nothing():
     assert idle_ms([(0, 3000), (1000, 2000), (2500, 5000)], 1) == 0.0  # nested and overlapping
     assert idle_ms([(0, 1000), (1000, 2000), (4000, 6000)], 2) == 1.0  # 2 ms over 2 steps
     assert idle_ms([], 3) is None and idle_ms([(5, 5)], 1) is None  # no span with a length
+
+
+def test_allocator_events_are_per_step_deltas():
+    from bench.step_profile import _allocator_events
+
+    before = {"num_alloc_retries": 2, "num_device_alloc": 10, "num_device_free": 1}
+    after = {"num_alloc_retries": 8, "num_device_alloc": 10, "num_device_free": 4, "num_sync_all_streams": 3}
+    assert _allocator_events(before, after, 3) == {"alloc_retries": 2.0, "device_mallocs": 0.0,
+                                                   "device_frees": 1.0, "sync_all_streams": 1.0}
