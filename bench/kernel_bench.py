@@ -9,6 +9,7 @@ at tiny shapes through the Triton interpreter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -279,8 +280,9 @@ def speed(s: Shapes, ceil: dict) -> dict:
 def decode_sweep(order: str = "random") -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
-    [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s,
-    max error vs reference]. `order`: where each sequence's KV blocks lie (paged_kv)."""
+    [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
+    lazy_rescale, GB/s, max error vs reference]. `order`: where each sequence's KV blocks lie
+    (paged_kv)."""
     from kernels import decode_attention as da
 
     rows: list[list] = []
@@ -297,6 +299,9 @@ def decode_sweep(order: str = "random") -> dict:
             want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
             tunings = [da.DecodeTuning(bn, st, w, 128, 4, opaque)
                        for bn, st, w, opaque in grid if cache == fp8 or not opaque]
+            base = da.default_tuning(cache)  # the softmax bookkeeping variants on the default tiles
+            tunings += [dataclasses.replace(base, block_n=bn, defer_sum=defer, lazy_rescale=lazy)
+                        for bn in (64, 128) for defer, lazy in ((True, False), (False, True), (True, True))]
             if batch == 1:
                 base = da.default_tuning(cache)
                 tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
@@ -311,10 +316,11 @@ def decode_sweep(order: str = "random") -> dict:
                 except Exception as exc:  # a configuration that does not compile or fit
                     err, gbps = None, repr(exc)[:80]
                 rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
-                             t.opaque_cvt, t.min_partition, t.resident, gbps, err])
+                             t.opaque_cvt, t.min_partition, t.resident, t.defer_sum, t.lazy_rescale, gbps, err])
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress: the sweep takes minutes
             del kc, vc
-    return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, GB/s, err]": rows}
+    return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum, "
+            "lazy_rescale, GB/s, err]": rows}
 
 
 def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:

@@ -25,6 +25,7 @@ import triton.language as tl
 from kernels.triton_common import dot, interpreting, next_pow2, num_sms, upcast_dots, widen
 
 LOG2E = 1.4426950408889634
+LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
 NUM_WARPS = 4
 MAX_SPLITS = 64
 
@@ -38,6 +39,11 @@ class DecodeTuning:
     opaque_cvt: which FP8 tiles ("", "v" or "kv") are widened to fp16 where they are loaded, by
       inline PTX the compiler keeps in place (see e4m3_to_f16_opaque); the interpreter, which runs
       no PTX, widens them with a plain cast.
+    defer_sum: keep each lane's share of the softmax's row sums through the loop and add them up
+      once at the end (one cross-warp reduction a tile fewer, a few more registers).
+    lazy_rescale: move a row's running max, and rescale its accumulator, only when some row's max
+      grew by more than LAZY_RESCALE_LOG2 (scores are in log2 units; the unnormalized weights
+      then stay below 2**LAZY_RESCALE_LOG2, far inside fp16 and fp32), instead of every tile.
     """
 
     block_n: int = 64
@@ -46,6 +52,8 @@ class DecodeTuning:
     min_partition: int = 128
     resident: int = 4
     opaque_cvt: str = ""
+    defer_sum: bool = False
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
@@ -92,6 +100,7 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -112,6 +121,7 @@ def _decode_stage1(
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
+        l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
         for n0 in range(start, end, BLOCK_N):
@@ -124,14 +134,39 @@ def _decode_stage1(
                          q.dtype, OPAQUE_K, kv_mask)
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                         q.dtype, OPAQUE_V, kv_mask)
-            acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
-            m_i = m_new
+            m_tile = tl.max(s, 1)
+            if LAZY:  # every row has a live key in the tile, so m_tile is finite; the first tile rescales
+                if tl.max(m_tile - m_i, 0) > LAZY_LOG2:
+                    m_new = tl.maximum(m_i, m_tile)
+                    alpha = tl.exp2(m_i - m_new)
+                    acc = acc * alpha[:, None]
+                    if DEFER_SUM:
+                        l_lanes = l_lanes * alpha[:, None]
+                    else:
+                        l_i = l_i * alpha
+                    m_i = m_new
+                p = tl.exp2(s - m_i[:, None])
+                if DEFER_SUM:
+                    l_lanes += p
+                else:
+                    l_i += tl.sum(p, 1)
+                v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                             q.dtype, OPAQUE_V, kv_mask)
+                acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
+            else:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                if DEFER_SUM:
+                    l_lanes = l_lanes * alpha[:, None] + p
+                else:
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                             q.dtype, OPAQUE_V, kv_mask)
+                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
+                m_i = m_new
+        if DEFER_SUM:
+            l_i = tl.sum(l_lanes, 1)
         has = l_i > 0.0
         out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
         o_mask = h_mask[:, None] & d_mask[None, :]
@@ -262,6 +297,7 @@ def paged_decode_attention(
                   BLOCK_SIZE=block_size,
                   PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
+                  DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
                   num_warps=tuning.num_warps, num_stages=stages)
     if splits == 1:
         _decode_stage1[(bsz, hk, 1)](

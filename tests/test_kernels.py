@@ -262,6 +262,32 @@ def case_decode_tunings() -> None:
         raise AssertionError("an unknown opaque_cvt must raise ValueError")
 
 
+def case_decode_softmax_variants() -> None:
+    """The softmax bookkeeping variants (row sums kept lane by lane, lazy rescaling) give the
+    reference's result, on keys whose scores grow along the context so that the running max
+    moves by far more than the lazy threshold (and, early on, by less), in one split and many."""
+    from kernels import decode_attention as da, reference as ref
+
+    for cdt, defer, lazy, min_partition in itertools.product(
+            (torch.bfloat16, FP8), (False, True), (False, True), (16, 256)):
+        b, hq, hk, d, bs, width = 2, 8, 2, 32, 16, 10
+        what = f"decode softmax cache={cdt} defer_sum={defer} lazy_rescale={lazy} min_partition={min_partition}"
+        lens = [width * bs - 7, int(torch.randint(bs, width * bs, ()))]
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        grown = kc.float()
+        for row, n in zip(table.tolist(), lens):
+            for j, block in enumerate(row[: -(-n // bs)]):
+                grown[block] *= 1 + 1.5 * j  # a block's scores ~(1 + 1.5 j) times the first's
+        kc = grown.clamp(-400, 400).to(cdt)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        tuning = da.DecodeTuning(block_n=16, min_partition=min_partition, opaque_cvt="v" if cdt == FP8 else "",
+                                 defer_sum=defer, lazy_rescale=lazy)
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, what, scale=2.0)
+
+
 def case_decode_wide_table() -> None:
     """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
     context has them: the split count comes from the width, and each sequence divides its own
