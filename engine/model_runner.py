@@ -180,15 +180,18 @@ class ModelRunner:
         return self.sampler(logits, self._rows(out, sample_index))
 
     def _rows(self, out: SchedulerOutput, sample_index: list[int]) -> list[SamplingRow]:
-        return [
-            SamplingRow(
-                params=out.scheduled[i].seq.params,
-                prompt_token_ids=out.scheduled[i].seq.prompt_token_ids,
-                output_token_ids=out.scheduled[i].seq.output_token_ids,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for i in sample_index
-        ]
+        """The sampler's rows of the sampling sequences: each sequence keeps its row from step to
+        step (its token lists grow in place), rebuilt when its params or lists are replaced."""
+        scheduled = out.scheduled
+        return [_sampling_row(scheduled[i].seq, self.eos_token_ids) for i in sample_index]
+
+
+def _sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
+    row = seq.sampling_row
+    if (row is None or row.params is not seq.params or row.prompt_token_ids is not seq.prompt_token_ids
+            or row.output_token_ids is not seq.output_token_ids or row.eos_token_ids is not eos_token_ids):
+        row = seq.sampling_row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids)
+    return row
 
 
 def _table_row(seq: Sequence) -> np.ndarray:

@@ -55,6 +55,8 @@ class Sequence:
     num_resumed_output: int = 0
     # The model runner's int32 copy of block_table (see ModelRunner._table_row); not state.
     table_cache: Any = field(default=None, repr=False, compare=False)
+    # The model runner's SamplingRow of this sequence (see ModelRunner._rows); not state.
+    sampling_row: Any = field(default=None, repr=False, compare=False)
     # Overlapped steps (Engine with overlap_schedule): tokens sampled on the device but not yet
     # appended to output_token_ids, and the row of the newest one in its step's samples.
     num_pending: int = 0

@@ -347,3 +347,24 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="logits"):
         sampler(torch.zeros(1, 9), [_row(GREEDY)])
     assert sampler(torch.zeros(0, 10), []).token_ids == []
+
+
+def test_a_sequence_keeps_its_sampling_row_until_its_lists_or_params_change():
+    """ModelRunner._rows reuses a sequence's SamplingRow from step to step: tokens appended to
+    its output show through it; replacing the output or prompt list (a resumed request's split)
+    or the params (activation) gives a fresh row that reads the new ones."""
+    from engine.model_runner import _sampling_row
+    from engine.sequence import Sequence
+
+    eos = frozenset({2})
+    seq = Sequence("r", [5, 6, 7], SamplingParams(temperature=0.0))
+    row = _sampling_row(seq, eos)
+    seq.output_token_ids.append(9)
+    assert _sampling_row(seq, eos) is row and list(row.output_token_ids) == [9]
+    seq.prompt_token_ids, seq.output_token_ids = [5, 6], [7, 9]
+    moved = _sampling_row(seq, eos)
+    assert moved is not row and (list(moved.prompt_token_ids), list(moved.output_token_ids)) == ([5, 6], [7, 9])
+    seq.params = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    again = _sampling_row(seq, eos)
+    assert again is not moved and again.params.repetition_penalty == 1.3
+    assert _sampling_row(seq, frozenset({3})).eos_token_ids == frozenset({3})
