@@ -248,8 +248,10 @@ def test_gateway_process_metrics_health_and_sigterm_drain(model_dir: Path, worke
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         with grpc.insecure_channel(target) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=wire.TANDEM_SERVICE))
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            # NOT_SERVING from listening until the gateway has heard its worker is up; then SERVING.
+            stub = health_pb2_grpc.HealthStub(channel)
+            wait_until(lambda: stub.Check(health_pb2.HealthCheckRequest(service=wire.TANDEM_SERVICE)).status
+                       == health_pb2.HealthCheckResponse.SERVING, WAIT, what="gateway health SERVING")
         with Client(target, timeout=WAIT) as c:
             info = c.model_info()
             assert (info.vocab_size, info.max_context, info.num_decode_workers) == (258, 512, 1)
