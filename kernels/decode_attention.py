@@ -135,6 +135,8 @@ def _decode_stage1(
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_tile = tl.max(s, 1)
+            # The rescale by alpha: lazily (when some row's max grew past LAZY_LOG2, accumulator
+            # included), or every tile (the accumulator's in the same expression as its P·V dot).
             if LAZY:  # every row has a live key in the tile, so m_tile is finite; the first tile rescales
                 if tl.max(m_tile - m_i, 0) > LAZY_LOG2:
                     m_new = tl.maximum(m_i, m_tile)
@@ -145,26 +147,25 @@ def _decode_stage1(
                     else:
                         l_i = l_i * alpha
                     m_i = m_new
-                p = tl.exp2(s - m_i[:, None])
-                if DEFER_SUM:
-                    l_lanes += p
-                else:
-                    l_i += tl.sum(p, 1)
-                v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                             q.dtype, OPAQUE_V, kv_mask)
-                acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
             else:
                 m_new = tl.maximum(m_i, m_tile)
                 alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
                 if DEFER_SUM:
-                    l_lanes = l_lanes * alpha[:, None] + p
+                    l_lanes = l_lanes * alpha[:, None]
                 else:
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                             q.dtype, OPAQUE_V, kv_mask)
-                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
+                    l_i = l_i * alpha
                 m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            if DEFER_SUM:
+                l_lanes += p
+            else:
+                l_i += tl.sum(p, 1)
+            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                         q.dtype, OPAQUE_V, kv_mask)
+            if LAZY:
+                acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
+            else:
+                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
         if DEFER_SUM:
             l_i = tl.sum(l_lanes, 1)
         has = l_i > 0.0
