@@ -24,33 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.step_profile import SchedulerPhases, timed  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.demo import make_random_model  # noqa: E402
-from engine.outputs import StepObserver  # noqa: E402
-
-
-class _Phases(StepObserver):
-    def __init__(self, acc: dict) -> None:
-        self.acc = acc
-
-    def on_schedule(self, plan, seconds: float) -> None:
-        self.acc["schedule"] += seconds
-
-    def on_postprocess(self, seconds: float) -> None:
-        self.acc["postprocess"] += seconds
-
-
-def _timed(obj, name: str, key: str, acc: dict) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[key] += time.perf_counter() - t
-
-    setattr(obj, name, wrapper)
 
 
 def measure(model_dir: str, batch: int, ctx: int, steps: int, rounds: int) -> list[dict]:
@@ -67,12 +43,12 @@ def measure(model_dir: str, batch: int, ctx: int, steps: int, rounds: int) -> li
         eng.step()
     eng.step()
     acc: dict[str, float] = defaultdict(float)
-    eng.observer = _Phases(acc)
+    eng.observer = SchedulerPhases(acc)
     runner = eng.runner
     for obj, name, key in ((runner, "prepare", "prepare"), (runner, "_rows", "rows"),
                            (runner.sampler, "launch", "sample"), (eng, "_process_samples", "process"),
                            (runner.model, "forward", "forward"), (runner.model, "logits", "logits")):
-        _timed(obj, name, key, acc)
+        timed(obj, name, acc, sync=False, key=key)
     rows = []
     for r in range(rounds):
         acc.clear()

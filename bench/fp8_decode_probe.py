@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.kernel_bench import BLOCK_ORDERS, Shapes, bench_ms, max_err, paged_kv  # noqa: E402
+from bench.kernel_bench import BLOCK_ORDERS, Shapes, bench_ms, interpreter_missing, max_err, paged_kv  # noqa: E402
 from kernels import decode_attention as da  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_common import widen  # noqa: E402
@@ -173,8 +173,7 @@ def main() -> int:
                     help="where each sequence's KV blocks lie (bench.kernel_bench.paged_kv)")
     args = ap.parse_args()
     if args.cpu_check:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--cpu-check needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        if interpreter_missing("--cpu-check"):
             return 2
         return cpu_check()
     if not torch.cuda.is_available():

@@ -45,6 +45,14 @@ SMOKE = Shapes(tokens=37, hidden=96, inter=80, hq=4, hk=2, d=32, decode_batch=3,
 BLOCK_ORDERS = ("random", "sequential")
 
 
+def interpreter_missing(flag: str) -> bool:
+    """True, after saying so on stderr, when `flag` (a CPU mode) runs without TRITON_INTERPRET=1."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    print(f"{flag} needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+    return True
+
+
 def paged_kv(lens: list[int], s: Shapes, dtype: torch.dtype, dev: str, spare: int = 7, order: str = "random"):
     """Random K/V caches and block tables holding `lens` tokens per sequence. order "random":
     blocks scattered over the cache (a cache after much churn); "sequential": each sequence's
@@ -405,8 +413,7 @@ def main() -> int:
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     args = ap.parse_args()
     if args.cpu_smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--cpu-smoke needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        if interpreter_missing("--cpu-smoke"):
             return 2
         result = {"mode": "cpu-smoke", "shapes": asdict(SMOKE), "correctness": correctness(SMOKE, "cpu")}
     else:

@@ -35,7 +35,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 
-def _timed(obj, name: str, acc: dict, sync: bool) -> None:
+def timed(obj, name: str, acc: dict, sync: bool, key: str | None = None) -> None:
+    """Replace `obj.name` with a wrapper adding each call's seconds to acc[key or name]; with
+    `sync`, a device synchronize on both sides, so the time includes the call's device work."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
@@ -45,13 +47,13 @@ def _timed(obj, name: str, acc: dict, sync: bool) -> None:
         r = fn(*args, **kwargs)
         if sync:
             torch.cuda.synchronize()
-        acc[name] += time.perf_counter() - t
+        acc[key or name] += time.perf_counter() - t
         return r
 
     setattr(obj, name, wrapper)
 
 
-class _SchedulerPhases:
+class SchedulerPhases:
     """The scheduler's host time per step (engine.outputs.StepObserver); it runs no device work,
     so no synchronize is needed around it."""
 
@@ -91,13 +93,13 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
 
     acc: dict[str, float] = defaultdict(float)
     runner = eng.runner
-    eng.observer = _SchedulerPhases(acc)
+    eng.observer = SchedulerPhases(acc)
     for obj, names in ((eng, ("_process_samples",)),
                        (runner, ("prepare",)), (runner.sampler, ("launch",)), (runner.model, ("logits",))):
         for n in names:
-            _timed(obj, n, acc, sync=True)
+            timed(obj, n, acc, sync=True)
     if runner.graphs is not None:
-        _timed(runner.graphs, "run", acc, sync=True)
+        timed(runner.graphs, "run", acc, sync=True)
     for _ in range(steps):
         eng.step()
     phases = {k: round(v / steps * 1e3, 3) for k, v in acc.items()}
