@@ -7,6 +7,7 @@ standard health + reflection services every server registers.
 """
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,17 +27,33 @@ PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_n
 DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name  # "tandem.v1.Admin"
 
+
+
+def _servicer_base(module: Any, service: str) -> type:
+    """The base class of a `service` servicer: each of its RPCs an abstract method, so a servicer
+    that leaves one out fails when it is made (TypeError naming the RPC), where protoc's own bases
+    (`*_pb2_grpc.<Service>Servicer`, not used) answer UNIMPLEMENTED when it is called."""
+    def rpc(name: str) -> Any:
+        def method(self: Any, request: Any, context: Any) -> Any:
+            """One RPC of the service; a servicer defines it (async for grpc.aio)."""
+        method.__name__ = method.__qualname__ = name
+        return abc.abstractmethod(method)
+
+    methods = {m.name: rpc(m.name) for m in module.DESCRIPTOR.services_by_name[service].methods}
+    return abc.ABCMeta(f"{service}Servicer", (), {"__module__": __name__, **methods})
+
+
 TandemStub = tandem_pb2_grpc.TandemStub
-TandemServicer = tandem_pb2_grpc.TandemServicer
+TandemServicer = _servicer_base(pb, "Tandem")
 add_tandem_servicer = tandem_pb2_grpc.add_TandemServicer_to_server
 PrefillWorkerStub = worker_pb2_grpc.PrefillWorkerStub
-PrefillWorkerServicer = worker_pb2_grpc.PrefillWorkerServicer
+PrefillWorkerServicer = _servicer_base(worker_pb2, "PrefillWorker")
 add_prefill_worker_servicer = worker_pb2_grpc.add_PrefillWorkerServicer_to_server
 DecodeWorkerStub = worker_pb2_grpc.DecodeWorkerStub
-DecodeWorkerServicer = worker_pb2_grpc.DecodeWorkerServicer
+DecodeWorkerServicer = _servicer_base(worker_pb2, "DecodeWorker")
 add_decode_worker_servicer = worker_pb2_grpc.add_DecodeWorkerServicer_to_server
 AdminStub = admin_pb2_grpc.AdminStub
-AdminServicer = admin_pb2_grpc.AdminServicer
+AdminServicer = _servicer_base(admin_pb2, "Admin")
 add_admin_servicer = admin_pb2_grpc.add_AdminServicer_to_server
 
 # SamplingParams fields carried as proto3 `optional` scalars (unset -> dataclass default).

@@ -25,6 +25,7 @@ from loadgen.report import SLO, RequestResult, format_run, format_sweep, percent
 from loadgen.run import LoadRun, RequestOptions
 from loadgen.schedule import LoadSpec, poisson_offsets
 from tandem import wire
+from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem.client import AsyncClient
 
 WAIT = 20.0  # upper bound on waiting for server-side events; never a timing assertion
@@ -125,6 +126,10 @@ class ScriptedTandem(wire.TandemServicer):
 
     async def GetModelInfo(self, request, context):
         return wire.model_info_to_proto(MODEL)
+
+    async def Abort(self, request, context):
+        # The load generator ends a request by cancelling its stream, never by Abort.
+        return pb.AbortResponse(found=False)
 
 
 def _common_prefix(a, b) -> int:

@@ -242,3 +242,29 @@ def test_health_and_reflection_on_an_aio_server() -> None:
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_servicer_bases_make_every_rpc_abstract():
+    """wire's servicer bases list every RPC of their service as abstract: a servicer missing one
+    cannot be made (TypeError naming it), and each of ours defines them all."""
+    from decode.service import DecodeService
+    from gateway.admin import AdminService
+    from gateway.service import TandemService
+    from prefill.service import PrefillService
+    from tandem._proto.tandem.v1 import admin_pb2, tandem_pb2, worker_pb2
+
+    for base, module, service, ours in (
+            (wire.TandemServicer, tandem_pb2, "Tandem", TandemService),
+            (wire.AdminServicer, admin_pb2, "Admin", AdminService),
+            (wire.PrefillWorkerServicer, worker_pb2, "PrefillWorker", PrefillService),
+            (wire.DecodeWorkerServicer, worker_pb2, "DecodeWorker", DecodeService)):
+        rpcs = {m.name for m in module.DESCRIPTOR.services_by_name[service].methods}
+        assert base.__abstractmethods__ == rpcs and issubclass(ours, base)
+        assert not ours.__abstractmethods__, (service, ours.__abstractmethods__)
+
+    class Partial(wire.TandemServicer):
+        async def Generate(self, request, context):
+            return None
+
+    with pytest.raises(TypeError, match="Abort"):
+        Partial()
