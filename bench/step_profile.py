@@ -22,6 +22,8 @@ trace of three steps with the host's calls beside the device's kernels.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -33,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+
+
+_STEPS_RUN = 3  # the loops of `steps` steps that profile_batch runs (wall, host wait, synced phases)
 
 
 def timed(obj, name: str, acc: dict, sync: bool, key: str | None = None) -> None:
@@ -72,12 +77,14 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
-              max_model_len=ctx + steps * 3 + 64, max_batched_tokens=8192, enable_prefix_cache=False,
+              max_model_len=ctx + _STEPS_RUN * steps + 512, max_batched_tokens=8192, enable_prefix_cache=False,
               kv_cache_dtype=kv_cache_dtype)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
-        eng.admit(p, SamplingParams(max_tokens=steps * 3 + 32, temperature=0, ignore_eos=True))
+        # enough tokens that no sequence ends before the last timed step (the first ones admitted
+        # also decode while the rest prefill): every phase below sees the whole batch
+        eng.admit(p, SamplingParams(max_tokens=_STEPS_RUN * steps + 448, temperature=0, ignore_eos=True))
     while eng.stats().queued_prefill_tokens:
         eng.step()
     for _ in range(3):
@@ -90,19 +97,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps
     allocator = _allocator_events(before, torch.cuda.memory_stats(), steps)
-
-    acc: dict[str, float] = defaultdict(float)
-    runner = eng.runner
-    eng.observer = SchedulerPhases(acc)
-    for obj, names in ((eng, ("_process_samples",)),
-                       (runner, ("prepare",)), (runner.sampler, ("launch",)), (runner.model, ("logits",))):
-        for n in names:
-            timed(obj, n, acc, sync=True)
-    if runner.graphs is not None:
-        timed(runner.graphs, "run", acc, sync=True)
-    for _ in range(steps):
-        eng.step()
-    phases = {k: round(v / steps * 1e3, 3) for k, v in acc.items()}
+    waited = _host_wait(eng, steps)
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,15 +119,55 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     except Exception as e:  # the profiler is a bonus: keep the timings without it
         kernels = [{"error": f"{type(e).__name__}: {e}"}]
     syncs = _synchronizing_calls(eng, 3)
+    # last: the wrappers below synchronize around each phase and stay installed
+    acc: dict[str, float] = defaultdict(float)
+    runner = eng.runner
+    eng.observer = SchedulerPhases(acc)
+    for obj, names in ((eng, ("_process_samples",)),
+                       (runner, ("prepare",)), (runner.sampler, ("launch",)), (runner.model, ("logits",))):
+        for n in names:
+            timed(obj, n, acc, sync=True)
+    if runner.graphs is not None:
+        timed(runner.graphs, "run", acc, sync=True)
+    for _ in range(steps):
+        eng.step()
+    phases = {k: round(v / steps * 1e3, 3) for k, v in acc.items()}
+
     overlap = eng.overlap
+    running = len(eng.request_ids())
     for request_id in eng.request_ids():
         eng.abort(request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
+    if running != batch:
+        raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
             "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
+            **waited,
             "synchronizing_calls": syncs, "allocator_per_step": allocator, "synced_phase_ms": phases,
             "top_kernels": kernels}
+
+
+def _host_wait(eng, steps: int) -> dict:
+    """Of `steps` unsynchronized steps: the wall per step, and the part the host spent waiting for
+    the device's samples (`PendingSamples.result`); the rest is the host's own work a step. A
+    device-bound loop waits a good part of each step; a host-bound one hardly waits at all."""
+    from engine.sampler import PendingSamples
+
+    acc: dict[str, float] = defaultdict(float)
+    original = PendingSamples.result
+    timed(PendingSamples, "result", acc, sync=False)
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    finally:
+        PendingSamples.result = original
+    wait = acc["result"] / steps
+    return {"sample_wait_ms_per_step": round(wait * 1e3, 3), "host_busy_ms_per_step": round((wall - wait) * 1e3, 3)}
 
 
 def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
@@ -252,6 +287,20 @@ def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv
             "top_kernels": kernels}
 
 
+@contextlib.contextmanager
+def decode_tuning(fields: str | None):
+    """The decode kernel's default tunings (both cache dtypes) with `fields` (JSON) replaced, while inside."""
+    import kernels.decode_attention as da
+
+    saved = da.FP8_TUNING, da.BF16_TUNING
+    if fields is not None:
+        da.FP8_TUNING, da.BF16_TUNING = (dataclasses.replace(t, **json.loads(fields)) for t in saved)
+    try:
+        yield
+    finally:
+        da.FP8_TUNING, da.BF16_TUNING = saved
+
+
 def main() -> int:
     from bench.h200_bench import LLAMA31_8B, write_model
 
@@ -264,6 +313,9 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--mixed", default=None, help="decode batches for steps that carry prefill (0: prefill only)")
     p.add_argument("--prefill-tokens", default="1024,8192", help="prefill tokens per step, with --mixed")
+    p.add_argument("--tuning", action="append", default=None, metavar="JSON",
+                   help="profile with these DecodeTuning fields over the default (repeatable, one run each), "
+                        "e.g. '{\"block_n\": 128, \"defer_sum\": true}'")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write a Chrome trace (host and device) of three decode steps per batch size here")
     a = p.parse_args()
@@ -275,10 +327,14 @@ def main() -> int:
                 for n in map(int, a.prefill_tokens.split(",")):
                     res.append(profile_mixed(model_dir, b, a.ctx, n, a.kv_cache_dtype))
                     print(json.dumps(res[-1]), flush=True)
-        for b in map(int, a.batch.split(",")) if a.mixed is None else ():
-            res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None, a.kv_cache_dtype,
-                                     Path(a.trace) if a.trace else None))
-            print(json.dumps(res[-1]), flush=True)
+        for tuning in a.tuning or [None]:
+            for b in map(int, a.batch.split(",")) if a.mixed is None else ():
+                with decode_tuning(tuning):
+                    res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None,
+                                             a.kv_cache_dtype, Path(a.trace) if a.trace else None))
+                if tuning is not None:
+                    res[-1]["tuning"] = json.loads(tuning)
+                print(json.dumps(res[-1]), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0

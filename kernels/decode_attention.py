@@ -35,6 +35,10 @@ class DecodeTuning:
     """How stage 1 is launched and shaped; every choice keeps the kernel's semantics.
 
     block_n: KV tokens per loop iteration.   min_partition: fewest KV tokens a split is given.
+    num_stages: Triton's software pipelining. Past 2, each tile's block-table entries are read one
+      tile ahead, so that the K/V loads depend on nothing loaded in their own iteration and the
+      pipeliner keeps num_stages - 1 tiles in flight while a tile's math runs; at 2 it stages one
+      tile, whose copy is issued after a tile's math and awaited before the next tile's.
     resident: stage-1 programs per SM that the split count aims to fill.
     opaque_cvt: which FP8 tiles ("", "v" or "kv") are widened to fp16 where they are loaded, by
       inline PTX the compiler keeps in place (see e4m3_to_f16_opaque); the interpreter, which runs
@@ -60,11 +64,13 @@ class DecodeTuning:
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
 
 
-# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2): at batch 1
-# shorter splits fill more SMs; FP8 caches run at 0.69-0.74 of copy bandwidth with V widened
-# where it is loaded (0.51-0.54 with the compiler's own placement of the cast).
+# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14): at
+# batch 1 shorter splits fill more SMs; FP8 caches need V widened where it is loaded (0.51-0.54 of
+# copy bandwidth with the compiler's own placement of the cast) and, their tiles being half a bf16
+# tile's bytes, a second tile in flight (3 stages: +4% at batch 384, +17% at batch 64 / 4096
+# tokens); bf16 tiles keep the memory busy with one (3 stages is up to 20% slower).
 BF16_TUNING = DecodeTuning(min_partition=64)
-FP8_TUNING = DecodeTuning(block_n=64, num_stages=2, opaque_cvt="v")
+FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, opaque_cvt="v")
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -90,6 +96,13 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
+@triton.jit
+def _tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each token of the tile starting at n0 (0 past `end`)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
@@ -100,7 +113,7 @@ def _decode_stage1(
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr,
+    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -124,10 +137,16 @@ def _decode_stage1(
         l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
+        if BLOCKS_AHEAD:
+            blk_next = _tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
-            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            if BLOCKS_AHEAD:  # this tile's blocks came with the last one; fetch the next tile's
+                blk = blk_next
+                blk_next = _tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+            else:
+                blk = _tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
             slot_off = offs % BLOCK_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
@@ -299,7 +318,7 @@ def paged_decode_attention(
                   PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
-                  num_warps=tuning.num_warps, num_stages=stages)
+                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages)
     if splits == 1:
         _decode_stage1[(bsz, hk, 1)](
             q, kc, vc, block_tables, context_lens, out, out,

@@ -9,6 +9,7 @@ dispatch is exercised too. Inputs are fresh random tensors each run; the seed is
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import secrets
@@ -243,12 +244,14 @@ def case_decode_tunings() -> None:
     for cdt, cvt, block_n, min_partition in itertools.product(
             (torch.bfloat16, FP8), ("", "v", "kv"), (16, 64), (16, 64)):
         b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
-        what = f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition}"
+        stages = 3 if block_n == 16 else 2  # half the shapes with the block-table entries read a tile ahead
+        what = (f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition} "
+                f"num_stages={stages}")
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
-        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt)
+        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages)
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
@@ -294,18 +297,18 @@ def case_decode_wide_table() -> None:
     context among the splits (a one-token context, one just past a split, the whole width)."""
     from kernels import decode_attention as da, reference as ref
 
-    for cdt in (torch.bfloat16, FP8):
+    for cdt, stages in itertools.product((torch.bfloat16, FP8), (2, 3)):
         b, hq, hk, d, bs, width = 4, 8, 2, 64, 16, 128
-        tuning = da.default_tuning(cdt)
+        tuning = dataclasses.replace(da.default_tuning(cdt), num_stages=stages)
         splits = da.choose_splits(b, hk, width * bs, 132, tuning)
         assert splits > 8, splits  # the test needs many splits for short contexts to spread over
         part = max(tuning.min_partition, tuning.block_n)
         lens = [1, part * (splits // 2) + 1, int(torch.randint(2, 300, ())), width * bs]  # one just past a split
-        what = f"decode wide table cache={cdt} splits={splits} lens={lens}"
+        what = f"decode wide table cache={cdt} num_stages={stages} splits={splits} lens={lens}"
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
-        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
         close(got, want, torch.bfloat16, what, scale=2.0)
 

@@ -40,3 +40,26 @@ def test_allocator_events_are_per_step_deltas():
     after = {"num_alloc_retries": 8, "num_device_alloc": 10, "num_device_free": 4, "num_sync_all_streams": 3}
     assert _allocator_events(before, after, 3) == {"alloc_retries": 2.0, "device_mallocs": 0.0,
                                                    "device_frees": 1.0, "sync_all_streams": 1.0}
+
+
+def test_decode_tuning_replaces_both_defaults_and_restores_them():
+    import torch
+
+    import kernels.decode_attention as da
+    from bench.step_profile import decode_tuning
+
+    fp8, bf16 = da.FP8_TUNING, da.BF16_TUNING
+    with decode_tuning('{"num_stages": 4, "defer_sum": true}'):
+        for cache, was in ((torch.float8_e4m3fn, fp8), (torch.bfloat16, bf16)):
+            got = da.default_tuning(cache)
+            assert (got.num_stages, got.defer_sum) == (4, True)
+            assert got.block_n == was.block_n and got.opaque_cvt == was.opaque_cvt  # the rest kept
+    assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)
+    with decode_tuning(None):
+        assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)
+    try:
+        with decode_tuning('{"num_stages": 4}'):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)  # restored on the way out of an error
