@@ -296,7 +296,7 @@ def decode_sweep(order: str = "random") -> dict:
     rows: list[list] = []
     fp8 = torch.float8_e4m3fn
     grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
-    grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (64, 4, 4, "v")]
+    grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (32, 3, 4, "v"), (32, 4, 4, "v"), (64, 4, 4, "v")]
     for (batch, ctx) in ((64, 4096), (384, 1024), (1, 1024)):
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
         for cache in (torch.bfloat16, fp8):
