@@ -375,6 +375,28 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
     return {"rows [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error]": rows_out}
 
 
+def extend_sweep(s: Shapes) -> dict:
+    """extend_attention with each tile's block-table entries read a tile ahead or not
+    (extend_attention.BLOCKS_AHEAD), bf16 and FP8, a whole prompt and a chunk after a prefix."""
+    from kernels import extend_attention as ea
+
+    rows = []
+    saved = ea.BLOCKS_AHEAD
+    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+        for q_len, prefix in ((s.tokens, 0), (s.tokens // 4, 3 * s.tokens // 4)):
+            fn, flops = extend_case(s, q_len, prefix, cache)
+            for ahead in (False, True):
+                ea.BLOCKS_AHEAD = ahead
+                try:
+                    tflops = round(flops / bench_ms(fn, reps=30) / 1e9, 1)
+                except Exception as exc:  # e.g. the deeper staging does not fit in shared memory
+                    tflops = repr(exc)[:80]
+                rows.append([str(cache).split(".")[-1], q_len, prefix, ahead, tflops])
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    ea.BLOCKS_AHEAD = saved
+    return {"extend_blocks_ahead [cache, q_len, prefix, blocks_ahead, TFLOP/s]": rows}
+
+
 def sweep(s: Shapes) -> dict:
     """Time the attention kernels over alternative configurations."""
     from kernels import extend_attention as ea
@@ -399,6 +421,7 @@ def sweep(s: Shapes) -> dict:
         ea.FP8_OPAQUE_CVT = cvt
         found["extend_fp8 [opaque_cvt, TFLOP/s]"].append([cvt, run(fn, flops / 1e3)])
     ea.FP8_OPAQUE_CVT = saved_cvt
+    found.update(extend_sweep(s))
     found["decode"] = decode_sweep()
     return found
 
@@ -409,6 +432,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
+    ap.add_argument("--extend-sweep", action="store_true",
+                    help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     args = ap.parse_args()
@@ -420,9 +445,10 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        if args.decode_sweep or args.gemv_sweep:
+        if args.decode_sweep or args.gemv_sweep or args.extend_sweep:
             print(json.dumps({**(decode_sweep(args.block_order) if args.decode_sweep else {}),
-                              **(gemv_sweep() if args.gemv_sweep else {})}))
+                              **(gemv_sweep() if args.gemv_sweep else {}),
+                              **(extend_sweep(Shapes()) if args.extend_sweep else {})}))
             return 0
         s = Shapes()
         result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),

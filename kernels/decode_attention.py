@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot, interpreting, next_pow2, num_sms, upcast_dots, widen
+from kernels.triton_common import dot, interpreting, next_pow2, num_sms, tile_blocks, upcast_dots, widen
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -96,13 +96,6 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
-@triton.jit
-def _tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each token of the tile starting at n0 (0 past `end`)."""
-    offs = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
-
-
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
@@ -138,15 +131,15 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
         if BLOCKS_AHEAD:
-            blk_next = _tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
+            blk_next = tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
             if BLOCKS_AHEAD:  # this tile's blocks came with the last one; fetch the next tile's
                 blk = blk_next
-                blk_next = _tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
             else:
-                blk = _tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
+                blk = tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
             slot_off = offs % BLOCK_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],

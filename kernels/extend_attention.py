@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from kernels.triton_common import dot, interpreting, next_pow2, upcast_dots, widen
+from kernels.triton_common import dot, interpreting, next_pow2, tile_blocks, upcast_dots, widen
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -24,6 +24,11 @@ NUM_WARPS = 8  # two warpgroups, 64 query rows each, on wgmma
 NUM_STAGES = 3
 FP8_F16 = True  # FP8 caches: dots in fp16 (see decode_attention.FP8_F16)
 FP8_OPAQUE_CVT = "v"  # FP8 tiles widened where loaded ("", "v", "kv"; see decode_attention.DecodeTuning)
+# Read each KV tile's block-table entries one tile ahead, so its K/V loads depend on nothing loaded
+# in their own iteration and Triton's pipeliner can keep a tile in flight during a tile's math (as
+# decode_attention does past 2 stages); without it the pipeliner awaits every copy before the math.
+# Off until measured against the default (`bench/kernel_bench.py --extend-sweep`).
+BLOCKS_AHEAD = False
 
 
 @triton.jit
@@ -42,17 +47,19 @@ def _load_kv(ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+    q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < kv_end
-    if MASKED:
-        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
+    if not AHEAD:  # otherwise the caller read `blk` with the tile before
+        if MASKED:
+            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
     slot_off = offs % BLOCK_SIZE
     k = _load_kv(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
@@ -79,6 +86,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     head = tl.program_id(0)  # heads vary fastest: a GQA group's programs share K/V through L2
     tile = num_tiles - 1 - tl.program_id(1)  # later query tiles see more keys: start them first
@@ -116,16 +124,28 @@ def _extend_kernel(
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         kv_end = tl.minimum(ctx, first_pos + BLOCK_M)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+        if AHEAD:
+            blk = tile_blocks(bt_row, 0, kv_end, BLOCK_N, BLOCK_SIZE)
+        else:
+            blk = 0  # each tile reads its own
         for n0 in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            if AHEAD:
+                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
                                          d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION, UPCAST,
-                                         OPAQUE_K, OPAQUE_V)
+                                         OPAQUE_K, OPAQUE_V, AHEAD)
+            if AHEAD:
+                blk = blk_next
         for n0 in range(full_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+            if AHEAD:
+                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
                                          d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION, UPCAST,
-                                         OPAQUE_K, OPAQUE_V)
+                                         OPAQUE_K, OPAQUE_V, AHEAD)
+            if AHEAD:
+                blk = blk_next
         out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head * o_s1 + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -169,6 +189,6 @@ def extend_attention(
         GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-        num_warps=NUM_WARPS, num_stages=stages,
+        AHEAD=BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages,
     )
     return out

@@ -111,3 +111,11 @@ def widen(x, DTYPE: tl.constexpr, OPAQUE: tl.constexpr):
         return e4m3_to_f16_opaque(x.to(tl.uint8, bitcast=True))
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The paged cache's block of each token of the tile n0 .. n0+BLOCK_N, from one sequence's
+    block-table row (0 for tokens at or past `end`, which are not read)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)

@@ -339,6 +339,30 @@ def case_extend() -> None:
         close(got, want, dtype, what, scale=2.0)
 
 
+def case_extend_blocks_ahead() -> None:
+    """extend_attention reading each tile's block-table entries a tile ahead (BLOCKS_AHEAD) gives
+    the reference's result: prefixes over several unmasked tiles, the masked tail after them, a
+    one-token prompt and a query tile past the first."""
+    from kernels import extend_attention as ea, reference as ref
+
+    saved = ea.BLOCKS_AHEAD
+    ea.BLOCKS_AHEAD = True
+    try:
+        for cdt, seqs in ((torch.bfloat16, [(70, 300), (1, 0), (130, 5)]), (FP8, [(45, 260), (2, 0)])):
+            hq, hk, d, bs = 4, 2, 32, 16
+            what = f"extend blocks ahead cache={cdt} seqs={seqs}"
+            lens = [n + p for n, p in seqs]
+            kc, vc, table = paged(lens, bs, hk, d, cdt)
+            qsl = torch.tensor([0] + list(itertools.accumulate(n for n, _ in seqs)), dtype=torch.int32)
+            q = rand(int(qsl[-1]), hq, d, dtype=torch.bfloat16)
+            sl = torch.tensor(lens, dtype=torch.int32)
+            got = ea.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, 0.5, 1.5)
+            want = ref.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, 0.5, 1.5)
+            close(got, want, torch.bfloat16, what, scale=2.0)
+    finally:
+        ea.BLOCKS_AHEAD = saved
+
+
 def case_dispatch() -> None:
     """Runs without TRITON_INTERPRET and with triton made unimportable."""
     sys.modules["triton"] = None  # `import triton` now raises ImportError
