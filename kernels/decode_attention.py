@@ -280,7 +280,7 @@ def paged_decode_attention(
     tuning: the launch shape (None: the default for the cache dtype); results agree across tunings
     to rounding.
     """
-    group, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
+    _, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
     bsz, hq, dim = q.shape
     hk = k_cache.shape[2]
     if block_tables.shape[0] < bsz or context_lens.shape[0] < bsz:
@@ -290,51 +290,60 @@ def paged_decode_attention(
     out = torch.empty((bsz, hq, dim), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     tuning = tuning or default_tuning(k_cache.dtype)
-    max_context = block_tables.shape[1] * block_size
-    splits = choose_splits(bsz, hk, max_context, num_sms(q.device), tuning)
-    d_pad = max(16, next_pow2(dim))
-    block_h = max(16, next_pow2(group))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
-    f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
-    opaque = tuning.opaque_cvt if fp8 and f16 and not interpreting() else ""
-    kc, vc = k_cache, v_cache
-    qk_scale = float(scale) * k_scale * LOG2E
-    block_n, stages = tuning.block_n, tuning.num_stages
-    if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
-        block_n, stages = 64, min(stages, 2)
-    min_partition = max(tuning.min_partition, block_n)
-    common = dict(GROUP=group, BLOCK_H=block_h, D=dim, D_PAD=d_pad, BLOCK_N=block_n, MIN_PARTITION=min_partition,
-                  BLOCK_SIZE=block_size,
-                  PRECISION=precision, UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
-                  OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-                  DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
-                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages)
+    splits = choose_splits(bsz, hk, block_tables.shape[1] * block_size, num_sms(q.device), tuning)
+    partial = lse = None
+    if splits > 1:
+        partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    grid, args, consts = stage1_launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                                       tuning, splits, out, partial, lse)
+    _decode_stage1[grid](*args, **consts)
     if splits == 1:
-        _decode_stage1[(bsz, hk, 1)](
-            q, kc, vc, block_tables, context_lens, out, out,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, 0, 0,
-            qk_scale, float(v_scale), DIRECT=True, **common,
-        )
         return out
-    partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
-    _decode_stage1[(bsz, hk, splits)](
-        q, kc, vc, block_tables, context_lens, partial, lse,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        qk_scale, float(v_scale), DIRECT=False, **common,
-    )
     _decode_stage2[(bsz, hq)](
         partial, lse, context_lens, out,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), splits,
-        D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), MIN_PARTITION=min_partition, BLOCK_N=block_n,
-        num_warps=4,
+        D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), MIN_PARTITION=consts["MIN_PARTITION"],
+        BLOCK_N=consts["BLOCK_N"], num_warps=4,
     )
     return out
+
+
+def stage1_launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, tuning: DecodeTuning,
+    splits: int, out: torch.Tensor, partial: torch.Tensor | None, lse: torch.Tensor | None,
+) -> tuple[tuple[int, int, int], list, dict]:
+    """Stage 1's launch for checked arguments: (grid, positional args, keyword constants incl.
+    num_warps / num_stages). One split writes `out` directly; more write `partial` and `lse` for
+    stage 2. One home for the launcher and for bench/kernel_ir.py, which compiles the kernel as
+    a launch specializes it, on tensors of the meta device."""
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    bsz, _, dim = q.shape
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    d_pad = max(16, next_pow2(dim))
+    k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
+    f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
+    opaque = tuning.opaque_cvt if fp8 and f16 and not interpreting() else ""
+    block_n, stages = tuning.block_n, tuning.num_stages
+    if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
+        block_n, stages = 64, min(stages, 2)
+    consts = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+                  MIN_PARTITION=max(tuning.min_partition, block_n), BLOCK_SIZE=block_size,
+                  DIRECT=splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
+                  OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
+                  DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
+                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages)
+    kc, vc = k_cache, v_cache
+    if splits == 1:
+        o, o_strides, lse, lse_strides = out, (out.stride(0), out.stride(1), 0), out, (0, 0)
+    else:
+        o, o_strides, lse_strides = partial, partial.stride()[:3], lse.stride()[:2]
+    args = [q, kc, vc, block_tables, context_lens, o, lse,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), *o_strides, *lse_strides,
+            float(scale) * k_scale * LOG2E, float(v_scale)]
+    return (bsz, k_cache.shape[2], splits), args, consts

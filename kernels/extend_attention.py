@@ -161,16 +161,32 @@ def extend_attention(
     query_start_loc: int32 [B+1]; seq_lens: [B] context lengths including the new tokens;
     block_tables: int32 [B, max_blocks]. Returns a new [T, Hq, D] tensor in q.dtype.
     """
-    group, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
+    check_paged_args(q, k_cache, v_cache, block_tables)
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs < 0 or seq_lens.shape[0] < num_seqs or block_tables.shape[0] < num_seqs:
         raise ValueError("query_start_loc must be [B+1] with seq_lens and block_tables rows for each B")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    tokens, hq, dim = q.shape
-    out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
-    if tokens == 0 or num_seqs == 0:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0 or num_seqs == 0:
         return out
+    grid, args, consts = extend_launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       k_scale, v_scale, out)
+    _extend_kernel[grid](*args, **consts)
+    return out
+
+
+def extend_launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float,
+    out: torch.Tensor,
+) -> tuple[tuple[int, int], list, dict]:
+    """The kernel's launch for checked arguments: (grid, positional args, keyword constants incl.
+    num_warps / num_stages); one home for extend_attention and bench/kernel_ir.py (which compiles
+    the kernel as a launch specializes it, on tensors of the meta device)."""
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    num_seqs = query_start_loc.shape[0] - 1
+    tokens, hq, dim = q.shape
     num_tiles = tokens // BLOCK_M + num_seqs
     k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -180,15 +196,13 @@ def extend_attention(
     # Shared memory holds NUM_STAGES K and V tiles: shrink them past 128 x 16-bit per row.
     block_n, stages = (BLOCK_N, NUM_STAGES) if d_pad * q.element_size() <= 256 else (64, 2)
     kc, vc = k_cache, v_cache
-    _extend_kernel[(hq, num_tiles)](
-        q, kc, vc, block_tables, query_start_loc, seq_lens, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        block_tables.stride(0), num_seqs, num_tiles,
-        float(scale) * k_scale * LOG2E, v_scale,
-        GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-        AHEAD=BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages,
-    )
-    return out
+    args = [q, kc, vc, block_tables, query_start_loc, seq_lens, out,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            block_tables.stride(0), num_seqs, num_tiles,
+            float(scale) * k_scale * LOG2E, v_scale]
+    consts = dict(GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                  BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
+                  AHEAD=BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages)
+    return (hq, num_tiles), args, consts

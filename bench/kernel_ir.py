@@ -1,0 +1,208 @@
+"""What Triton builds for the attention kernels on a Hopper GPU, from any machine (no GPU needed).
+
+    python bench/kernel_ir.py [--batch 384 --ctx 1024] [--tuning JSON ...] [--dump DIR]
+
+Each kernel is compiled for sm_90 as its launch would specialize it (the launchers'
+`stage1_launch` / `extend_launch` on tensors of the meta device give the arguments and constants),
+and reported: registers and spilled bytes (cuobjdump on the cubin), shared memory, the programs an
+SM can hold, and how its KV loop is pipelined: `staged_tiles`, the K/V tiles Triton keeps in
+shared memory, and `groups_in_flight`, the copy groups a loop iteration leaves in flight when it
+waits before a tile's math (0: every tile's copies are awaited before its math; the load never
+overlaps the program's own compute). The decode kernel's FP8 slowness (BENCHMARKS.md §14) was
+found this way: one staged tile, nothing in flight.
+
+The report follows Triton's IR of the installed version, so read it beside that version.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+HOPPER = ("cuda", 90, 32)
+SM_REGISTERS = 65536  # per SM on sm_90
+SM_SHARED = 233472  # bytes of shared memory an SM can give its programs (228 KB)
+SM_WARPS = 64
+SM_PROGRAMS = 32
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def specialize(kernel, args: list, consts: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for triton's ASTSource, as a launch with `args` would
+    specialize: pointers 16-byte aligned, integers equal to 1 folded, integers divisible by 16
+    marked so (except the kernel's do_not_specialize ones), floats fp32."""
+    names = [n for n in kernel.arg_names if n not in consts]
+    if len(names) != len(args):
+        raise ValueError(f"{kernel.__name__}: {len(args)} positional args for {len(names)} parameters")
+    generic = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    signature, constexprs, attrs = {}, {}, {}
+    for name, value in zip(names, args):
+        index = (kernel.arg_names.index(name),)
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _DTYPES[value.dtype]
+            attrs[index] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, int):
+            if name not in generic and value == 1:
+                signature[name] = "constexpr"
+                constexprs[index] = 1
+                continue
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if name not in generic and value % 16 == 0:
+                attrs[index] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(f"{name}: cannot specialize {type(value).__name__}")
+    for name, value in consts.items():
+        if name in kernel.arg_names:
+            signature[name] = "constexpr"
+            constexprs[(kernel.arg_names.index(name),)] = value
+    return signature, constexprs, attrs
+
+
+def compile_for_hopper(kernel, args: list, consts: dict):
+    """The kernel compiled for sm_90 (no device needed) as a launch with `args` and `consts` would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(consts)
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages") if k in consts}
+    signature, constexprs, attrs = specialize(kernel, args, consts)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget(*HOPPER), options=options)
+
+
+def pipelining(ttgir: str) -> dict:
+    """How the KV loop is staged, from the TTGIR: the most tiles any multi-buffered shared
+    allocation holds (1 when loads are staged singly, 0 when nothing is copied asynchronously),
+    and the copy groups each in-loop wait leaves in flight."""
+    buffers = [int(n) for n in re.findall(r"!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    copies = "async_copy_global_to_local" in ttgir
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait %[^{]*\{num = (\d+) : i32\}", ttgir)]
+    return {"staged_tiles": max(buffers, default=1 if copies else 0), "groups_in_flight": sorted(set(waits))}
+
+
+def resources(compiled) -> dict:
+    """Registers a thread and spilled (local) bytes from the cubin, shared memory from Triton,
+    and the programs an SM can hold by each limit."""
+    from triton.backends.nvidia import compiler as nv
+
+    regs = local = None
+    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    if tool.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
+        if m:
+            regs, local = int(m.group(1)), int(m.group(2))
+    warps, shared = compiled.metadata.num_warps, compiled.metadata.shared
+    limits = {"warps": SM_WARPS // warps, "shared": SM_SHARED // shared if shared else SM_PROGRAMS}
+    if regs:
+        limits["registers"] = SM_REGISTERS // (regs * 32 * warps)
+    return {"registers": regs, "spilled_bytes": local, "shared_bytes": shared, "warps": warps,
+            "programs_per_sm": min(SM_PROGRAMS, *limits.values()),
+            "limited_by": min(limits, key=limits.get)}
+
+
+def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
+                  d: int = 128, block_size: int = 16, sms: int = 132):
+    """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc)."""
+    from kernels import decode_attention as da
+
+    meta = dict(device="meta")
+    blocks = batch * -(-ctx // block_size)
+    q = torch.empty(batch, hq, d, dtype=torch.bfloat16, **meta)
+    kc = torch.empty(blocks, block_size, hk, d, dtype=cache, **meta)
+    table = torch.empty(batch, -(-ctx // block_size), dtype=torch.int32, **meta)
+    lens = torch.empty(batch, dtype=torch.int32, **meta)
+    tuning = tuning or da.default_tuning(cache)
+    splits = da.choose_splits(batch, hk, table.shape[1] * block_size, sms, tuning)
+    out = torch.empty_like(q)
+    partial = torch.empty(batch, hq, splits, d, dtype=torch.float32, **meta) if splits > 1 else None
+    lse = torch.empty(batch, hq, splits, dtype=torch.float32, **meta) if splits > 1 else None
+    _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning,
+                                       splits, out, partial, lse)
+    return compile_for_hopper(da._decode_stage1, args, consts)
+
+
+def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int = 8, d: int = 128,
+           block_size: int = 16):
+    """The extend kernel for one sequence of `tokens` new tokens after `prefix`, compiled."""
+    from kernels import extend_attention as ea
+
+    meta = dict(device="meta")
+    blocks = -(-(tokens + prefix) // block_size)
+    q = torch.empty(tokens, hq, d, dtype=torch.bfloat16, **meta)
+    kc = torch.empty(blocks, block_size, hk, d, dtype=cache, **meta)
+    table = torch.empty(1, blocks, dtype=torch.int32, **meta)
+    qsl = torch.empty(2, dtype=torch.int32, **meta)
+    lens = torch.empty(1, dtype=torch.int32, **meta)
+    _, args, consts = ea.extend_launch(q, kc, torch.empty_like(kc), table, qsl, lens, d ** -0.5, 1.0, 1.0,
+                                       torch.empty_like(q))
+    return compile_for_hopper(ea._extend_kernel, args, consts)
+
+
+def report(compiled, dump: Path | None = None, name: str = "") -> dict:
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        for kind in ("ttgir", "ptx"):
+            (dump / f"{name}.{kind}").write_text(compiled.asm[kind])
+    return {**resources(compiled), **pipelining(compiled.asm["ttgir"])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=384)
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--tuning", action="append", default=None, metavar="JSON",
+                   help="also report the decode kernel with these DecodeTuning fields over the default (repeatable)")
+    p.add_argument("--dump", default=None, metavar="DIR", help="write each kernel's TTGIR and PTX here")
+    a = p.parse_args()
+    from kernels import decode_attention as da, extend_attention as ea
+    from kernels.triton_common import interpreting
+
+    if interpreting():
+        print("kernel_ir compiles for the GPU: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    dump = Path(a.dump) if a.dump else None
+    rows = []
+    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+        label = _DTYPES[cache]
+        for fields in [None, *(a.tuning or [])]:
+            tuning = da.default_tuning(cache)
+            if fields is not None:
+                tuning = dataclasses.replace(tuning, **json.loads(fields))
+            name = f"decode_{label}" + ("" if fields is None else f"_{len(rows)}")
+            rows.append({"kernel": "decode_stage1", "cache": label, "tuning": dataclasses.asdict(tuning),
+                         **report(decode_stage1(cache, a.batch, a.ctx, tuning), dump, name)})
+            print(json.dumps(rows[-1]), flush=True)
+        saved = ea.BLOCKS_AHEAD
+        for ahead in (False, True):
+            ea.BLOCKS_AHEAD = ahead
+            try:
+                rows.append({"kernel": "extend", "cache": label, "blocks_ahead": ahead,
+                             **report(extend(cache, 8192, 0), dump, f"extend_{label}_{int(ahead)}")})
+            finally:
+                ea.BLOCKS_AHEAD = saved
+            print(json.dumps(rows[-1]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

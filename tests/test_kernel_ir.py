@@ -1,0 +1,84 @@
+"""bench/kernel_ir.py: the attention kernels compiled for sm_90 on this machine (no GPU) and how
+their KV loops are pipelined. The decode kernel's FP8 default must keep a second K/V tile in
+flight during a tile's math (the block-table lookahead, BENCHMARKS.md §14); a change that loses
+that fails here, where no benchmark runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_ir.py"), "--tuning", '{"num_stages": 2}'],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def pick(rows: list[dict], kernel: str, cache: str, **match) -> dict:
+    found = [r for r in rows if r["kernel"] == kernel and r["cache"] == cache
+             and all((r.get("tuning") or r).get(k) == v for k, v in match.items())]
+    assert len(found) >= 1, (kernel, cache, match)
+    return found[0]
+
+
+def test_fp8_decode_keeps_a_tile_in_flight_by_default(rows):
+    fp8 = pick(rows, "decode_stage1", "fp8e4nv", num_stages=3)
+    assert fp8["staged_tiles"] == 2 and fp8["groups_in_flight"] == [2], fp8
+    assert fp8["spilled_bytes"] == 0 and fp8["registers"] > 0 and fp8["programs_per_sm"] >= 4, fp8
+    two = pick(rows, "decode_stage1", "fp8e4nv", num_stages=2)  # Triton's own staging: nothing in flight
+    assert two["staged_tiles"] == 1 and two["groups_in_flight"] == [0], two
+    assert two["shared_bytes"] < fp8["shared_bytes"]
+
+
+def test_bf16_decode_and_extend_lookahead(rows):
+    bf16 = pick(rows, "decode_stage1", "bf16", num_stages=2)
+    assert bf16["groups_in_flight"] == [0] and bf16["spilled_bytes"] == 0, bf16
+    for cache in ("bf16", "fp8e4nv"):
+        off = pick(rows, "extend", cache, blocks_ahead=False)
+        on = pick(rows, "extend", cache, blocks_ahead=True)
+        assert off["groups_in_flight"] == [0], off
+        assert on["groups_in_flight"] == [2] and on["staged_tiles"] >= 2, on
+        assert on["shared_bytes"] <= 232448, on  # within an sm_90 program's shared memory
+
+
+def test_specialize_folds_ones_and_marks_divisible_ints():
+    import torch
+
+    from bench.kernel_ir import specialize
+
+    class Kernel:  # the two attributes of a JITFunction that specialize reads
+        __name__ = "k"
+        arg_names = ["x_ptr", "n", "stride", "width", "odd", "scale", "BLOCK"]
+        do_not_specialize = ["width"]
+
+    x = torch.empty(4, dtype=torch.float8_e4m3fn, device="meta")
+    sig, consts, attrs = specialize(Kernel, [x, 1, 32, 64, 7, 0.5], {"BLOCK": 16})
+    assert sig == {"x_ptr": "*fp8e4nv", "n": "constexpr", "stride": "i32", "width": "i32", "odd": "i32",
+                   "scale": "fp32", "BLOCK": "constexpr"}
+    assert consts == {(1,): 1, (6,): 16}
+    assert set(attrs) == {(0,), (2,)}  # the pointer and the stride of 32; not width (generic) nor 7
+    with pytest.raises(ValueError, match="positional args"):
+        specialize(Kernel, [x, 1], {"BLOCK": 16})
+
+
+def test_pipelining_reads_buffers_and_waits():
+    from bench.kernel_ir import pipelining
+
+    ir = """%a = ttg.local_alloc : () -> !ttg.memdesc<3x64x128xf8E4M3FN, #shared, #smem, mutable>
+    %t = ttg.async_copy_global_to_local %p, %a
+    %w = ttg.async_wait %k, %v {num = 4 : i32}
+    %z = ttg.async_wait {num = 0 : i32}"""
+    assert pipelining(ir) == {"staged_tiles": 3, "groups_in_flight": [4]}
+    assert pipelining("%t = ttg.async_copy_global_to_local %p, %a") == {"staged_tiles": 1, "groups_in_flight": []}
+    assert pipelining("tt.load") == {"staged_tiles": 0, "groups_in_flight": []}
