@@ -39,7 +39,9 @@ class DecodeTuning:
       tile ahead, so that the K/V loads depend on nothing loaded in their own iteration and the
       pipeliner keeps num_stages - 1 tiles in flight while a tile's math runs; at 2 it stages one
       tile, whose copy is issued after a tile's math and awaited before the next tile's.
-    resident: stage-1 programs per SM that the split count aims to fill.
+    resident: stage-1 programs per SM that the split count aims to fill; it should be what the
+      kernel's registers and shared memory let an SM hold (`bench/kernel_ir.py` reports it), or a
+      batch that fills the GPU once at `resident` runs in two waves at fewer.
     opaque_cvt: which FP8 tiles ("", "v" or "kv") are widened to fp16 where they are loaded, by
       inline PTX the compiler keeps in place (see e4m3_to_f16_opaque); the interpreter, which runs
       no PTX, widens them with a plain cast.
