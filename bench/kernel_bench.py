@@ -307,8 +307,12 @@ def decode_sweep(order: str = "random") -> dict:
             want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
             tunings = [da.DecodeTuning(bn, st, w, 128, 4, opaque)
                        for bn, st, w, opaque in grid if cache == fp8 or not opaque]
-            if cache == fp8:  # block 32 holds 6 programs an SM (bench/kernel_ir.py): aim the splits at 6
-                tunings += [da.DecodeTuning(32, st, 4, 128, 6, "v") for st in (3, 4)]
+            # deeper staging with the splits aimed at the programs an SM then holds (bench/kernel_ir.py):
+            # block 32 holds 6 (both caches, 3 or 4 stages), bf16 block 64 at 3 stages 3
+            cvt = "v" if cache == fp8 else ""
+            tunings += [da.DecodeTuning(32, st, 4, 128, 6, cvt) for st in (3, 4)]
+            if cache != fp8:
+                tunings.append(da.DecodeTuning(64, 3, 4, 128, 3, cvt))
             base = da.default_tuning(cache)  # the softmax bookkeeping variants on the default tiles
             tunings += [dataclasses.replace(base, block_n=bn, defer_sum=defer, lazy_rescale=lazy)
                         for bn in (64, 128) for defer, lazy in ((True, False), (False, True), (True, True))]
