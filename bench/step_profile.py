@@ -102,6 +102,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     from torch.profiler import ProfilerActivity, profile
 
     kernels, gpu_total, gpu_idle = [], None, None
+    kv_bytes = _kv_bytes_per_step(eng)
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -139,13 +140,24 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         eng.abort(request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
+    stage1 = next((k["us_per_step"] for k in kernels if k.get("name") == "_decode_stage1"), None)
     if running != batch:
         raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
             "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
             **waited,
+            "decode_kv_gb_per_step": round(kv_bytes / 1e9, 2),
+            "decode_stage1_tb_per_s": round(kv_bytes / stage1 / 1e6, 2) if stage1 else None,
             "synchronizing_calls": syncs, "allocator_per_step": allocator, "synced_phase_ms": phases,
             "top_kernels": kernels}
+
+
+def _kv_bytes_per_step(eng) -> int:
+    """Bytes of K and V a decode step of the running batch reads: every running sequence's
+    context, in every layer, at the cache's element size."""
+    cfg, cache = eng.model_config, eng.runner.kv_cache
+    tokens = sum(seq.num_computed_tokens for seq in eng._scheduler.running)
+    return 2 * tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache.stacked.element_size()
 
 
 def _host_wait(eng, steps: int) -> dict:

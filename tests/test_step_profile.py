@@ -63,3 +63,19 @@ def test_decode_tuning_replaces_both_defaults_and_restores_them():
     except KeyError:
         pass
     assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)  # restored on the way out of an error
+
+
+def test_kv_bytes_per_step_counts_every_running_context(tiny_models):
+    from bench.step_profile import _kv_bytes_per_step
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_running=8, overlap_schedule=False)
+    eng = llm.engine
+    cfg = eng.model_config
+    lens = [5, 9, 17]
+    for n in lens:
+        eng.admit(list(range(3, 3 + n)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(3):  # the prompts, then two decode steps: each context grows by one a step
+        eng.step()
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
+    assert _kv_bytes_per_step(eng) == sum(n + 2 for n in lens) * per_token
