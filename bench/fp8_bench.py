@@ -159,6 +159,49 @@ def layer_gemms() -> dict:
     return res
 
 
+GEMM_SCALINGS = ("rowwise", "rowwise_fast_accum", "tensorwise", "tensorwise_fast_accum")
+
+
+def gemm_scalings(m_sizes=(64, 384, 1024, 4096)) -> dict:
+    """torch._scaled_mm at a layer's four projection shapes, with the scales the engine uses (a
+    [M, 1] scale per token, a [1, N] per output channel: cuBLASLt's row-wise path) against one
+    scale per tensor, each with and without fast accumulation, beside bf16 F.linear: TFLOP/s of
+    the four GEMMs together, CUDA-graph replays. Tells whether the row-wise scales, rather than
+    FP8 itself, hold the FP8 GEMMs at ~0.5-0.6 of the FP8 ceiling."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shapes = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
+    w16 = {k: torch.randn(n, k_, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for k, (n, k_) in shapes.items()}
+    w8 = {k: w.to(torch.float8_e4m3fn) for k, w in w16.items()}
+    out: dict = {}
+    for m in m_sizes:
+        flops = sum(2.0 * m * n * k_ for n, k_ in shapes.values())
+        xs = {k: torch.randn(m, k_, device="cuda", generator=g, dtype=torch.bfloat16) for k, (_, k_) in shapes.items()}
+        x8 = {k: v.to(torch.float8_e4m3fn) for k, v in xs.items()}
+        row_scale = {k: (torch.ones(m, 1, device="cuda"), torch.ones(1, shapes[k][0], device="cuda")) for k in shapes}
+        one = torch.ones((), device="cuda")
+
+        def run(scaling: str):
+            fast = scaling.endswith("fast_accum")
+            for k in shapes:
+                sa, sb = row_scale[k] if scaling.startswith("rowwise") else (one, one)
+                torch._scaled_mm(x8[k], w8[k].t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast)
+
+        def bf16():
+            for k in shapes:
+                F.linear(xs[k], w16[k])
+
+        row = {"bf16": round(flops / graph_ms(bf16) / 1e9, 1)}
+        for scaling in GEMM_SCALINGS:
+            try:
+                row[scaling] = round(flops / graph_ms(lambda scaling=scaling: run(scaling)) / 1e9, 1)
+            except Exception as exc:  # a combination this torch / cuBLASLt refuses
+                row[scaling] = repr(exc)[:100]
+        out[str(m)] = row
+        log(f"GEMM scalings M={m} (TFLOP/s): {row}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/fp8_h200.json")
@@ -166,7 +209,13 @@ def main() -> None:
     p.add_argument("--max-running", type=int, default=512)
     p.add_argument("--budget-s", type=float, default=300.0, help="cap on the offline run's seconds (prompts cut to fit)")
     p.add_argument("--baseline", action="store_true", help="also bf16 weights + FP8 KV (adds ~4 minutes)")
+    p.add_argument("--gemm-scalings", action="store_true",
+                   help="only _scaled_mm's row-wise vs per-tensor scales (and fast accumulation) vs bf16, then exit")
     a = p.parse_args()
+    if a.gemm_scalings:
+        print(json.dumps({"command": "python bench/fp8_bench.py --gemm-scalings", "device": torch.cuda.get_device_name(),
+                          "gemm_scalings_tflops": gemm_scalings()}, indent=1))
+        return
     t0 = time.perf_counter()
     res: dict = {"command": "python bench/fp8_bench.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name()}
     log("kernels vs references")
