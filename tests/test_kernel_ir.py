@@ -15,14 +15,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def rows() -> list[dict]:
+def kernel_ir(*flags: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_ir.py"), "--tuning", '{"num_stages": 2}'],
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_ir.py"), *flags],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return kernel_ir("--tuning", '{"num_stages": 2}')
 
 
 def pick(rows: list[dict], kernel: str, cache: str, **match) -> dict:
@@ -52,6 +56,15 @@ def test_bf16_decode_and_extend_lookahead(rows):
         assert on["shared_bytes"] <= 232448, on  # within an sm_90 program's shared memory
 
 
+def test_slot_major_v_needs_no_fp16_staging():
+    """With V stored slot-major in each block, the FP8 decode kernel copies V asynchronously and
+    hands it to the MMA as it does K: no fp16 copy of V in shared memory, so an SM holds more
+    programs than with the engine's layout (BENCHMARKS.md §14)."""
+    slot = pick(kernel_ir("--v-slot-major"), "decode_stage1", "fp8e4nv", num_stages=3)
+    assert slot["v_slot_major"] and slot["staged_tiles"] == 2 and slot["groups_in_flight"] == [2], slot
+    assert slot["shared_bytes"] <= 40000 and slot["programs_per_sm"] >= 5, slot
+
+
 def test_specialize_folds_ones_and_marks_divisible_ints():
     import torch
 
@@ -76,6 +89,8 @@ def test_pipelining_reads_buffers_and_waits():
     from bench.kernel_ir import pipelining
 
     ir = """%a = ttg.local_alloc : () -> !ttg.memdesc<3x64x128xf8E4M3FN, #shared, #smem, mutable>
+    %b = ttg.memdesc_index %a[%c0_i32] : !ttg.memdesc<3x64x128xf8E4M3FN, #shared, #smem, mutable> -> !ttg.memdesc<64x128xf8E4M3FN>
+    %c = ttg.local_alloc : () -> !ttg.memdesc<128x4x16xf8E4M3FN, #shared, #smem, mutable>
     %t = ttg.async_copy_global_to_local %p, %a
     %w = ttg.async_wait %k, %v {num = 4 : i32}
     %z = ttg.async_wait {num = 0 : i32}"""

@@ -291,6 +291,42 @@ def case_decode_softmax_variants() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
+def case_decode_slot_major_v() -> None:
+    """A V cache stored slot-major within each block ([kv_heads, head_dim, block_size], viewed as
+    the usual shape) gives the reference's result: block sizes 16 and 32, tiles smaller than a
+    block (raised to one), one split and many, with and without the block tables' lookahead; the
+    slots past each context in its last block hold NaN (as a block's earlier owner may leave them)
+    and must not reach the output. A K cache so stored is refused, naming it."""
+    from kernels import decode_attention as da, reference as ref
+
+    for cdt, bs, block_n, stages, min_partition in (
+            (torch.bfloat16, 16, 16, 2, 16), (torch.bfloat16, 16, 64, 3, 256), (torch.bfloat16, 32, 16, 3, 32),
+            (FP8, 16, 32, 3, 16), (FP8, 16, 64, 2, 256), (FP8, 32, 64, 3, 64)):
+        b, hq, hk, d, width = 3, 8, 2, 32, 160 // bs
+        what = f"decode slot-major V cache={cdt} block_size={bs} block_n={block_n} stages={stages} mp={min_partition}"
+        lens = [width * bs - 3, int(torch.randint(1, width * bs, ())), bs + 1]
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        poisoned = vc.clone()
+        for row, n in zip(table.tolist(), lens):
+            if n % bs:  # the last block's slots past the context
+                poisoned[row[n // bs], n % bs:] = float("nan")
+        v_slots = poisoned.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # same values, slots contiguous
+        assert v_slots.stride(1) == 1 and v_slots.shape == vc.shape
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        tuning = da.DecodeTuning(block_n=block_n, num_stages=stages, min_partition=min_partition)
+        got = da.paged_decode_attention(q, kc, v_slots, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        assert not got.float().isnan().any(), what
+        close(got, want, torch.bfloat16, what, scale=2.0)
+    try:
+        da.paged_decode_attention(q, v_slots, v_slots.clone(), table, ctx, d ** -0.5)
+    except ValueError as exc:
+        assert "k_cache" in str(exc)
+    else:
+        raise AssertionError("a K cache without a contiguous last dim must be refused")
+
+
 def case_decode_wide_table() -> None:
     """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
     context has them: the split count comes from the width, and each sequence divides its own
