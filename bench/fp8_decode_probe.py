@@ -2,7 +2,9 @@
 out, one at a time, timed on the offline shape (batch 384, context 1024, one split).
 
 Variants (each a constexpr switch of `_probe_stage1`; results are wrong on purpose except `full`):
-  full        the engine's kernel body (its bandwidth should match kernels.decode_attention)
+  full        the engine's kernel body as it was before the block-table lookahead (its bandwidth
+              matched kernels.decode_attention at 2 stages; the engine's FP8 default now runs 3,
+              which this copy does not pipeline: compare it with `engine`)
   no_softmax  scores go to the P·V dot as they are: no max, exp2 or rescale
   no_pv       no V load and no P·V dot (the row sums stand in for the output)
   no_dots     K and V loaded and widened, summed instead of multiplied
