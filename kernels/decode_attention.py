@@ -191,6 +191,10 @@ def _decode_stage1(
                 l_lanes += p
             else:
                 l_i += tl.sum(p, 1)
+            # A slot-major V block is [head, dim, slot]: the tile loads as [dim, block, slot] with the
+            # slots an arange, so whole 16-byte runs copy asynchronously, and reaches the MMA as K
+            # does. Masked by whole blocks; the last block's stale slots (weights 0) are clamped
+            # finite, since masking them by the context would stage the tile in fp16 again.
             if V_SLOT_MAJOR:
                 if BLOCKS_AHEAD:
                     vblk = vblk_next
