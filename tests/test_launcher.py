@@ -58,8 +58,16 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
     proc, port, log_dir = start_up(tmp_path, "--prefill-workers", "1", "--decode-workers", "1")
     try:
         # Every child serves the demo model made under this test's HOME, so its path marks our processes.
-        ours = [p for p in processes_with(str(tmp_path)) if p != proc.pid]
-        roles = sorted(cmdline(p).split(" -m entrypoints ")[1].split()[0] for p in ours if " -m entrypoints " in cmdline(p))
+        # The agent is spawned just before "Tandem is up": poll a moment, as a process in the middle
+        # of its exec can show no command line.
+        deadline = time.time() + 10
+        while True:
+            ours = [p for p in processes_with(str(tmp_path)) if p != proc.pid]
+            roles = sorted(cmdline(p).split(" -m entrypoints ")[1].split()[0]
+                           for p in ours if " -m entrypoints " in cmdline(p))
+            if roles == ["agent", "decode", "gateway", "prefill"] or time.time() > deadline:
+                break
+            time.sleep(0.2)
         assert roles == ["agent", "decode", "gateway", "prefill"]  # tandem up starts the infra agent too
         with Client(f"127.0.0.1:{port}") as client:
             a = client.generate("Once upon a time", max_tokens=12, temperature=0.0)
