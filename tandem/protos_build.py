@@ -30,6 +30,13 @@ _INIT_DOC = {
 # protoc writes `from tandem.v1 import x_pb2 as ...`, which would resolve against the
 # top-level `tandem` package; rewrite it to the generated package's real location.
 _IMPORT_RE = re.compile(r"^(from|import) tandem\.v1(\b)", re.MULTILINE)
+# protoc's `<Service>Servicer` classes answer every RPC with NotImplementedError; tandem.wire builds
+# the servicer bases instead (every RPC abstract, from the service descriptors), so they are dropped.
+_SERVICER_RE = re.compile(r"^class (\w+Servicer)(?:\(object\))?:\n(?:(?:[ \t].*)?\n)*", re.MULTILINE)
+
+
+def _drop_servicers(text: str) -> str:
+    return _SERVICER_RE.sub(r"# \1: see tandem.wire (an abstract base built from the service descriptor).\n\n\n", text)
 
 
 def proto_files(proto_root: Path = PROTO_ROOT) -> list[Path]:
@@ -64,8 +71,10 @@ def build(out_dir: Path = OUT_DIR, proto_root: Path = PROTO_ROOT) -> list[Path]:
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit code {rc}: {' '.join(args)}")
         for path in sorted(gen.rglob("*.py*")):
-            text = path.read_text(encoding="utf-8")
-            path.write_text(_IMPORT_RE.sub(rf"\1 {PACKAGE}.tandem.v1\2", text), encoding="utf-8")
+            text = _IMPORT_RE.sub(rf"\1 {PACKAGE}.tandem.v1\2", path.read_text(encoding="utf-8"))
+            if path.name.endswith("_pb2_grpc.py"):
+                text = _drop_servicers(text)
+            path.write_text(text, encoding="utf-8")
         for sub, doc in _INIT_DOC.items():
             (gen / sub).mkdir(parents=True, exist_ok=True)
             (gen / sub / "__init__.py").write_text(doc, encoding="utf-8")

@@ -32,7 +32,7 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name  # "tan
 def _servicer_base(module: Any, service: str) -> type:
     """The base class of a `service` servicer: each of its RPCs an abstract method, so a servicer
     that leaves one out fails when it is made (TypeError naming the RPC), where protoc's own bases
-    (`*_pb2_grpc.<Service>Servicer`, not used) answer UNIMPLEMENTED when it is called."""
+    answered UNIMPLEMENTED when it was called (tandem.protos_build drops those from the stubs)."""
     def rpc(name: str) -> Any:
         def method(self: Any, request: Any, context: Any) -> Any:
             """One RPC of the service; a servicer defines it (async for grpc.aio)."""

@@ -52,30 +52,7 @@ class TandemStub:
                 _registered_method=True)
 
 
-class TandemServicer:
-    """The gateway: generation with priority tiers, aborts, model metadata.
-    """
-
-    def Generate(self, request, context):
-        """Streams the completion of one prompt. The first chunk carries the request id; the last
-        chunk carries finish_reason and usage. Cancelling the call aborts the request everywhere.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Aborts a running request by id (its Generate stream then ends with FINISH_REASON_ABORT).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+# TandemServicer: see tandem.wire (an abstract base built from the service descriptor).
 
 
 def add_TandemServicer_to_server(servicer, server):

@@ -57,33 +57,7 @@ class PrefillWorkerStub:
                 _registered_method=True)
 
 
-class PrefillWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def KvEvents(self, request, context):
-        """Prefix-cache events for the gateway's embedded prefix index (see KvEventBatch).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+# PrefillWorkerServicer: see tandem.wire (an abstract base built from the service descriptor).
 
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
@@ -274,54 +248,7 @@ class DecodeWorkerStub:
                 _registered_method=True)
 
 
-class DecodeWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Reserve(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Streams the tokens after the first one (which came from PrefillResponse).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Frees a reservation that will not be decoded (prefill failed, request aborted early).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PrefillAndDecode(self, request, context):
-        """Prefills locally and decodes: role `both`, or a short uncached prompt. Streams every
-        generated token, the first one included.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def KvEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+# DecodeWorkerServicer: see tandem.wire (an abstract base built from the service descriptor).
 
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
