@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 
-_STEPS_RUN = 3  # the loops of `steps` steps that profile_batch runs (wall, host wait, synced phases)
+_STEPS_RUN = 2  # the loops of `steps` steps that profile_batch runs (as they run, synced phases)
 
 
 def timed(obj, name: str, acc: dict, sync: bool, key: str | None = None) -> None:
@@ -91,13 +91,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         eng.step()
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
-    t = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / steps
+    timing = _timed_steps(eng, steps)
     allocator = _allocator_events(before, torch.cuda.memory_stats(), steps)
-    waited = _host_wait(eng, steps)
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -144,8 +139,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     if running != batch:
         raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
-            "wall_ms_per_step": round(wall * 1e3, 3), "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
-            **waited,
+            **timing, "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
             "decode_kv_gb_per_step": round(kv_bytes / 1e9, 2),
             "decode_stage1_tb_per_s": round(kv_bytes / stage1 / 1e6, 2) if stage1 else None,
             "synchronizing_calls": syncs, "allocator_per_step": allocator, "synced_phase_ms": phases,
@@ -160,10 +154,10 @@ def _kv_bytes_per_step(eng) -> int:
     return 2 * tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache.stacked.element_size()
 
 
-def _host_wait(eng, steps: int) -> dict:
-    """Of `steps` unsynchronized steps: the wall per step, and the part the host spent waiting for
-    the device's samples (`PendingSamples.result`); the rest is the host's own work a step. A
-    device-bound loop waits a good part of each step; a host-bound one hardly waits at all."""
+def _timed_steps(eng, steps: int) -> dict:
+    """`steps` steps as they run (unsynchronized): the wall per step, and the part of it the host
+    spent waiting for the device's samples (`PendingSamples.result`); the rest is the host's own
+    work a step. A device-bound loop waits a good part of each step; a host-bound one hardly waits."""
     from engine.sampler import PendingSamples
 
     acc: dict[str, float] = defaultdict(float)
@@ -179,7 +173,8 @@ def _host_wait(eng, steps: int) -> dict:
     finally:
         PendingSamples.result = original
     wait = acc["result"] / steps
-    return {"sample_wait_ms_per_step": round(wait * 1e3, 3), "host_busy_ms_per_step": round((wall - wait) * 1e3, 3)}
+    return {"wall_ms_per_step": round(wall * 1e3, 3), "sample_wait_ms_per_step": round(wait * 1e3, 3),
+            "host_busy_ms_per_step": round((wall - wait) * 1e3, 3)}
 
 
 def _top_kernels(prof, steps: int) -> tuple[list[dict], float]:
