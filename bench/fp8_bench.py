@@ -31,6 +31,8 @@ from bench.h200_bench import LLAMA31_8B, log, median_ms, offline, write_model  #
 
 H, I, Q, KV = 4096, 14336, 4096, 1024  # hidden, intermediate, q_size, kv_size (8 KV heads x 128)
 M_SIZES = (1, 16, 64, 256, 1024, 4096)
+# A decoder layer's four projections, [N, K] (out, in features).
+LAYER_SHAPES = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
 
 
 def e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -112,7 +114,7 @@ def layer_gemms() -> dict:
     from kernels import ops
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    shapes = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
+    shapes = LAYER_SHAPES
     w16 = {k: torch.randn(n, k_, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for k, (n, k_) in shapes.items()}
     w8 = {k: quantize_weight_per_channel(w) for k, w in w16.items()}
     norm_w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
@@ -169,7 +171,7 @@ def gemm_scalings(m_sizes=(64, 384, 1024, 4096)) -> dict:
     the four GEMMs together, CUDA-graph replays. Tells whether the row-wise scales, rather than
     FP8 itself, hold the FP8 GEMMs at ~0.5-0.6 of the FP8 ceiling."""
     g = torch.Generator(device="cuda").manual_seed(2)
-    shapes = {"qkv": (Q + 2 * KV, H), "o": (H, Q), "gate_up": (2 * I, H), "down": (H, I)}
+    shapes = LAYER_SHAPES
     w16 = {k: torch.randn(n, k_, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for k, (n, k_) in shapes.items()}
     w8 = {k: w.to(torch.float8_e4m3fn) for k, w in w16.items()}
     out: dict = {}
