@@ -47,15 +47,21 @@ def _load_kv(ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+    q, acc, m_i, l_i, n0, blk_ahead, bt_row, k_cache_ptr, v_cache_ptr, kvh,
     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     AHEAD: tl.constexpr,
 ):
+    """One KV tile into the online softmax; returns (acc, m, l, blk_ahead). AHEAD: `blk_ahead` holds
+    this tile's blocks, read with the tile before, and the next tile's come back in its place;
+    otherwise the tile reads its own and `blk_ahead` passes through unused."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < kv_end
-    if not AHEAD:  # otherwise the caller read `blk` with the tile before
+    if AHEAD:
+        blk = blk_ahead
+        blk_ahead = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
+    else:
         if MASKED:
             blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         else:
@@ -75,7 +81,7 @@ def _attend_tile(
     v = _load_kv(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + dot(p.to(q.dtype), widen(v, q.dtype, OPAQUE_V), PRECISION, UPCAST)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, blk_ahead
 
 
 @triton.jit(do_not_specialize=["bt_s0", "num_seqs", "num_tiles"])
@@ -129,23 +135,15 @@ def _extend_kernel(
         else:
             blk = 0  # each tile reads its own
         for n0 in range(0, full_end, BLOCK_N):
-            if AHEAD:
-                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-                                         kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION, UPCAST,
-                                         OPAQUE_K, OPAQUE_V, AHEAD)
-            if AHEAD:
-                blk = blk_next
+            acc, m_i, l_i, blk = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
+                                              d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION,
+                                              UPCAST, OPAQUE_K, OPAQUE_V, AHEAD)
         for n0 in range(full_end, kv_end, BLOCK_N):
-            if AHEAD:
-                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
-            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-                                         kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                         d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION, UPCAST,
-                                         OPAQUE_K, OPAQUE_V, AHEAD)
-            if AHEAD:
-                blk = blk_next
+            acc, m_i, l_i, blk = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
+                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
+                                              d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION,
+                                              UPCAST, OPAQUE_K, OPAQUE_V, AHEAD)
         out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head * o_s1 + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
