@@ -321,25 +321,20 @@ def decode_sweep(order: str = "random") -> dict:
                 tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
                                             mp, r, base.opaque_cvt)
                             for mp, r in ((64, 4), (32, 4), (64, 8))]
-            # V stored slot-major in each block ([kv_heads, head_dim, block_size]; not the engine's
-            # layout yet): the kernel reads it as K, with no fp16 staging (bench/kernel_ir.py)
-            v_slots = vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-            slot_major = [da.DecodeTuning(bn, st, 4, 128, r, "") for bn, st, r in ((64, 3, 5), (32, 3, 7), (32, 4, 7))]
-            for t, v_cache in [(t, vc) for t in tunings] + [(t, v_slots) for t in slot_major]:
-                def fn(t=t, v_cache=v_cache):
-                    return da.paged_decode_attention(q, kc, v_cache, table, cl, s.d ** -0.5, 0.5, 1.5, tuning=t)
+            for t in tunings:
+                def fn(t=t):
+                    return da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, 0.5, 1.5, tuning=t)
                 try:
                     err = max_err(fn()[:check], want)
                     gbps = round(moved / bench_ms(fn, reps=30) / 1e6)
                 except Exception as exc:  # a configuration that does not compile or fit
                     err, gbps = None, repr(exc)[:80]
                 rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
-                             t.opaque_cvt, t.min_partition, t.resident, t.defer_sum, t.lazy_rescale,
-                             v_cache is v_slots, gbps, err])
+                             t.opaque_cvt, t.min_partition, t.resident, t.defer_sum, t.lazy_rescale, gbps, err])
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress: the sweep takes minutes
-            del kc, vc, v_slots
+            del kc, vc
     return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum, "
-            "lazy_rescale, v_slot_major, GB/s, err]": rows}
+            "lazy_rescale, GB/s, err]": rows}
 
 
 def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
@@ -397,7 +392,7 @@ def extend_sweep(s: Shapes) -> dict:
         for q_len, prefix in ((s.tokens, 0), (s.tokens // 4, 3 * s.tokens // 4)):
             fn, flops = extend_case(s, q_len, prefix, cache)
             for ahead in (False, True):
-                ea.BLOCKS_AHEAD = ahead
+                ea.BLOCKS_AHEAD = frozenset({cache} if ahead else ())
                 try:
                     tflops = round(flops / bench_ms(fn, reps=30) / 1e9, 1)
                 except Exception as exc:  # e.g. the deeper staging does not fit in shared memory

@@ -122,9 +122,8 @@ def resources(compiled) -> dict:
 
 
 def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
-                  d: int = 128, block_size: int = 16, sms: int = 132, v_slot_major: bool = False):
-    """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc);
-    `v_slot_major`: with each V block stored [kv_heads, head_dim, block_size]."""
+                  d: int = 128, block_size: int = 16, sms: int = 132):
+    """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc)."""
     from kernels import decode_attention as da
 
     meta = dict(device="meta")
@@ -138,9 +137,7 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
     out = torch.empty_like(q)
     partial = torch.empty(batch, hq, splits, d, dtype=torch.float32, **meta) if splits > 1 else None
     lse = torch.empty(batch, hq, splits, dtype=torch.float32, **meta) if splits > 1 else None
-    vc = torch.empty(blocks, hk, d, block_size, dtype=cache, **meta).permute(0, 3, 1, 2) if v_slot_major \
-        else torch.empty_like(kc)
-    _, args, consts = da.stage1_launch(q, kc, vc, table, lens, d ** -0.5, 1.0, 1.0, tuning, splits, out, partial, lse)
+    _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits, out, partial, lse)
     return compile_for_hopper(da._decode_stage1, args, consts)
 
 
@@ -176,8 +173,6 @@ def main() -> int:
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
                    help="also report the decode kernel with these DecodeTuning fields over the default (repeatable)")
     p.add_argument("--dump", default=None, metavar="DIR", help="write each kernel's TTGIR and PTX here")
-    p.add_argument("--v-slot-major", action="store_true",
-                   help="the decode kernel reading V blocks stored [kv_heads, head_dim, block_size]")
     a = p.parse_args()
     from kernels import decode_attention as da, extend_attention as ea
     from kernels.triton_common import interpreting
@@ -195,13 +190,11 @@ def main() -> int:
                 tuning = dataclasses.replace(tuning, **json.loads(fields))
             name = f"decode_{label}" + ("" if fields is None else f"_{len(rows)}")
             rows.append({"kernel": "decode_stage1", "cache": label, "tuning": dataclasses.asdict(tuning),
-                         "v_slot_major": a.v_slot_major,
-                         **report(decode_stage1(cache, a.batch, a.ctx, tuning, v_slot_major=a.v_slot_major),
-                                  dump, name)})
+                         **report(decode_stage1(cache, a.batch, a.ctx, tuning), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
         saved = ea.BLOCKS_AHEAD
         for ahead in (False, True):
-            ea.BLOCKS_AHEAD = ahead
+            ea.BLOCKS_AHEAD = frozenset({cache} if ahead else ())
             try:
                 rows.append({"kernel": "extend", "cache": label, "blocks_ahead": ahead,
                              **report(extend(cache, 8192, 0), dump, f"extend_{label}_{int(ahead)}")})

@@ -6,9 +6,7 @@ online softmax in fp32; it writes a normalized partial output and its log-sum-ex
 Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp.
 With a single split, stage 1 writes the final output directly. An FP8 cache's V tile is widened to
 fp16 where it is loaded (DecodeTuning.opaque_cvt), so it reaches the MMA as fp16 through shared
-memory rather than as bytes gathered across rows. A V cache stored slot-major in each block
-([kv_heads, head_dim, block_size], passed as a view of the usual shape; not the engine's layout
-yet) is read as K is, a block at a time, with no fp16 copy in shared memory (BENCHMARKS.md §14).
+memory rather than as bytes gathered across rows.
 Every launch decision depends only on tensor shapes (block_tables.shape[1] bounds the context),
 so a captured CUDA graph stays valid for any context lengths. The split count is fixed by those
 shapes, but each sequence's split length is its own context divided among the splits (at least
@@ -24,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (dot, interpreting, next_pow2, num_sms, tile_block_ids, tile_blocks,
-                                   upcast_dots, widen)
+from kernels.triton_common import (dot, interpreting, next_pow2, num_sms, tile_blocks, upcast_dots,
+                                   widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -76,7 +74,7 @@ class DecodeTuning:
 # tokens); bf16 tiles keep the memory busy with one (3 stages: no faster at batch 384, 20% slower at
 # batch 64 / 4096 tokens, where its 3 programs an SM run the splits aimed at 4 in two waves).
 BF16_TUNING = DecodeTuning(min_partition=64)
-FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, opaque_cvt="v")
+FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, opaque_cvt="v", defer_sum=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -102,20 +100,10 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
-@triton.jit
-def _finite(x, BOUND: tl.constexpr, UPCAST: tl.constexpr):
-    """x clamped to +-BOUND: NaN and inf become finite (min/max return the non-NaN operand), so a
-    weight of exactly 0 cancels them. UPCAST: in fp32 (the interpreter's bf16 is raw bits)."""
-    if UPCAST:
-        return tl.minimum(tl.maximum(x.to(tl.float32), -BOUND), BOUND).to(x.dtype)
-    else:
-        return tl.minimum(tl.maximum(x, -BOUND), BOUND)
-
-
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, vc_s3, bt_s0,
+    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -123,7 +111,6 @@ def _decode_stage1(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    V_SLOT_MAJOR: tl.constexpr, V_FINITE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -149,8 +136,6 @@ def _decode_stage1(
         bt_row = bt_ptr + b * bt_s0
         if BLOCKS_AHEAD:
             blk_next = tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
-            if V_SLOT_MAJOR:
-                vblk_next = tile_block_ids(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
@@ -191,26 +176,8 @@ def _decode_stage1(
                 l_lanes += p
             else:
                 l_i += tl.sum(p, 1)
-            # A slot-major V block is [head, dim, slot]: the tile loads as [dim, block, slot] with the
-            # slots an arange, so whole 16-byte runs copy asynchronously, and reaches the MMA as K
-            # does. Masked by whole blocks; the last block's stale slots (weights 0) are clamped
-            # finite, since masking them by the context would stage the tile in fp16 again.
-            if V_SLOT_MAJOR:
-                if BLOCKS_AHEAD:
-                    vblk = vblk_next
-                    vblk_next = tile_block_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
-                else:
-                    vblk = tile_block_ids(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
-                nb = tl.arange(0, BLOCK_N // BLOCK_SIZE)
-                slot = tl.arange(0, BLOCK_SIZE)
-                vt = tl.load(v_cache_ptr + (vblk * vc_s0 + kvh * vc_s2)[None, :, None] + d[:, None, None] * vc_s3
-                             + slot[None, None, :],
-                             mask=d_mask[:, None, None] & (n0 + nb * BLOCK_SIZE < end)[None, :, None], other=0.0)
-                v = widen(tl.reshape(vt, [D_PAD, BLOCK_N]), q.dtype, False)
-                v = tl.trans(_finite(v, V_FINITE, UPCAST))
-            else:
-                v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                             q.dtype, OPAQUE_V, kv_mask)
+            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
+                         q.dtype, OPAQUE_V, kv_mask)
             if LAZY:
                 acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
             else:
@@ -276,17 +243,13 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, v_slot_major: bool = False) -> tuple[int, int]:
-    """Validate shapes shared by the attention kernels; return (group size, block size).
-
-    v_slot_major: also accept a V cache whose slots are its contiguous dim (each block stored as
-    [kv_heads, head_dim, block_size] and viewed as the usual shape), as the decode kernel reads."""
+                     block_tables: torch.Tensor) -> tuple[int, int]:
+    """Validate shapes shared by the attention kernels; return (group size, block size)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
-    for name, c, slots_ok in (("k_cache", k_cache, False), ("v_cache", v_cache, v_slot_major)):
-        if c.dim() != 4 or c.shape[3] != q.shape[2] or not (c.stride(-1) == 1 or (slots_ok and c.stride(1) == 1)):
-            raise ValueError(f"{name} must be [blocks, block_size, kv_heads, {q.shape[2]}] with a contiguous last dim"
-                             + (" or contiguous slots" if slots_ok else ""))
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[3] != q.shape[2] or c.stride(-1) != 1:
+            raise ValueError(f"{name} must be [blocks, block_size, kv_heads, {q.shape[2]}] with a contiguous last dim")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must have the same shape and dtype")
     hq, hk = q.shape[1], k_cache.shape[2]
@@ -321,7 +284,7 @@ def paged_decode_attention(
     tuning: the launch shape (None: the default for the cache dtype); results agree across tunings
     to rounding.
     """
-    _, block_size = check_paged_args(q, k_cache, v_cache, block_tables, v_slot_major=True)
+    _, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
     bsz, hq, dim = q.shape
     hk = k_cache.shape[2]
     if block_tables.shape[0] < bsz or context_lens.shape[0] < bsz:
@@ -367,24 +330,17 @@ def stage1_launch(
     d_pad = max(16, next_pow2(dim))
     k_scale, v_scale = cache_scales(k_cache, k_scale, v_scale)
     f16 = fp8 and FP8_F16 and q.element_size() == 2  # fp32 queries keep fp32 dots
-    v_slot_major = v_cache.stride(-1) != 1  # checked: its slots are contiguous
     opaque = tuning.opaque_cvt if fp8 and f16 and not interpreting() else ""
-    if v_slot_major:  # V reaches the MMA as K does: no widening in place, whole blocks a tile
-        opaque = opaque.replace("v", "")
     block_n, stages = tuning.block_n, tuning.num_stages
     if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
         block_n, stages = 64, min(stages, 2)
-    if v_slot_major:
-        block_n = max(block_n, block_size)
     consts = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
                   MIN_PARTITION=max(tuning.min_partition, block_n), BLOCK_SIZE=block_size,
                   DIRECT=splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
-                  BLOCKS_AHEAD=stages > 2, V_SLOT_MAJOR=v_slot_major,
-                  V_FINITE=65504.0 if f16 else 2.0 ** 126, num_warps=tuning.num_warps,
-                  num_stages=stages)
+                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages)
     kc, vc = k_cache, v_cache
     if splits == 1:
         o, o_strides, lse, lse_strides = out, (out.stride(0), out.stride(1), 0), out, (0, 0)
@@ -392,6 +348,6 @@ def stage1_launch(
         o, o_strides, lse_strides = partial, partial.stride()[:3], lse.stride()[:2]
     args = [q, kc, vc, block_tables, context_lens, o, lse,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3), block_tables.stride(0), *o_strides, *lse_strides,
+            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), *o_strides, *lse_strides,
             float(scale) * k_scale * LOG2E, float(v_scale)]
     return (bsz, k_cache.shape[2], splits), args, consts

@@ -24,11 +24,12 @@ NUM_WARPS = 8  # two warpgroups, 64 query rows each, on wgmma
 NUM_STAGES = 3
 FP8_F16 = True  # FP8 caches: dots in fp16 (see decode_attention.FP8_F16)
 FP8_OPAQUE_CVT = "v"  # FP8 tiles widened where loaded ("", "v", "kv"; see decode_attention.DecodeTuning)
-# Read each KV tile's block-table entries one tile ahead, so its K/V loads depend on nothing loaded
-# in their own iteration and Triton's pipeliner can keep a tile in flight during a tile's math (as
-# decode_attention does past 2 stages); without it the pipeliner awaits every copy before the math.
-# Off until measured against the default (`bench/kernel_bench.py --extend-sweep`).
-BLOCKS_AHEAD = False
+# Which caches read each KV tile's block-table entries one tile ahead, so that its K/V loads depend
+# on nothing loaded in their own iteration and Triton's pipeliner keeps a tile in flight during a
+# tile's math (as decode_attention does past 2 stages); without it the pipeliner awaits every copy
+# before the math. `bench/kernel_bench.py --extend-sweep` on the H200: FP8 +4%, bf16 -3%
+# (its shared memory is then full: one program an SM either way; BENCHMARKS.md §15).
+BLOCKS_AHEAD = frozenset({torch.float8_e4m3fn})
 
 
 @triton.jit
@@ -202,5 +203,5 @@ def extend_launch(
     consts = dict(GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                   BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-                  AHEAD=BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages)
+                  AHEAD=k_cache.dtype in BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages)
     return (hq, num_tiles), args, consts

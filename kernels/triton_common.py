@@ -119,11 +119,3 @@ def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
     block-table row (0 for tokens at or past `end`, which are not read)."""
     offs = n0 + tl.arange(0, BLOCK_N)
     return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
-
-
-@triton.jit
-def tile_block_ids(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The paged cache's blocks of the tile n0 .. n0+BLOCK_N (n0 a multiple of BLOCK_SIZE), one per
-    block rather than per token (0 for blocks at or past `end`, which are not read)."""
-    first = n0 // BLOCK_SIZE + tl.arange(0, BLOCK_N // BLOCK_SIZE)
-    return tl.load(bt_row + first, mask=first * BLOCK_SIZE < end, other=0).to(tl.int64)

@@ -56,15 +56,6 @@ def test_bf16_decode_and_extend_lookahead(rows):
         assert on["shared_bytes"] <= 232448, on  # within an sm_90 program's shared memory
 
 
-def test_slot_major_v_needs_no_fp16_staging():
-    """With V stored slot-major in each block, the FP8 decode kernel copies V asynchronously and
-    hands it to the MMA as it does K: no fp16 copy of V in shared memory, so an SM holds more
-    programs than with the engine's layout (BENCHMARKS.md §14)."""
-    slot = pick(kernel_ir("--v-slot-major"), "decode_stage1", "fp8e4nv", num_stages=3)
-    assert slot["v_slot_major"] and slot["staged_tiles"] == 2 and slot["groups_in_flight"] == [2], slot
-    assert slot["shared_bytes"] <= 40000 and slot["programs_per_sm"] >= 5, slot
-
-
 def test_specialize_folds_ones_and_marks_divisible_ints():
     import torch
 

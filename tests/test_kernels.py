@@ -291,40 +291,22 @@ def case_decode_softmax_variants() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
-def case_decode_slot_major_v() -> None:
-    """A V cache stored slot-major within each block ([kv_heads, head_dim, block_size], viewed as
-    the usual shape) gives the reference's result: block sizes 16 and 32, tiles smaller than a
-    block (raised to one), one split and many, with and without the block tables' lookahead; the
-    slots past each context in its last block hold NaN (as a block's earlier owner may leave them)
-    and must not reach the output. A K cache so stored is refused, naming it."""
-    from kernels import decode_attention as da, reference as ref
+def case_decode_strided_cache_refused() -> None:
+    """A K or V cache whose head_dim is not its contiguous dim is refused, naming the cache."""
+    from kernels import decode_attention as da
 
-    for cdt, bs, block_n, stages, min_partition in (
-            (torch.bfloat16, 16, 16, 2, 16), (torch.bfloat16, 16, 64, 3, 256), (torch.bfloat16, 32, 16, 3, 32),
-            (FP8, 16, 32, 3, 16), (FP8, 16, 64, 2, 256), (FP8, 32, 64, 3, 64)):
-        b, hq, hk, d, width = 3, 8, 2, 32, 160 // bs
-        what = f"decode slot-major V cache={cdt} block_size={bs} block_n={block_n} stages={stages} mp={min_partition}"
-        lens = [width * bs - 3, int(torch.randint(1, width * bs, ())), bs + 1]
-        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
-        poisoned = vc.clone()
-        for row, n in zip(table.tolist(), lens):
-            if n % bs:  # the last block's slots past the context
-                poisoned[row[n // bs], n % bs:] = float("nan")
-        v_slots = poisoned.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # same values, slots contiguous
-        assert v_slots.stride(1) == 1 and v_slots.shape == vc.shape
-        q = rand(b, hq, d, dtype=torch.bfloat16)
-        ctx = torch.tensor(lens, dtype=torch.int32)
-        tuning = da.DecodeTuning(block_n=block_n, num_stages=stages, min_partition=min_partition)
-        got = da.paged_decode_attention(q, kc, v_slots, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
-        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
-        assert not got.float().isnan().any(), what
-        close(got, want, torch.bfloat16, what, scale=2.0)
-    try:
-        da.paged_decode_attention(q, v_slots, v_slots.clone(), table, ctx, d ** -0.5)
-    except ValueError as exc:
-        assert "k_cache" in str(exc)
-    else:
-        raise AssertionError("a K cache without a contiguous last dim must be refused")
+    b, hq, hk, d, bs = 2, 8, 2, 32, 16
+    kc, vc, table = paged([20, 7], bs, hk, d, torch.bfloat16, 2)
+    q = rand(b, hq, d, dtype=torch.bfloat16)
+    ctx = torch.tensor([20, 7], dtype=torch.int32)
+    slots_inner = vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # same values, slots contiguous
+    for name, k, v in (("k_cache", slots_inner, vc), ("v_cache", kc, slots_inner)):
+        try:
+            da.paged_decode_attention(q, k, v, table, ctx, d ** -0.5)
+        except ValueError as exc:
+            assert name in str(exc), exc
+        else:
+            raise AssertionError(f"a {name} without a contiguous last dim must be refused")
 
 
 def case_decode_wide_table() -> None:
@@ -376,17 +358,19 @@ def case_extend() -> None:
 
 
 def case_extend_blocks_ahead() -> None:
-    """extend_attention reading each tile's block-table entries a tile ahead (BLOCKS_AHEAD) gives
-    the reference's result: prefixes over several unmasked tiles, the masked tail after them, a
-    one-token prompt and a query tile past the first."""
+    """extend_attention with and without each tile's block-table entries read a tile ahead
+    (BLOCKS_AHEAD: which caches do) gives the reference's result, both caches: prefixes over
+    several unmasked tiles, the masked tail after them, a one-token prompt and a query tile past
+    the first."""
     from kernels import extend_attention as ea, reference as ref
 
     saved = ea.BLOCKS_AHEAD
-    ea.BLOCKS_AHEAD = True
     try:
-        for cdt, seqs in ((torch.bfloat16, [(70, 300), (1, 0), (130, 5)]), (FP8, [(45, 260), (2, 0)])):
+        for ahead, (cdt, seqs) in itertools.product(
+                (False, True), ((torch.bfloat16, [(70, 300), (1, 0), (130, 5)]), (FP8, [(45, 260), (2, 0)]))):
+            ea.BLOCKS_AHEAD = frozenset({cdt} if ahead else ())
             hq, hk, d, bs = 4, 2, 32, 16
-            what = f"extend blocks ahead cache={cdt} seqs={seqs}"
+            what = f"extend blocks ahead={ahead} cache={cdt} seqs={seqs}"
             lens = [n + p for n, p in seqs]
             kc, vc, table = paged(lens, bs, hk, d, cdt)
             qsl = torch.tensor([0] + list(itertools.accumulate(n for n, _ in seqs)), dtype=torch.int32)
