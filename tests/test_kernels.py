@@ -291,6 +291,27 @@ def case_decode_softmax_variants() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
+def case_gather_ceiling_checksums() -> None:
+    """bench/gather_ceiling.py's kernel reads exactly what the decode kernel's programs read:
+    the XOR of its programs' words equals that of every K and V row of each sequence's context,
+    bf16 and FP8, the engine's layout and the head-major one, one split and several, with and
+    without the block table read a tile ahead."""
+    from bench.gather_ceiling import LAYOUTS, as_layout, gather_checksums, reference_checksums
+
+    for cdt, layout, splits, stages in itertools.product((torch.bfloat16, FP8), LAYOUTS, (1, 3), (2, 3)):
+        bs, hk, d = 16, 2, 32
+        lens = [int(torch.randint(1, 90, ())), 70, 1]
+        kc, vc, table = paged(lens, bs, hk, d, cdt)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        k, v = as_layout(kc, layout), as_layout(vc, layout)
+        got = gather_checksums(k, v, table, ctx, splits, block_n=16, min_partition=16, num_stages=stages, ahead=True)
+        folded = got[:, :, 0].clone()
+        for i in range(1, splits):
+            folded ^= got[:, :, i]
+        want = reference_checksums(kc, vc, table, ctx)
+        assert torch.equal(folded, want), f"gather {cdt} {layout} splits={splits} stages={stages}: {folded} != {want}"
+
+
 def case_decode_strided_cache_refused() -> None:
     """A K or V cache whose head_dim is not its contiguous dim is refused, naming the cache."""
     from kernels import decode_attention as da
