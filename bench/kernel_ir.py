@@ -79,7 +79,7 @@ def compile_for_hopper(kernel, args: list, consts: dict):
     from triton.compiler import ASTSource
 
     consts = dict(consts)
-    options = {k: consts.pop(k) for k in ("num_warps", "num_stages") if k in consts}
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in consts}
     signature, constexprs, attrs = specialize(kernel, args, consts)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget(*HOPPER), options=options)
@@ -122,8 +122,9 @@ def resources(compiled) -> dict:
 
 
 def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
-                  d: int = 128, block_size: int = 16, sms: int = 132):
-    """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc)."""
+                  d: int = 128, block_size: int = 16, sms: int = 132, pdl: bool = False):
+    """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc);
+    `pdl`: as launched with programmatic dependent launch (kernels.triton_common.pdl_enabled)."""
     from kernels import decode_attention as da
 
     meta = dict(device="meta")
@@ -137,7 +138,9 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
     out = torch.empty_like(q)
     partial = torch.empty(batch, hq, splits, d, dtype=torch.float32, **meta) if splits > 1 else None
     lse = torch.empty(batch, hq, splits, dtype=torch.float32, **meta) if splits > 1 else None
-    _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits, out, partial, lse)
+    _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits,
+                                       out, partial, lse)
+    consts.update(PDL=pdl, launch_pdl=pdl)
     return compile_for_hopper(da._decode_stage1, args, consts)
 
 
@@ -173,6 +176,7 @@ def main() -> int:
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
                    help="also report the decode kernel with these DecodeTuning fields over the default (repeatable)")
     p.add_argument("--dump", default=None, metavar="DIR", help="write each kernel's TTGIR and PTX here")
+    p.add_argument("--pdl", action="store_true", help="the decode kernel as launched with programmatic dependent launch")
     a = p.parse_args()
     from kernels import decode_attention as da, extend_attention as ea
     from kernels.triton_common import interpreting
@@ -190,7 +194,7 @@ def main() -> int:
                 tuning = dataclasses.replace(tuning, **json.loads(fields))
             name = f"decode_{label}" + ("" if fields is None else f"_{len(rows)}")
             rows.append({"kernel": "decode_stage1", "cache": label, "tuning": dataclasses.asdict(tuning),
-                         **report(decode_stage1(cache, a.batch, a.ctx, tuning), dump, name)})
+                         "pdl": a.pdl, **report(decode_stage1(cache, a.batch, a.ctx, tuning, pdl=a.pdl), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
         saved = ea.BLOCKS_AHEAD
         for ahead in (False, True):

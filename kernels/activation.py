@@ -6,13 +6,14 @@ import triton
 import triton.language as tl
 
 from kernels.quant import FP8_MIN_SCALE, block_for, check_rows, row_scale, to_e4m3_range
-from kernels.triton_common import soft_fp8_round
+from kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
 
 BLOCK = 2048
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -37,13 +38,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(inter))
     grid = (rows, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+                               **pdl_launch(x.device))
     return out
 
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_row_stride, inter,
-                             BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                             BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # One program per row, two passes: the product's largest magnitude, then the quantized
     # stores (the second pass recomputes the product from the row, by then in cache).
     row = tl.program_id(0).to(tl.int64)
@@ -83,5 +86,5 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale.fill_(FP8_MIN_SCALE)
     block, warps = block_for(inter)
     _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, x.stride(0), inter, BLOCK=block,
-                                      SOFT_ROUND=soft_fp8_round(), num_warps=warps)
+                                      SOFT_ROUND=soft_fp8_round(), num_warps=warps, **pdl_launch(x.device))
     return q, scale

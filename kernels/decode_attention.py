@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (dot, interpreting, next_pow2, num_sms, tile_blocks, upcast_dots,
-                                   widen)
+from kernels.triton_common import (dot, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, tile_blocks,
+                                   upcast_dots, widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -111,7 +111,9 @@ def _decode_stage1(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,8 +203,9 @@ def _decode_stage2(
     o_ptr, lse_ptr, ctx_ptr, out_ptr,
     o_s0, o_s1, o_s2, lse_s0, lse_s1, out_s0, out_s1, splits,
     D: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_PARTITION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -310,7 +313,7 @@ def paged_decode_attention(
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1), splits,
         D=dim, D_PAD=next_pow2(dim), SPLITS_PAD=next_pow2(splits), MIN_PARTITION=consts["MIN_PARTITION"],
-        BLOCK_N=consts["BLOCK_N"], num_warps=4,
+        BLOCK_N=consts["BLOCK_N"], num_warps=4, **pdl_launch(q.device),
     )
     return out
 
@@ -340,7 +343,8 @@ def stage1_launch(
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
-                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages)
+                  BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages,
+                  **pdl_launch(q.device))
     kc, vc = k_cache, v_cache
     if splits == 1:
         o, o_strides, lse, lse_strides = out, (out.stride(0), out.stride(1), 0), out, (0, 0)

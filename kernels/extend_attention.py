@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from kernels.triton_common import dot, interpreting, next_pow2, tile_blocks, upcast_dots, widen
+from kernels.triton_common import dot, interpreting, next_pow2, pdl_begin, pdl_launch, tile_blocks, upcast_dots, widen
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -93,8 +93,9 @@ def _extend_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     head = tl.program_id(0)  # heads vary fastest: a GQA group's programs share K/V through L2
     tile = num_tiles - 1 - tl.program_id(1)  # later query tiles see more keys: start them first
     kvh = head // GROUP
@@ -203,5 +204,6 @@ def extend_launch(
     consts = dict(GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                   BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-                  AHEAD=k_cache.dtype in BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages)
+                  AHEAD=k_cache.dtype in BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages,
+                  **pdl_launch(q.device))
     return (hq, num_tiles), args, consts

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.ops import GEMV_MAX_ROWS as MAX_ROWS
-from kernels.triton_common import next_pow2
+from kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
 BLOCK_N = 16
 BLOCK_K = 512
@@ -47,7 +47,9 @@ def _gemv_kernel(
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
     ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, LATE_REDUCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
@@ -144,6 +146,6 @@ def gemv(
         weight.stride(0), out.stride(0), n_out, float(eps),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, NORM=norm_weight is not None,
         ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair, LATE_REDUCE=LATE_REDUCE,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **pdl_launch(x.device),
     )
     return out, new_res

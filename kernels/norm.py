@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant import FP8_MIN_SCALE, check_rows, row_scale, to_e4m3_range
-from kernels.triton_common import next_pow2, soft_fp8_round
+from kernels.triton_common import next_pow2, pdl_begin, pdl_launch, soft_fp8_round
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
 ELEMS_PER_WARP = 512  # tile elements per warp
@@ -20,8 +20,9 @@ ELEMS_PER_WARP = 512  # tile elements per warp
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_rows, rows_inner, x_s0, x_s1, r_s0, r_s1, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     # Rows are addressed as (row // rows_inner) * s0 + (row % rows_inner) * s1 so that a strided
     # [T, H, D] view (q/k norm on a slice of a fused qkv output) needs no copy.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,6 +87,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         xv, rv, weight, out, res_out,
         n_rows, inner, xs0, xs1, rs0, rs1, n_cols, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        **pdl_launch(x.device),
     )
     return out, res_out
 
@@ -108,7 +110,9 @@ def _rms_norm_fp8_kernel(
     x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr,
     n_rows, x_s0, r_s0, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     # _rms_norm_kernel on 2-D rows, its output rounded to x.dtype (as the unfused norm stores it)
     # and then quantized per row: the GEMM after it reads e4m3 and one scale per token.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,7 +163,7 @@ def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         x, rv, weight, q, scale, res_out if res_out is not None else x,
         n_rows, x.stride(0), rv.stride(0), n_cols, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, SOFT_ROUND=soft_fp8_round(),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_launch(x.device),
     )
     return q, scale, res_out
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import round_to_e4m3, soft_fp8_round
+from kernels.triton_common import pdl_begin, pdl_launch, round_to_e4m3, soft_fp8_round
 
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -36,7 +36,8 @@ def to_e4m3_range(y, scale, SOFT_ROUND: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, x_row_stride, n_cols,
-                          BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                          BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     # One program per row, two passes over it: the row's largest magnitude, then the stores.
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * x_row_stride
@@ -80,5 +81,5 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return q, scale.fill_(FP8_MIN_SCALE)
     block, warps = block_for(n_cols)
     _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), n_cols, BLOCK=block,
-                                   SOFT_ROUND=soft_fp8_round(), num_warps=warps)
+                                   SOFT_ROUND=soft_fp8_round(), num_warps=warps, **pdl_launch(x.device))
     return q, scale

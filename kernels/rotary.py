@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import next_pow2, quantize_for_store, soft_fp8_round
+from kernels.triton_common import next_pow2, pdl_begin, pdl_launch, quantize_for_store, soft_fp8_round
 
 NUM_WARPS = 2  # for tiles of up to 4096 elements; twice that above
 
@@ -43,8 +43,9 @@ def _rotary_store_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr,
     HAS_Q: tl.constexpr, HAS_K: tl.constexpr, ROTATE: tl.constexpr, WRITE_K: tl.constexpr,
-    STORE: tl.constexpr, IS_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    STORE: tl.constexpr, IS_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     in_rot = d < ROT
@@ -152,6 +153,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, r
         IS_NEOX=bool(is_neox), HAS_Q=q is not None, HAS_K=k is not None, ROTATE=rotate,
         WRITE_K=write_k, STORE=store, IS_FP8=kc.dtype == torch.float8_e4m3fn,
         SOFT_ROUND=soft_fp8_round(), num_warps=NUM_WARPS if tile <= 4096 else 2 * NUM_WARPS,
+        **pdl_launch(ref.device),
     )
     return q_out, k_out
 

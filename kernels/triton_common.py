@@ -11,8 +11,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn value
+PDL_ENV = "TANDEM_PDL"
 
 
 def interpreting() -> bool:
@@ -34,6 +36,39 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch (PDL): a kernel is let onto
+    the GPU while the one before it in the stream finishes, and waits for it (`pdl_begin`)
+    before touching memory, so its launch and scheduling hide behind the other's tail; CUDA
+    graphs keep the edges. TANDEM_PDL=1 on an sm_90+ device, never under the interpreter (which
+    runs no PTX). Off unless set: it is measured against the default first (BENCHMARKS.md §15)."""
+    if os.environ.get(PDL_ENV, "0").strip() != "1" or device.type != "cuda" or interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """A launch's PDL keywords: the kernel's PDL constant (see pdl_begin) and Triton's
+    launch_pdl option, always set together."""
+    on = pdl_enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """A kernel's first statement. With PDL (the kernel launched with launch_pdl, see
+    pdl_enabled): wait until the kernel before it has finished and its writes are visible,
+    then let the kernel after it launch (it waits in turn, so nothing reads early)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def soft_fp8_round() -> bool:

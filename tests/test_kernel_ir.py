@@ -56,6 +56,25 @@ def test_bf16_decode_and_extend_lookahead(rows):
         assert on["shared_bytes"] <= 232448, on  # within an sm_90 program's shared memory
 
 
+def test_pdl_build_waits_before_any_load(rows, tmp_path):
+    """Launched with programmatic dependent launch (TANDEM_PDL=1), the decode kernel may start
+    while the kernel before it finishes: its PTX must wait for that kernel (griddepcontrol.wait)
+    before its first global load or copy, and the build must cost nothing else (same registers,
+    shared memory and pipelining as the default build)."""
+    pdl = kernel_ir("--pdl", "--dump", str(tmp_path))
+    for cache in ("bf16", "fp8e4nv"):
+        built = pick(pdl, "decode_stage1", cache)
+        plain = pick(rows, "decode_stage1", cache, num_stages=built["tuning"]["num_stages"])
+        assert built["pdl"] is True
+        for key in ("registers", "shared_bytes", "programs_per_sm", "staged_tiles", "groups_in_flight"):
+            assert built[key] == plain[key], (cache, key, built[key], plain[key])
+        ptx = (tmp_path / f"decode_{cache}.ptx").read_text()
+        wait = ptx.find("griddepcontrol.wait")
+        first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
+        assert 0 <= wait < first_load, cache
+        assert "griddepcontrol" not in ptx[:wait]  # nothing of it before the wait
+
+
 def test_specialize_folds_ones_and_marks_divisible_ints():
     import torch
 

@@ -312,6 +312,22 @@ def case_gather_ceiling_checksums() -> None:
         assert torch.equal(folded, want), f"gather {cdt} {layout} splits={splits} stages={stages}: {folded} != {want}"
 
 
+def case_pdl_stays_off_where_it_cannot_run() -> None:
+    """TANDEM_PDL=1 asks for programmatic dependent launch; on a CPU tensor and under the
+    interpreter (which runs no PTX) the kernels launch without it, and run."""
+    from kernels import ops, reference as ref
+    from kernels.triton_common import PDL_ENV, pdl_enabled, pdl_launch
+
+    os.environ[PDL_ENV] = "1"
+    try:
+        assert not pdl_enabled(torch.device("cpu"))
+        assert pdl_launch(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+        x, w = rand(3, 64, dtype=torch.float32), torch.rand(64) + 0.5
+        close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), torch.float32, "rms_norm with TANDEM_PDL=1")
+    finally:
+        del os.environ[PDL_ENV]
+
+
 def case_decode_strided_cache_refused() -> None:
     """A K or V cache whose head_dim is not its contiguous dim is refused, naming the cache."""
     from kernels import decode_attention as da
