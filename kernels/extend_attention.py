@@ -63,10 +63,7 @@ def _attend_tile(
         blk = blk_ahead
         blk_ahead = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
     else:
-        if MASKED:
-            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
+        blk = tile_blocks(bt_row, n0, kv_end, BLOCK_N, BLOCK_SIZE, MASKED)
     slot_off = offs % BLOCK_SIZE
     k = _load_kv(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)

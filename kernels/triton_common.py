@@ -149,8 +149,12 @@ def widen(x, DTYPE: tl.constexpr, OPAQUE: tl.constexpr):
 
 
 @triton.jit
-def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
     """The paged cache's block of each token of the tile n0 .. n0+BLOCK_N, from one sequence's
-    block-table row (0 for tokens at or past `end`, which are not read)."""
+    block-table row (0 for tokens at or past `end`, which are not read). MASKED=False: the
+    caller knows the whole tile lies before `end`, and the load goes unmasked."""
     offs = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
+    if MASKED:
+        return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
+    else:
+        return tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
