@@ -67,12 +67,14 @@ class DecodeTuning:
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
 
 
-# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14): at
-# batch 1 shorter splits fill more SMs; FP8 caches need V widened where it is loaded (0.51-0.54 of
-# copy bandwidth with the compiler's own placement of the cast) and, their tiles being half a bf16
-# tile's bytes, a second tile in flight (3 stages: +4% at batch 384, +17% at batch 64 / 4096
-# tokens); bf16 tiles keep the memory busy with one (3 stages: no faster at batch 384, 20% slower at
-# batch 64 / 4096 tokens, where its 3 programs an SM run the splits aimed at 4 in two waves).
+# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14, §15):
+# at batch 1 shorter splits fill more SMs; FP8 caches need V widened where it is loaded (0.51-0.54
+# of copy bandwidth with the compiler's own placement of the cast), a second tile in flight, their
+# tiles being half a bf16 tile's bytes (3 stages: +4% at batch 384, +17% at batch 64 / 4096 tokens),
+# and the row sums kept lane by lane (defer_sum: +4% at every engine shape); bf16 tiles keep the
+# memory busy with one (3 stages: no faster at batch 384, 20% slower at batch 64 / 4096 tokens,
+# where its 3 programs an SM run the splits aimed at 4 in two waves) and gain nothing from
+# defer_sum.
 BF16_TUNING = DecodeTuning(min_partition=64)
 FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, opaque_cvt="v", defer_sum=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
