@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.close()
         if log is not None:
             log.close()
+    logger.info("agent stopped")
     return 0
 
 

@@ -7,9 +7,10 @@ written the file (its bound address, worker id and KV address) and its gRPC heal
 SERVING; one without (the gateway, workers on fixed ports) once its health check on its port
 says SERVING. A process that exits while starting fails the start at once, naming it with the
 tail of its log. Every child gets SIGTERM if the process that started it dies (Linux), so no
-worker outlives its launcher. Stopping sends SIGTERM to the gateways first and waits for them
-(no new work reaches workers that are going away), then to every worker at once; a process that
-has not exited after the grace period is killed.
+worker outlives its launcher. Stopping sends SIGTERM to the agent and then the gateways first and
+waits for them (no new work reaches workers that are going away, and the agent neither acts on
+nor reports the shutdown), then to every worker at once; a process that has not exited after the
+grace period is killed.
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def die_with_parent() -> None:
 class ClusterProcess:
     """One process of a cluster: `python -m entrypoints <role> <argv>`.
 
-    role: gateway, prefill, decode or worker (give `--role both` in argv). port: the gRPC port
+    role: gateway, prefill, decode, worker (give `--role both` in argv) or agent. port: the gRPC port
     on 127.0.0.1 (0 with a ready file: read from it). log_path None: the output goes to this
     process's terminal. After a ready file was read, `info` holds it. auth_token: the cluster
     token, handed to the child in its environment (TANDEM_AUTH_TOKEN, never on its command
@@ -388,13 +389,15 @@ class Cluster:
             time.sleep(interval)
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM the gateways and wait for them, then SIGTERM every other process at once and
-        wait for each; SIGKILL whatever is still running after `grace`."""
-        gateways = [p for p in self.processes if p.role == "gateway"]
-        for p in gateways:
-            p.terminate()
-        for p in gateways:
-            p.wait(grace)
+        """SIGTERM the agent (a client of the gateways: it must not act on, or report, the
+        cluster going down) and the gateways and wait for them, then SIGTERM every other process
+        at once and wait for each; SIGKILL whatever is still running after `grace`."""
+        for role in ("agent", "gateway"):
+            first = [p for p in self.processes if p.role == role]
+            for p in first:
+                p.terminate()
+            for p in first:
+                p.wait(grace)
         for p in self.processes:
             p.terminate()
         for p in self.processes:

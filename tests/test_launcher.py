@@ -82,6 +82,20 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
     while time.time() < deadline and alive(ours):
         time.sleep(0.2)
     assert alive(ours) == []
+    # The agent (a client of the gateway) stops before the gateway starts draining: it must not act
+    # on, or warn about, the cluster going down.
+    agent_stopped = logged_at(log_dir / "agent.log", "agent stopped")
+    gateway_draining = logged_at(log_dir / "gateway.log", "shutting down")
+    assert agent_stopped <= gateway_draining, (agent_stopped, gateway_draining)
+    assert "failed" not in (log_dir / "agent.log").read_text()
+
+
+def logged_at(path: Path, text: str) -> str:
+    """The timestamp ("YYYY-MM-DD HH:MM:SS,mmm") of the first line of `path` holding `text`."""
+    for line in path.read_text().splitlines():
+        if text in line:
+            return line[:23]
+    raise AssertionError(f"{path.name}: no line with {text!r}")
 
 
 def alive(pids: list[int]) -> list[int]:
