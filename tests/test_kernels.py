@@ -328,11 +328,24 @@ def case_pdl_stays_off_where_it_cannot_run() -> None:
         del os.environ[PDL_ENV]
 
 
-def case_decode_strided_cache_refused() -> None:
-    """A K or V cache whose head_dim is not its contiguous dim is refused, naming the cache."""
-    from kernels import decode_attention as da
+def case_decode_cache_strides() -> None:
+    """The decode kernel addresses its caches through their strides: caches stored head-major
+    ([blocks, kv_heads, block_size, head_dim], viewed in the engine's index order, as
+    bench/gather_ceiling.py times them) give the reference's result, bf16 and FP8, one split and
+    several; a K or V cache whose head_dim is not its contiguous dim is refused, naming it."""
+    from bench.gather_ceiling import as_layout
+    from kernels import decode_attention as da, reference as ref
 
     b, hq, hk, d, bs = 2, 8, 2, 32, 16
+    for cdt, min_partition in itertools.product((torch.bfloat16, FP8), (16, 256)):
+        kc, vc, table = paged([70, 9], bs, hk, d, cdt)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor([70, 9], dtype=torch.int32)
+        tuning = dataclasses.replace(da.default_tuning(cdt), block_n=16, min_partition=min_partition)
+        got = da.paged_decode_attention(q, as_layout(kc, "hnd"), as_layout(vc, "hnd"), table, ctx, d ** -0.5,
+                                        0.5, 1.5, tuning=tuning)
+        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, f"decode head-major cache={cdt} min_partition={min_partition}", scale=2.0)
     kc, vc, table = paged([20, 7], bs, hk, d, torch.bfloat16, 2)
     q = rand(b, hq, d, dtype=torch.bfloat16)
     ctx = torch.tensor([20, 7], dtype=torch.int32)
