@@ -16,8 +16,12 @@ from engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]  # decode graphs are captured up to this batch size
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                   640, 768, 896, 1024)
+# Decode graphs are captured up to this batch size. The derived max_running stops at 512
+# (engine.memory.MAX_RUNNING_CEILING_CUDA); a larger explicit one (an FP8 KV pool holds twice the
+# sequences) runs its decode steps from graphs up to here, eagerly beyond.
+MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]
 
 
 class DecodeGraphs:

@@ -42,7 +42,7 @@ GRAPH_BYTES_PER_BATCH_SIZE = 8 * 2**20  # each captured graph's own (non-pool) m
 SAMPLER_BYTES_PER_LOGIT = 24  # fp32 probabilities, a sorted fp32 copy, int64 indices, fp32 noise
 # Running sequences: the context one is expected to hold (SGLang-like derivation), and the caps.
 EXPECTED_CONTEXT_TOKENS = 2048
-MAX_RUNNING_CEILING_CUDA = 512  # the largest decode batch with a CUDA graph
+MAX_RUNNING_CEILING_CUDA = 512  # derived max_running's cap (an explicit one may go to MAX_GRAPH_BATCH with graphs)
 MAX_RUNNING_CEILING_CPU = 256
 
 
