@@ -37,7 +37,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.triton_common import tile_blocks  # noqa: E402
+from kernels.decode_attention import _seq_partition  # noqa: E402
+from kernels.triton_common import first_tile_blocks, next_tile_blocks  # noqa: E402
 
 LAYOUTS = ("nhd", "hnd")
 
@@ -53,22 +54,17 @@ def _gather_kv(k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr,
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    partition = tl.maximum(tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), BLOCK_N) * BLOCK_N, MIN_PARTITION)
+    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
     start = split * partition
     end = tl.minimum(start + partition, ctx)
     w = tl.arange(0, WORDS)
     acc = tl.zeros([BLOCK_N, WORDS], tl.int32)
     bt_row = bt_ptr + b * bt_s0
-    if AHEAD:
-        blk_next = tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
+    blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, AHEAD)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < end
-        if AHEAD:
-            blk = blk_next
-            blk_next = tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
-        else:
-            blk = tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
+        blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, AHEAD)
         rows = (blk * c_s0 + (offs % BLOCK_SIZE) * c_s1 + kvh * c_s2)[:, None] + w[None, :]
         k = tl.load(k_ptr + rows, mask=n_mask[:, None], other=0)
         v = tl.load(v_ptr + rows, mask=n_mask[:, None], other=0)

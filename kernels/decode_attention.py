@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (dot, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, tile_blocks,
-                                   upcast_dots, widen)
+from kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, num_sms,
+                                   pdl_begin, pdl_launch, upcast_dots, widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -139,16 +139,11 @@ def _decode_stage1(
         l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
-        if BLOCKS_AHEAD:
-            blk_next = tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
+        blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
-            if BLOCKS_AHEAD:  # this tile's blocks came with the last one; fetch the next tile's
-                blk = blk_next
-                blk_next = tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
-            else:
-                blk = tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE)
+            blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD)
             slot_off = offs % BLOCK_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],

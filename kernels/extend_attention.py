@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from kernels.triton_common import dot, interpreting, next_pow2, pdl_begin, pdl_launch, tile_blocks, upcast_dots, widen
+from kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, pdl_begin,
+                                   pdl_launch, upcast_dots, widen)
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -54,16 +55,11 @@ def _attend_tile(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     AHEAD: tl.constexpr,
 ):
-    """One KV tile into the online softmax; returns (acc, m, l, blk_ahead). AHEAD: `blk_ahead` holds
-    this tile's blocks, read with the tile before, and the next tile's come back in its place;
-    otherwise the tile reads its own and `blk_ahead` passes through unused."""
+    """One KV tile into the online softmax; returns (acc, m, l, blk_ahead): the block lookahead
+    as `next_tile_blocks` carries it."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < kv_end
-    if AHEAD:
-        blk = blk_ahead
-        blk_ahead = tile_blocks(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
-    else:
-        blk = tile_blocks(bt_row, n0, kv_end, BLOCK_N, BLOCK_SIZE, MASKED)
+    blk, blk_ahead = next_tile_blocks(blk_ahead, bt_row, n0, kv_end, BLOCK_N, BLOCK_SIZE, AHEAD, MASKED)
     slot_off = offs % BLOCK_SIZE
     k = _load_kv(k_cache_ptr + (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
@@ -129,10 +125,7 @@ def _extend_kernel(
         bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         kv_end = tl.minimum(ctx, first_pos + BLOCK_M)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
-        if AHEAD:
-            blk = tile_blocks(bt_row, 0, kv_end, BLOCK_N, BLOCK_SIZE)
-        else:
-            blk = 0  # each tile reads its own
+        blk = first_tile_blocks(bt_row, 0, kv_end, BLOCK_N, BLOCK_SIZE, AHEAD)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i, blk = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
                                               kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,

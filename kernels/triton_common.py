@@ -158,3 +158,27 @@ def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
         return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
     else:
         return tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr):
+    """What a KV loop from `start` carries into its first `next_tile_blocks`: with AHEAD the first
+    tile's blocks, read before the loop; without, nothing (0)."""
+    if AHEAD:
+        return tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
+    else:
+        return 0
+
+
+@triton.jit
+def next_tile_blocks(carried, bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     AHEAD: tl.constexpr, MASKED: tl.constexpr = True):
+    """(this tile's blocks, what to carry to the next tile). AHEAD: `carried` holds this tile's
+    blocks, read with the tile before, and the next tile's are read now in their place, so that a
+    tile's K/V loads depend on nothing loaded in their own iteration and Triton's pipeliner keeps
+    a tile in flight during a tile's math; otherwise the tile reads its own and `carried` passes
+    through."""
+    if AHEAD:
+        return carried, tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+    else:
+        return tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE, MASKED), carried
