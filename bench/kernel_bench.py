@@ -285,21 +285,23 @@ def speed(s: Shapes, ceil: dict) -> dict:
     return out
 
 
-def decode_sweep(order: str = "random") -> dict:
+def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[str, ...] = ("bf16", "fp8")) -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
-    lazy_rescale, GB/s, max error vs reference]. `order`: where each sequence's KV blocks lie
-    (paged_kv)."""
+    lazy_rescale, GB/s, max error vs reference]. `order`: where each sequence's KV blocks
+    lie (paged_kv). `only`: these DecodeTunings instead of the grid, also at batch 512 / context
+    1,536 (the FP8 offline run's full batch), on `caches`."""
     from kernels import decode_attention as da
 
     rows: list[list] = []
     fp8 = torch.float8_e4m3fn
     grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
     grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (32, 3, 4, "v"), (32, 4, 4, "v"), (64, 4, 4, "v")]
-    for (batch, ctx) in ((64, 4096), (384, 1024), (1, 1024)):
+    shapes = ((64, 4096), (384, 1024), (1, 1024)) + (((512, 1536),) if only else ())
+    for (batch, ctx) in shapes:
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
-        for cache in (torch.bfloat16, fp8):
+        for cache in [{"bf16": torch.bfloat16, "fp8": fp8}[c] for c in caches]:
             kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda", order=order)
             q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
             moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
@@ -321,6 +323,8 @@ def decode_sweep(order: str = "random") -> dict:
                 tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
                                             mp, r, base.opaque_cvt)
                             for mp, r in ((64, 4), (32, 4), (64, 8))]
+            if only:
+                tunings = list(only)
             for t in tunings:
                 def fn(t=t):
                     return da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, 0.5, 1.5, tuning=t)
@@ -442,7 +446,12 @@ def main() -> int:
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
+    ap.add_argument("--decode-tuning", action="append", default=None, metavar="JSON",
+                    help="with --decode-sweep: time these DecodeTuning fields instead of the grid (repeatable)")
+    ap.add_argument("--decode-caches", default="bf16,fp8", help="with --decode-sweep: the caches, comma list")
     args = ap.parse_args()
+    if not set(args.decode_caches.split(",")) <= {"bf16", "fp8"}:
+        ap.error(f"--decode-caches takes bf16 and fp8, got {args.decode_caches!r}")
     if args.cpu_smoke:
         if interpreter_missing("--cpu-smoke"):
             return 2
@@ -452,7 +461,12 @@ def main() -> int:
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
         if args.decode_sweep or args.gemv_sweep or args.extend_sweep:
-            print(json.dumps({**(decode_sweep(args.block_order) if args.decode_sweep else {}),
+            only = None
+            if args.decode_tuning:
+                from kernels.decode_attention import DecodeTuning
+                only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
+            caches = tuple(args.decode_caches.split(","))
+            print(json.dumps({**(decode_sweep(args.block_order, only, caches) if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {})}))
             return 0

@@ -138,11 +138,11 @@ def run_decode_b1(ctx: Context) -> dict:
     return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings)
 
 
-def run_decode_b1_pdl(ctx: Context) -> dict:
-    """decode_b1 with programmatic dependent launch: this child's kernels see TANDEM_PDL=1."""
+def run_decode_b1_no_pdl(ctx: Context) -> dict:
+    """decode_b1 without programmatic dependent launch: this child's kernels see TANDEM_PDL=0."""
     from kernels.triton_common import PDL_ENV
 
-    os.environ[PDL_ENV] = "1"
+    os.environ[PDL_ENV] = "0"
     return run_decode_b1(ctx)
 
 
@@ -396,13 +396,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("services_small_prefill", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_small_prefill"),
             "`tandem up --prefill-memory-ratio 0.25 --max-model-len 8192`: decode gets 72% of the GPU, prefill 18% "
             "(too little KV for one 131,072-token request, hence the shorter limit)"),
-    # Experiments beside the table's rows (BENCHMARKS.md §15), each against its row in the same run:
-    Section("decode_b1_pdl", "", 75, 35, "child", run_decode_b1_pdl,
-            "decode_b1 with TANDEM_PDL=1 (programmatic dependent launch)"),
-    Section("offline_fp8kv_832", "", 150, 105, "child", lambda c: _offline(c, "fp8", None, max_running=832),
-            "offline_fp8kv at max_running 832 (an FP8 pool's sequences; decode graphs to 1,024)"),
-    Section("offline_fp8_832", "", 130, 95, "child", lambda c: _offline(c, "fp8", "fp8", max_running=832),
-            "offline_fp8 at max_running 832"),
+    # Experiments beside the table's rows (BENCHMARKS.md §15-16), each against its row in the same run:
+    Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
+            "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 

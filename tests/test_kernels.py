@@ -313,8 +313,8 @@ def case_gather_ceiling_checksums() -> None:
 
 
 def case_pdl_stays_off_where_it_cannot_run() -> None:
-    """TANDEM_PDL=1 asks for programmatic dependent launch; on a CPU tensor and under the
-    interpreter (which runs no PTX) the kernels launch without it, and run."""
+    """Programmatic dependent launch is on by default (TANDEM_PDL=1 asks for it explicitly); on a
+    CPU tensor and under the interpreter (which runs no PTX) the kernels launch without it, and run."""
     from kernels import ops, reference as ref
     from kernels.triton_common import PDL_ENV, pdl_enabled, pdl_launch
 
