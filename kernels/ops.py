@@ -206,8 +206,14 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _scaled_mm_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9) and hasattr(torch, "_scaled_mm")
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device (the current one where `device` has no index), asked of
+    the driver once per device: the one home for the launchers' capability checks."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def scaled_mm_applies(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -219,7 +225,7 @@ def scaled_mm_applies(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     n, k = weight.shape
     if k % 16 or n % 16:
         return False
-    return _scaled_mm_capable(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return hasattr(torch, "_scaled_mm") and device_capability(q.device) >= (8, 9)
 
 
 def fp8_linear(

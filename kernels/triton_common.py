@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.ops import device_capability
+
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn value
 PDL_ENV = "TANDEM_PDL"
 
@@ -38,11 +40,6 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the kernels launch with programmatic dependent launch (PDL): a kernel is let onto
     the GPU while the one before it in the stream finishes, and waits for it (`pdl_begin`)
@@ -52,7 +49,7 @@ def pdl_enabled(device: torch.device) -> bool:
     PTX); TANDEM_PDL=0 turns it off."""
     if os.environ.get(PDL_ENV, "1").strip() == "0" or device.type != "cuda" or interpreting():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return device_capability(device) >= (9, 0)
 
 
 def pdl_launch(device: torch.device) -> dict:
