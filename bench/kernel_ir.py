@@ -5,7 +5,8 @@
 Each kernel is compiled for sm_90 as its launch would specialize it (the launchers'
 `stage1_launch` / `extend_launch` on tensors of the meta device give the arguments and constants),
 and reported: registers and spilled bytes (cuobjdump on the cubin), shared memory, the programs an
-SM can hold, and how its KV loop is pipelined: `staged_tiles`, the K/V tiles Triton keeps in
+SM can hold, the instructions a warp issues in an iteration of its KV loop by the unit they use
+(`loop_mix`, from the SASS), and how its KV loop is pipelined: `staged_tiles`, the K/V tiles Triton keeps in
 shared memory, and `groups_in_flight`, the copy groups a loop iteration leaves in flight when it
 waits before a tile's math (0: every tile's copies are awaited before its math; the load never
 overlaps the program's own compute). The decode kernel's FP8 slowness (BENCHMARKS.md §14) was
@@ -121,6 +122,48 @@ def resources(compiled) -> dict:
             "limited_by": min(limits, key=limits.get)}
 
 
+# SASS opcodes grouped by the unit they keep busy, for loop_mix.
+OPCODE_CLASSES = {
+    "mma": ("HMMA", "HGMMA", "QGMMA", "IMMA"),
+    "convert": ("F2FP", "F2F", "I2F", "F2I", "I2FP", "F2IP"),
+    "exp": ("MUFU",),
+    "float": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "HADD2", "HMUL2", "HFMA2", "HMNMX2"),
+    "integer": ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "ISETP", "VIADD", "SEL", "PRMT", "IABS", "IMNMX", "UIADD3",
+                "UISETP", "ULEA", "UIMAD", "USHF", "ULOP3", "USEL", "VIMNMX"),
+    "shared": ("LDS", "LDSM", "STS"),
+    "global": ("LDG", "LDGSTS", "STG", "LDGDEPBAR", "DEPBAR"),
+    "shuffle": ("SHFL",),
+}
+
+
+def loop_mix(compiled) -> dict:
+    """The SASS of the kernel's longest loop (the code from a backward branch's target to the
+    branch: the pipelined KV loop), counted by opcode class (OPCODE_CLASSES; anything else is
+    "other"): instructions a warp issues per iteration. Empty where cuobjdump is missing."""
+    from triton.backends.nvidia import compiler as nv
+
+    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), at) for at, text in code
+             if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < at]
+    if not loops:
+        return {}
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    counts = dict.fromkeys([*OPCODE_CLASSES, "other"], 0)
+    for at, text in code:
+        if start <= at <= end:
+            opcode = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+            kind = next((k for k, ops in OPCODE_CLASSES.items() if opcode in ops), "other")
+            counts[kind] += 1
+    return {"loop_instructions": sum(counts.values()), "loop_mix": counts}
+
+
 def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
                   d: int = 128, block_size: int = 16, sms: int = 132, pdl: bool = False):
     """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc);
@@ -166,7 +209,7 @@ def report(compiled, dump: Path | None = None, name: str = "") -> dict:
         dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttgir", "ptx"):
             (dump / f"{name}.{kind}").write_text(compiled.asm[kind])
-    return {**resources(compiled), **pipelining(compiled.asm["ttgir"])}
+    return {**resources(compiled), **pipelining(compiled.asm["ttgir"]), **loop_mix(compiled)}
 
 
 def main() -> int:

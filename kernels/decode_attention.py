@@ -48,6 +48,9 @@ class DecodeTuning:
       no PTX, widens them with a plain cast.
     defer_sum: keep each lane's share of the softmax's row sums through the loop and add them up
       once at the end (one cross-warp reduction a tile fewer, a few more registers).
+    narrow_offsets: compute the K/V addresses with 32-bit offsets where every offset the cache
+      views allow fits in 31 bits (the launcher checks; otherwise 64-bit): fewer integer
+      instructions a tile, which FP8 tiles, half a bf16 tile's bytes, are short of.
     lazy_rescale: move a row's running max, and rescale its accumulator, only when some row's max
       grew by more than LAZY_RESCALE_LOG2 (scores are in log2 units; the unnormalized weights
       then stay below 2**LAZY_RESCALE_LOG2, far inside fp16 and fp32), instead of every tile.
@@ -61,23 +64,28 @@ class DecodeTuning:
     opaque_cvt: str = ""
     defer_sum: bool = False
     lazy_rescale: bool = False
+    narrow_offsets: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
 
 
-# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14, §15):
+# Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14-16):
 # at batch 1 shorter splits fill more SMs; FP8 caches need V widened where it is loaded (0.51-0.54
 # of copy bandwidth with the compiler's own placement of the cast), a second tile in flight, their
 # tiles being half a bf16 tile's bytes (3 stages: +4% at batch 384, +17% at batch 64 / 4096 tokens),
 # and the row sums kept lane by lane (defer_sum: +4% at every engine shape); bf16 tiles keep the
 # memory busy with one (3 stages: no faster at batch 384, 20% slower at batch 64 / 4096 tokens,
 # where its 3 programs an SM run the splits aimed at 4 in two waves) and gain nothing from
-# defer_sum. Splits of 64 tokens (min_partition) matter only where a batch is too small to fill
-# the GPU: at batch 1 / 1,024 tokens bf16 686 GB/s against 575 with 128, FP8 355 against 306.
+# defer_sum. FP8 loops are short of integer instructions: 32-bit K/V offsets (narrow_offsets) take
+# a quarter of them out (216 -> 161 a warp and tile) and read +2.8-5.3% at the engine's shapes;
+# bf16 loses 1-14% with them. Splits of 64 tokens (min_partition) matter only where a batch is too
+# small to fill the GPU: at batch 1 / 1,024 tokens bf16 686 GB/s against 575 with 128, FP8 355
+# against 306.
 BF16_TUNING = DecodeTuning(min_partition=64)
-FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True)
+FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True,
+                          narrow_offsets=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -114,7 +122,7 @@ def _decode_stage1(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr,
 ):
     pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -146,6 +154,8 @@ def _decode_stage1(
             blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD)
             slot_off = offs % BLOCK_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
+            if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
+                blk = blk.to(tl.int32)
             k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                          q.dtype, OPAQUE_K, kv_mask)
             s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
@@ -316,6 +326,11 @@ def paged_decode_attention(
     return out
 
 
+def _last_offset(cache: torch.Tensor) -> int:
+    """The largest element offset from a cache view's start that indexing it can reach."""
+    return sum((n - 1) * s for n, s in zip(cache.shape, cache.stride()))
+
+
 def stage1_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, tuning: DecodeTuning,
@@ -342,6 +357,7 @@ def stage1_launch(
                   OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
                   DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
                   BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages,
+                  NARROW=tuning.narrow_offsets and max(_last_offset(k_cache), _last_offset(v_cache)) < 2**31,
                   **pdl_launch(q.device))
     kc, vc = k_cache, v_cache
     if splits == 1:

@@ -26,7 +26,7 @@ def kernel_ir(*flags: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    return kernel_ir("--tuning", '{"num_stages": 2}')
+    return kernel_ir("--tuning", '{"num_stages": 2}', "--tuning", '{"narrow_offsets": false}')
 
 
 def pick(rows: list[dict], kernel: str, cache: str, **match) -> dict:
@@ -43,6 +43,20 @@ def test_fp8_decode_keeps_a_tile_in_flight_by_default(rows):
     two = pick(rows, "decode_stage1", "fp8e4nv", num_stages=2)  # Triton's own staging: nothing in flight
     assert two["staged_tiles"] == 1 and two["groups_in_flight"] == [0], two
     assert two["shared_bytes"] < fp8["shared_bytes"]
+
+
+def test_decode_loop_mix(rows):
+    """The SASS loop report sees the decode kernel's KV loop: its MMAs, FP8's widening (two
+    64 x 128 tiles a warp's quarter of which is 128 values a lane, two a conversion), and fewer
+    integer instructions with the FP8 default's 32-bit offsets than without them."""
+    for cache in ("bf16", "fp8e4nv"):
+        mix = pick(rows, "decode_stage1", cache)["loop_mix"]
+        assert mix["mma"] >= 16 and mix["exp"] >= 1, (cache, mix)
+        assert (mix["convert"] >= 64) == (cache == "fp8e4nv"), (cache, mix)
+    narrow = pick(rows, "decode_stage1", "fp8e4nv", narrow_offsets=True, num_stages=3)
+    wide = pick(rows, "decode_stage1", "fp8e4nv", narrow_offsets=False, num_stages=3)
+    assert narrow["loop_mix"]["integer"] < wide["loop_mix"]["integer"], (narrow["loop_mix"], wide["loop_mix"])
+    assert narrow["loop_instructions"] < wide["loop_instructions"]
 
 
 def test_bf16_decode_and_extend_lookahead(rows):

@@ -246,12 +246,13 @@ def case_decode_tunings() -> None:
         b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
         stages = 3 if block_n == 16 else 2  # half the shapes with the block-table entries read a tile ahead
         what = (f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition} "
-                f"num_stages={stages}")
+                f"num_stages={stages} narrow_offsets={block_n == 16}")
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
-        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages)
+        tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages,
+                                 narrow_offsets=block_n == 16)  # half with 32-bit K/V offsets
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
@@ -263,6 +264,27 @@ def case_decode_tunings() -> None:
         assert "opaque_cvt" in str(exc)
     else:
         raise AssertionError("an unknown opaque_cvt must raise ValueError")
+
+
+def case_decode_narrow_offsets_only_where_they_fit() -> None:
+    """narrow_offsets (32-bit K/V addresses) is taken only where every offset the cache views
+    allow fits in 31 bits: an engine-sized FP8 pool does, a view one block past 2**31 elements
+    does not and falls back to 64-bit addresses (shapes only: the caches are on the meta device)."""
+    from kernels import decode_attention as da
+
+    bsz, hq, hk, d, bs = 4, 32, 8, 128, 16
+    per_block = bs * hk * d
+    for blocks, fits in ((2**31 // per_block, True), (2**31 // per_block + 1, False)):
+        kc = torch.empty(blocks, bs, hk, d, dtype=FP8, device="meta")
+        q = torch.empty(bsz, hq, d, dtype=torch.bfloat16, device="meta")
+        table = torch.empty(bsz, 64, dtype=torch.int32, device="meta")
+        lens = torch.empty(bsz, dtype=torch.int32, device="meta")
+        for narrow in (False, True):
+            tuning = da.DecodeTuning(narrow_offsets=narrow)
+            _, _, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, 1,
+                                            torch.empty_like(q), None, None)
+            assert consts["NARROW"] is (narrow and fits), (blocks, narrow, consts["NARROW"])
+    assert da.FP8_TUNING.narrow_offsets and not da.BF16_TUNING.narrow_offsets
 
 
 def case_decode_softmax_variants() -> None:
