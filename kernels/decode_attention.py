@@ -51,6 +51,8 @@ class DecodeTuning:
     narrow_offsets: compute the K/V addresses with 32-bit offsets where every offset the cache
       views allow fits in 31 bits (the launcher checks; otherwise 64-bit): fewer integer
       instructions a tile, which FP8 tiles, half a bf16 tile's bytes, are short of.
+    unsigned_index: a token's block-table index and slot by unsigned division and remainder (a
+      shift and a mask; the tokens' positions are never negative) instead of signed ones.
     lazy_rescale: move a row's running max, and rescale its accumulator, only when some row's max
       grew by more than LAZY_RESCALE_LOG2 (scores are in log2 units; the unnormalized weights
       then stay below 2**LAZY_RESCALE_LOG2, far inside fp16 and fp32), instead of every tile.
@@ -65,6 +67,7 @@ class DecodeTuning:
     defer_sum: bool = False
     lazy_rescale: bool = False
     narrow_offsets: bool = False
+    unsigned_index: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
@@ -122,7 +125,7 @@ def _decode_stage1(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    PDL: tl.constexpr, NARROW: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
 ):
     pdl_begin(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -147,12 +150,16 @@ def _decode_stage1(
         l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
-        blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD)
+        blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
-            blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD)
-            slot_off = offs % BLOCK_SIZE
+            blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
+                                             UNSIGNED=UNSIGNED)
+            if UNSIGNED:
+                slot_off = (offs.to(tl.uint32, bitcast=True) % BLOCK_SIZE).to(tl.int32, bitcast=True)
+            else:
+                slot_off = offs % BLOCK_SIZE
             kv_mask = n_mask[:, None] & d_mask[None, :]
             if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
                 blk = blk.to(tl.int32)
@@ -358,6 +365,7 @@ def stage1_launch(
                   DEFER_SUM=tuning.defer_sum, LAZY=tuning.lazy_rescale, LAZY_LOG2=LAZY_RESCALE_LOG2,
                   BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages,
                   NARROW=tuning.narrow_offsets and max(_last_offset(k_cache), _last_offset(v_cache)) < 2**31,
+                  UNSIGNED=tuning.unsigned_index,
                   **pdl_launch(q.device))
     kc, vc = k_cache, v_cache
     if splits == 1:

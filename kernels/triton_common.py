@@ -147,36 +147,44 @@ def widen(x, DTYPE: tl.constexpr, OPAQUE: tl.constexpr):
 
 
 @triton.jit
-def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True):
+def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True,
+                UNSIGNED: tl.constexpr = False):
     """The paged cache's block of each token of the tile n0 .. n0+BLOCK_N, from one sequence's
     block-table row (0 for tokens at or past `end`, which are not read). MASKED=False: the
-    caller knows the whole tile lies before `end`, and the load goes unmasked."""
+    caller knows the whole tile lies before `end`, and the load goes unmasked. UNSIGNED: the
+    token's table index by unsigned division (n0 >= 0), a shift, where a signed division by a
+    power of two takes a few more instructions."""
     offs = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        return tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
+    if UNSIGNED:
+        index = offs.to(tl.uint32, bitcast=True) // BLOCK_SIZE
     else:
-        return tl.load(bt_row + offs // BLOCK_SIZE).to(tl.int64)
+        index = offs // BLOCK_SIZE
+    if MASKED:
+        return tl.load(bt_row + index, mask=offs < end, other=0).to(tl.int64)
+    else:
+        return tl.load(bt_row + index).to(tl.int64)
 
 
 @triton.jit
-def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr):
+def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr,
+                      UNSIGNED: tl.constexpr = False):
     """What a KV loop from `start` carries into its first `next_tile_blocks`: with AHEAD the first
     tile's blocks, read before the loop; without, nothing (0)."""
     if AHEAD:
-        return tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE)
+        return tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, True, UNSIGNED)
     else:
         return 0
 
 
 @triton.jit
 def next_tile_blocks(carried, bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     AHEAD: tl.constexpr, MASKED: tl.constexpr = True):
+                     AHEAD: tl.constexpr, MASKED: tl.constexpr = True, UNSIGNED: tl.constexpr = False):
     """(this tile's blocks, what to carry to the next tile). AHEAD: `carried` holds this tile's
     blocks, read with the tile before, and the next tile's are read now in their place, so that a
     tile's K/V loads depend on nothing loaded in their own iteration and Triton's pipeliner keeps
     a tile in flight during a tile's math; otherwise the tile reads its own and `carried` passes
     through."""
     if AHEAD:
-        return carried, tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE)
+        return carried, tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE, True, UNSIGNED)
     else:
-        return tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE, MASKED), carried
+        return tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE, MASKED, UNSIGNED), carried

@@ -246,13 +246,14 @@ def case_decode_tunings() -> None:
         b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
         stages = 3 if block_n == 16 else 2  # half the shapes with the block-table entries read a tile ahead
         what = (f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition} "
-                f"num_stages={stages} narrow_offsets={block_n == 16}")
+                f"num_stages={stages} narrow_offsets={block_n == 16} unsigned_index={min_partition == 16}")
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
         tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages,
-                                 narrow_offsets=block_n == 16)  # half with 32-bit K/V offsets
+                                 narrow_offsets=block_n == 16,  # half with 32-bit K/V offsets,
+                                 unsigned_index=min_partition == 16)  # half with unsigned table math
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
