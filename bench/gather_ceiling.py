@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.decode_attention import _seq_partition  # noqa: E402
+from kernels.decode_attention import _program_split  # noqa: E402
 from kernels.triton_common import first_tile_blocks, next_tile_blocks  # noqa: E402
 
 LAYOUTS = ("nhd", "hnd")
@@ -50,13 +50,7 @@ def _gather_kv(k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr,
                MIN_PARTITION: tl.constexpr, AHEAD: tl.constexpr):
     """XOR of every 32-bit word of K and V that stage 1's program (b, kvh, split) reads; the
     caches are int32 views, c_s0 / c_s1 / c_s2 their block / slot / head strides in words."""
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
-    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
-    start = split * partition
-    end = tl.minimum(start + partition, ctx)
+    b, kvh, split, _, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
     w = tl.arange(0, WORDS)
     acc = tl.zeros([BLOCK_N, WORDS], tl.int32)
     bt_row = bt_ptr + b * bt_s0

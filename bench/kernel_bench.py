@@ -285,46 +285,53 @@ def speed(s: Shapes, ceil: dict) -> dict:
     return out
 
 
+DECODE_CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # --decode-caches names
+
+
+def _decode_grid(cache: torch.dtype, batch: int) -> list:
+    """decode_sweep's tunings for `cache` at `batch`: tiles, stages and widening, deeper staging,
+    the softmax bookkeeping variants and, at batch 1, the split lengths."""
+    from kernels import decode_attention as da
+
+    fp8 = cache == torch.float8_e4m3fn
+    grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
+    grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (32, 3, 4, "v"), (32, 4, 4, "v"), (64, 4, 4, "v")]
+    tunings = [da.DecodeTuning(bn, st, w, 128, 4, opaque) for bn, st, w, opaque in grid if fp8 or not opaque]
+    # deeper staging with the splits aimed at the programs an SM then holds (bench/kernel_ir.py):
+    # block 32 holds 6 (both caches, 3 or 4 stages), bf16 block 64 at 3 stages 3
+    cvt = "v" if fp8 else ""
+    tunings += [da.DecodeTuning(32, st, 4, 128, 6, cvt) for st in (3, 4)]
+    if not fp8:
+        tunings.append(da.DecodeTuning(64, 3, 4, 128, 3, cvt))
+    base = da.default_tuning(cache)  # the softmax bookkeeping variants on the default tiles
+    tunings += [dataclasses.replace(base, block_n=bn, defer_sum=defer, lazy_rescale=lazy)
+                for bn in (64, 128) for defer, lazy in ((True, False), (False, True), (True, True))]
+    if batch == 1:
+        tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps, mp, r, base.opaque_cvt)
+                    for mp, r in ((64, 4), (32, 4), (64, 8))]
+    return tunings
+
+
 def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[str, ...] = ("bf16", "fp8")) -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
     lazy_rescale, GB/s, max error vs reference]. `order`: where each sequence's KV blocks
-    lie (paged_kv). `only`: these DecodeTunings instead of the grid, also at batch 512 / context
-    1,536 (the FP8 offline run's full batch), on `caches`."""
+    lie (paged_kv). `only`: these DecodeTunings instead of the grid (_decode_grid), also at batch
+    512 / context 1,536 (the FP8 offline run's full batch), on `caches` (DECODE_CACHES names)."""
     from kernels import decode_attention as da
 
     rows: list[list] = []
-    fp8 = torch.float8_e4m3fn
-    grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
-    grid += [(64, 2, 8, "v"), (128, 2, 8, "v"), (32, 2, 4, "v"), (32, 3, 4, "v"), (32, 4, 4, "v"), (64, 4, 4, "v")]
     shapes = ((64, 4096), (384, 1024), (1, 1024)) + (((512, 1536),) if only else ())
     for (batch, ctx) in shapes:
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
-        for cache in [{"bf16": torch.bfloat16, "fp8": fp8}[c] for c in caches]:
+        for cache in [DECODE_CACHES[c] for c in caches]:
             kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda", order=order)
             q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
             moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
             check = min(batch, 4)
             want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
-            tunings = [da.DecodeTuning(bn, st, w, 128, 4, opaque)
-                       for bn, st, w, opaque in grid if cache == fp8 or not opaque]
-            # deeper staging with the splits aimed at the programs an SM then holds (bench/kernel_ir.py):
-            # block 32 holds 6 (both caches, 3 or 4 stages), bf16 block 64 at 3 stages 3
-            cvt = "v" if cache == fp8 else ""
-            tunings += [da.DecodeTuning(32, st, 4, 128, 6, cvt) for st in (3, 4)]
-            if cache != fp8:
-                tunings.append(da.DecodeTuning(64, 3, 4, 128, 3, cvt))
-            base = da.default_tuning(cache)  # the softmax bookkeeping variants on the default tiles
-            tunings += [dataclasses.replace(base, block_n=bn, defer_sum=defer, lazy_rescale=lazy)
-                        for bn in (64, 128) for defer, lazy in ((True, False), (False, True), (True, True))]
-            if batch == 1:
-                base = da.default_tuning(cache)
-                tunings += [da.DecodeTuning(min(base.block_n, mp), base.num_stages, base.num_warps,
-                                            mp, r, base.opaque_cvt)
-                            for mp, r in ((64, 4), (32, 4), (64, 8))]
-            if only:
-                tunings = list(only)
+            tunings = list(only) if only else _decode_grid(cache, batch)
             for t in tunings:
                 def fn(t=t):
                     return da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, 0.5, 1.5, tuning=t)
@@ -450,8 +457,9 @@ def main() -> int:
                     help="with --decode-sweep: time these DecodeTuning fields instead of the grid (repeatable)")
     ap.add_argument("--decode-caches", default="bf16,fp8", help="with --decode-sweep: the caches, comma list")
     args = ap.parse_args()
-    if not set(args.decode_caches.split(",")) <= {"bf16", "fp8"}:
-        ap.error(f"--decode-caches takes bf16 and fp8, got {args.decode_caches!r}")
+    caches = tuple(args.decode_caches.split(","))
+    if not set(caches) <= set(DECODE_CACHES):
+        ap.error(f"--decode-caches takes {', '.join(DECODE_CACHES)}, got {args.decode_caches!r}")
     if args.cpu_smoke:
         if interpreter_missing("--cpu-smoke"):
             return 2
@@ -465,7 +473,6 @@ def main() -> int:
             if args.decode_tuning:
                 from kernels.decode_attention import DecodeTuning
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
-            caches = tuple(args.decode_caches.split(","))
             print(json.dumps({**(decode_sweep(args.block_order, only, caches) if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {})}))

@@ -97,22 +97,27 @@ def pipelining(ttgir: str) -> dict:
     return {"staged_tiles": max(buffers, default=1 if copies else 0), "groups_in_flight": sorted(set(waits))}
 
 
+def cuobjdump(compiled, flag: str) -> str | None:
+    """What the cuobjdump shipped with Triton prints for the kernel's cubin with `flag`; None
+    where this Triton ships none."""
+    from triton.backends.nvidia import compiler as nv
+
+    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
 def resources(compiled) -> dict:
     """Registers a thread and spilled (local) bytes from the cubin, shared memory from Triton,
     and the programs an SM can hold by each limit."""
-    from triton.backends.nvidia import compiler as nv
-
     regs = local = None
-    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
-    if tool.exists():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", usage)
-        if m:
-            regs, local = int(m.group(1)), int(m.group(2))
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", cuobjdump(compiled, "--dump-resource-usage") or "")
+    if m:
+        regs, local = int(m.group(1)), int(m.group(2))
     warps, shared = compiled.metadata.num_warps, compiled.metadata.shared
     limits = {"warps": SM_WARPS // warps, "shared": SM_SHARED // shared if shared else SM_PROGRAMS}
     if regs:
@@ -140,15 +145,9 @@ def loop_mix(compiled) -> dict:
     """The SASS of the kernel's longest loop (the code from a backward branch's target to the
     branch: the pipelined KV loop), counted by opcode class (OPCODE_CLASSES; anything else is
     "other"): instructions a warp issues per iteration. Empty where cuobjdump is missing."""
-    from triton.backends.nvidia import compiler as nv
-
-    tool = Path(nv.__file__).parent / "bin" / "cuobjdump"
-    if not tool.exists():
+    sass = cuobjdump(compiled, "-sass")
+    if sass is None:
         return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
     code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(m.group(1), 16), at) for at, text in code
              if (m := re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)) and int(m.group(1), 16) < at]

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, num_sms,
-                                   pdl_begin, pdl_launch, upcast_dots, widen)
+                                   pdl_begin, pdl_launch, token_place, upcast_dots, widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -110,6 +110,19 @@ def _seq_partition(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _program_split(ctx_ptr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This stage-1 program's (sequence as int64, KV head, split, context length, and its split's
+    tokens start .. end; start >= end for a split past the context): the grid is (sequences, KV
+    heads, splits)."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
+    start = split * partition
+    return b, tl.program_id(1), split, ctx, start, tl.minimum(start + partition, ctx)
+
+
+@triton.jit
 def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
@@ -128,14 +141,8 @@ def _decode_stage1(
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
 ):
     pdl_begin(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
-    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
-    start = split * partition
+    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
-        end = tl.minimum(start + partition, ctx)
         h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + h
         d = tl.arange(0, D_PAD)
@@ -156,10 +163,7 @@ def _decode_stage1(
             n_mask = offs < end
             blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
                                              UNSIGNED=UNSIGNED)
-            if UNSIGNED:
-                slot_off = (offs.to(tl.uint32, bitcast=True) % BLOCK_SIZE).to(tl.int32, bitcast=True)
-            else:
-                slot_off = offs % BLOCK_SIZE
+            _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
             kv_mask = n_mask[:, None] & d_mask[None, :]
             if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
                 blk = blk.to(tl.int32)

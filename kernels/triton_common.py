@@ -147,18 +147,26 @@ def widen(x, DTYPE: tl.constexpr, OPAQUE: tl.constexpr):
 
 
 @triton.jit
+def token_place(offs, BLOCK_SIZE: tl.constexpr, UNSIGNED: tl.constexpr = False):
+    """(block-table index, slot in its block) of token positions `offs`. UNSIGNED: by unsigned
+    division and remainder (positions are never negative), a shift and a mask, where signed ones
+    by a power of two take a few more instructions each."""
+    if UNSIGNED:
+        u = offs.to(tl.uint32, bitcast=True)
+        return u // BLOCK_SIZE, (u % BLOCK_SIZE).to(tl.int32, bitcast=True)
+    else:
+        return offs // BLOCK_SIZE, offs % BLOCK_SIZE
+
+
+@triton.jit
 def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True,
                 UNSIGNED: tl.constexpr = False):
     """The paged cache's block of each token of the tile n0 .. n0+BLOCK_N, from one sequence's
     block-table row (0 for tokens at or past `end`, which are not read). MASKED=False: the
-    caller knows the whole tile lies before `end`, and the load goes unmasked. UNSIGNED: the
-    token's table index by unsigned division (n0 >= 0), a shift, where a signed division by a
-    power of two takes a few more instructions."""
+    caller knows the whole tile lies before `end`, and the load goes unmasked. UNSIGNED: see
+    token_place."""
     offs = n0 + tl.arange(0, BLOCK_N)
-    if UNSIGNED:
-        index = offs.to(tl.uint32, bitcast=True) // BLOCK_SIZE
-    else:
-        index = offs // BLOCK_SIZE
+    index, _ = token_place(offs, BLOCK_SIZE, UNSIGNED)
     if MASKED:
         return tl.load(bt_row + index, mask=offs < end, other=0).to(tl.int64)
     else:
