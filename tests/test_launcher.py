@@ -75,6 +75,9 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
         assert a.finish_reason in ("length", "stop") and a.token_ids
         assert a.token_ids == b.token_ids  # greedy is deterministic across requests
         assert a.usage.prompt_tokens > 0 and a.usage.completion_tokens == len(a.token_ids)
+        # `tandem up` does not wait for the agent (it only watches), and a SIGTERM while it is still
+        # importing ends it before it can log: the stop order below is for a running agent.
+        wait_logged(log_dir / "agent.log", "agent watching", 60)
     finally:
         code = stop(proc)
     assert code == 0
@@ -88,6 +91,14 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
     gateway_draining = logged_at(log_dir / "gateway.log", "shutting down")
     assert agent_stopped <= gateway_draining, (agent_stopped, gateway_draining)
     assert "failed" not in (log_dir / "agent.log").read_text()
+
+
+def wait_logged(path: Path, text: str, timeout_s: float) -> None:
+    """Until a line of `path` holds `text`; AssertionError after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while not (path.exists() and text in path.read_text()):
+        assert time.time() < deadline, f"{path.name}: no line with {text!r} after {timeout_s} s"
+        time.sleep(0.2)
 
 
 def logged_at(path: Path, text: str) -> str:
