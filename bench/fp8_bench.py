@@ -213,10 +213,13 @@ def main() -> None:
     p.add_argument("--baseline", action="store_true", help="also bf16 weights + FP8 KV (adds ~4 minutes)")
     p.add_argument("--gemm-scalings", action="store_true",
                    help="only _scaled_mm's row-wise vs per-tensor scales (and fast accumulation) vs bf16, then exit")
+    p.add_argument("--m-sizes", default="64,384,1024,4096", help="with --gemm-scalings: the GEMMs' rows, comma list")
     a = p.parse_args()
     if a.gemm_scalings:
-        print(json.dumps({"command": "python bench/fp8_bench.py --gemm-scalings", "device": torch.cuda.get_device_name(),
-                          "gemm_scalings_tflops": gemm_scalings()}, indent=1))
+        m_sizes = tuple(int(m) for m in a.m_sizes.split(","))
+        print(json.dumps({"command": "python bench/fp8_bench.py " + " ".join(sys.argv[1:]),
+                          "device": torch.cuda.get_device_name(), "gemm_scalings_tflops": gemm_scalings(m_sizes)}))
+        # (one line, the output's last: the progress lines come before it)
         return
     t0 = time.perf_counter()
     res: dict = {"command": "python bench/fp8_bench.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name()}

@@ -52,7 +52,8 @@ class DecodeTuning:
       views allow fits in 31 bits (the launcher checks; otherwise 64-bit): fewer integer
       instructions a tile, which FP8 tiles, half a bf16 tile's bytes, are short of.
     unsigned_index: a token's block-table index and slot by unsigned division and remainder (a
-      shift and a mask; the tokens' positions are never negative) instead of signed ones.
+      shift and a mask; the tokens' positions are never negative) instead of signed ones: fewer
+      integer instructions a tile, which pays where the loop, not the memory, is the limit (FP8).
     lazy_rescale: move a row's running max, and rescale its accumulator, only when some row's max
       grew by more than LAZY_RESCALE_LOG2 (scores are in log2 units; the unnormalized weights
       then stay below 2**LAZY_RESCALE_LOG2, far inside fp16 and fp32), instead of every tile.
@@ -83,12 +84,14 @@ class DecodeTuning:
 # where its 3 programs an SM run the splits aimed at 4 in two waves) and gain nothing from
 # defer_sum. FP8 loops are short of integer instructions: 32-bit K/V offsets (narrow_offsets) take
 # a quarter of them out (216 -> 161 a warp and tile) and read +2.8-5.3% at the engine's shapes;
-# bf16 loses 1-14% with them. Splits of 64 tokens (min_partition) matter only where a batch is too
+# bf16 loses 1-14% with them. Unsigned table math (unsigned_index: a shift and a mask for a
+# token's block and slot) reads FP8 +1.8-2.2% more at every engine shape; bf16 loses 12% at batch
+# 64 / 4,096 tokens and ~1% at the full batches with it. Splits of 64 tokens (min_partition) matter only where a batch is too
 # small to fill the GPU: at batch 1 / 1,024 tokens bf16 686 GB/s against 575 with 128, FP8 355
 # against 306.
 BF16_TUNING = DecodeTuning(min_partition=64)
 FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True,
-                          narrow_offsets=True)
+                          narrow_offsets=True, unsigned_index=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
