@@ -25,6 +25,7 @@ Sequence lifecycle
     cache.relock(m, m2); m = m2          # lock moves to the deeper path; refcounts unchanged
     ... decode; whenever more blocks fill up, with `computed` = tokens whose KV is written:
     m2 = cache.insert(computed, table); cache.relock(m, m2); m = m2
+    m = cache.extend(m, computed[m.num_tokens:], table)   # the same, in time for the new blocks
     cache.unlock(m, table)               # finish / abort / preempt: unlock the path and drop
                                          # the sequence's reference on every block of `table`
 If `insert` finds a block's tokens already cached under another block id (computed twice),
@@ -221,6 +222,61 @@ class RadixCache:
             self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n_full * bs]), bs))
         self._maybe_push(node)
         return PrefixMatch(ids, n_full * bs, node, len(token_ids))
+
+    def extend(self, match: PrefixMatch, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixMatch:
+        """`insert` and `relock` for a sequence that holds `match` locked and has filled more
+        blocks, in time proportional to the new blocks rather than to the whole path: cache the
+        full blocks of `token_ids`, the tokens that follow match's (their KV written in
+        `block_ids`, the sequence's whole block table), below match's path, and move the lock to
+        the deeper path. Returns the new match, which the sequence holds locked instead of `match`.
+        Tree, references, locks and events end as `insert(all tokens)` + `relock` leave them; the
+        path above `match` is not marked used again (it is locked, and `unlock` marks it)."""
+        self._check_locked(match)
+        if not self.enabled:
+            return match
+        bs = self.block_size
+        first, n_new = len(match.block_ids), len(token_ids) // bs
+        if len(block_ids) < first + n_new:
+            raise ValueError(f"block_ids has {len(block_ids)} blocks, the tokens fill {first + n_new}")
+        top = node = match.last_node
+        ids, i = list(match.block_ids), 0
+        while i < n_new:
+            child = node.children.get(tuple(token_ids[i * bs : (i + 1) * bs]))
+            if child is None:
+                break
+            other = self._by_block.get(block_ids[first + i])
+            if other is not None and other is not child:
+                raise ValueError(f"block_ids[{first + i}]={block_ids[first + i]} is cached for other tokens")
+            ids.append(child.block_id)
+            node = child
+            i += 1
+        new_ids = list(block_ids[first + i : first + n_new])
+        if any(b in self._by_block for b in new_ids) or len(set(new_ids)) != len(new_ids):
+            raise ValueError("block_ids reuses a block that is already cached or listed twice")
+        self.allocator.incref(new_ids)  # validates before any tree change
+        self._clock += 1
+        if new_ids:
+            parent_hash = None if node is self._root else node.hash
+            hashes = []
+            for j in range(i, n_new):
+                key = tuple(token_ids[j * bs : (j + 1) * bs])
+                self._serial += 1
+                child = _Node(node, key, block_ids[first + j], next_hash(node.hash, key), self._serial, self._clock)
+                node.children[key] = child
+                self._by_block[child.block_id] = child
+                self._num_unlocked += 1
+                hashes.append(child.hash)
+                ids.append(child.block_id)
+                node = child
+            self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n_new * bs]), bs))
+        below = node  # lock the path's new part: the nodes from the deepest up to match's
+        while below is not top:
+            if below.lock_count == 0:
+                self._num_unlocked -= 1
+            below.lock_count += 1
+            below.last_access = self._clock
+            below = below.parent
+        return PrefixMatch(ids, (first + n_new) * bs, node, match.num_tokens + len(token_ids))
 
     def relock(self, old: PrefixMatch, new: PrefixMatch) -> None:
         """Move a sequence's lock from `old`'s path to `new`'s (e.g. the match `insert` returned).

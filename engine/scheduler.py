@@ -329,9 +329,10 @@ class Scheduler:
                 self._cache_computed(seq)
 
     def _cache_computed(self, seq: Sequence) -> None:
+        """Cache the sequence's blocks filled since its last insert, below the path it holds
+        locked (RadixCache.extend: per new block, not per block of the context)."""
         if not self.cache.enabled or seq.prefix_match is None or not seq.block_table:
             return
-        computed = seq.all_token_ids[: seq.num_computed_tokens]
-        new = self.cache.insert(computed, seq.block_table)
-        self.cache.relock(seq.prefix_match, new)
-        seq.prefix_match = new
+        end = min(seq.num_computed_tokens, seq.num_known_tokens)
+        seq.prefix_match = self.cache.extend(seq.prefix_match, seq.token_slice(seq.prefix_match.num_tokens, end),
+                                             seq.block_table)

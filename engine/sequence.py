@@ -71,6 +71,13 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens `start` .. `end` of prompt + output, without building the joined list."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[max(0, start - n) : end - n]
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens, counting sampled tokens still on their way to the host."""

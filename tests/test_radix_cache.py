@@ -204,6 +204,53 @@ def test_events_match_tandem_hashing() -> None:
     assert sorted(removed.block_hashes) == sorted(expected[:3])
 
 
+def test_extend_leaves_what_insert_and_relock_leave() -> None:
+    """A decoding sequence's path grown block by block with `extend` (from its locked match, the
+    new tokens only) ends as the whole-path `insert` + `relock` leaves it: the same cached blocks
+    and references, locks (what eviction may take) and events; a block another sequence cached
+    first is shared, not stored twice."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(50) for _ in range(2 * BS + 1)]
+    decode = [rng.randrange(50) for _ in range(3 * BS + 2)]
+    ends = {}
+    for way in ("insert", "extend"):
+        alloc, cache = make(64)
+        other, t_other = run_sequence(alloc, cache, prompt + decode[:BS], [])  # caches 3 blocks first
+        m = cache.match_prefix(prompt)
+        cache.lock(m)
+        table = m.block_ids + alloc.allocate(-(-len(prompt) // BS) - len(m.block_ids))
+        tokens = list(prompt)
+        for t in [None, *decode]:
+            if t is not None:
+                tokens.append(t)
+            if len(tokens) > len(table) * BS:
+                table += alloc.allocate(1)
+            if len(tokens) // BS > len(m.block_ids):
+                m = _insert(cache, m, tokens, table) if way == "insert" else cache.extend(m, tokens[m.num_tokens:], table)
+        assert m.block_ids[:3] == t_other[:3] and m.num_tokens == len(tokens) // BS * BS
+        cache.unlock(other, t_other)
+        events = cache.drain_events()
+        state = (sorted(cache.cached_block_ids()), [alloc.refcount(b) for b in range(alloc.num_total)],
+                 cache.evictable_blocks, [e.block_hashes for e in events])
+        evicted = cache.evict(100)
+        ends[way] = (state, evicted, m.block_ids, sorted(cache.cached_block_ids()))
+        cache.unlock(m, table)
+        cache.reset()
+        assert alloc.num_free == alloc.num_total
+    assert ends["extend"] == ends["insert"]
+    assert ends["insert"][1] == 0  # every cached block is on the decoding sequence's locked path
+
+
+def test_extend_checks_its_input() -> None:
+    alloc, cache = make()
+    m, table = run_sequence(alloc, cache, list(range(BS + 1)), [])
+    with pytest.raises(ValueError, match="block_ids"):
+        cache.extend(m, list(range(2 * BS)), table)  # two more blocks, a table of two
+    cache.unlock(m, table)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.extend(m, list(range(BS)), table + alloc.allocate(1))
+
+
 def test_disabled_cache_caches_nothing_and_releases_tables() -> None:
     alloc, cache = make(enabled=False)
     m, t = run_sequence(alloc, cache, list(range(3 * BS)), [1, 2, 3, 4])
@@ -258,6 +305,13 @@ class CacheMachine(RuleBasedStateMachine):
         m2 = self.cache.insert(s["tokens"], s["table"])
         self.cache.relock(s["m"], m2)
         s["m"] = m2
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=st.integers(0, 100))
+    def extend(self, pick: int) -> None:
+        s = self.seqs[pick % len(self.seqs)]
+        s["m"] = self.cache.extend(s["m"], s["tokens"][s["m"].num_tokens :], s["table"])
+        assert s["m"].num_tokens == len(s["tokens"]) // 2 * 2
 
     @precondition(lambda self: self.seqs)
     @rule(pick=st.integers(0, 100))
