@@ -37,6 +37,7 @@ from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
 from worker.gpu_turn import GpuTurn, make_turn
+from worker.heap import freeze_startup_heap
 from worker.step_profiler import StepProfiler
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
@@ -145,6 +146,7 @@ class WorkerServer:
         loop.start()
         self._start_publisher(runtime)
         await server.start()
+        freeze_startup_heap()  # the engine is built and warm; what lives now lives on
         self._write_ready_file()
         logger.info("%s worker %s serving on %s (kv %s, metrics %s, model %s)", cfg.role, worker_id, self.address,
                     self.kv_address or "-", self.metrics_port if self.metrics_port is not None else "off",
