@@ -34,6 +34,7 @@ from gateway.worker_client import WorkerCredentials
 from gateway.workers import WorkerRegistry
 from tandem import security, wire
 from tandem.hashing import seed_hash
+from tandem.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from kvindex.base import PrefixIndex
@@ -201,6 +202,7 @@ async def serve(config: GatewayConfig, model: ServedModel | None = None) -> None
     """Run a gateway until SIGTERM or SIGINT, then drain."""
     gateway = Gateway(config, model)
     port = await gateway.start()
+    freeze_startup_heap()
     metrics = f" (metrics on port {gateway.metrics_port})" if gateway.metrics_port is not None else ""
     http = f" (OpenAI-compatible HTTP on port {gateway.http_port})" if gateway.http_port is not None else ""
     print(f"tandem gateway listening on {config.host}:{port}{metrics}{http}", flush=True)

@@ -1,11 +1,11 @@
-"""worker.heap: the start-up heap leaves the cyclic collector's scans, unless turned off."""
+"""tandem.heap: the start-up heap leaves the cyclic collector's scans, unless turned off."""
 from __future__ import annotations
 
 import gc
 
 import pytest
 
-from worker.heap import GC_FREEZE_ENV, freeze_startup_heap
+from tandem.heap import GC_FREEZE_ENV, freeze_startup_heap
 
 
 @pytest.fixture(autouse=True)

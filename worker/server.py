@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from tandem import security, wire
+from tandem.heap import freeze_startup_heap
 from tandem.netaddr import advertised_host, host_port
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
 from worker.faults import StepDelay
 from worker.gpu_turn import GpuTurn, make_turn
-from worker.heap import freeze_startup_heap
 from worker.step_profiler import StepProfiler
 from worker.runtime import WorkerRuntime
 from worker.streams import AsyncBridge
@@ -146,7 +146,6 @@ class WorkerServer:
         loop.start()
         self._start_publisher(runtime)
         await server.start()
-        freeze_startup_heap()  # the engine is built and warm; what lives now lives on
         self._write_ready_file()
         logger.info("%s worker %s serving on %s (kv %s, metrics %s, model %s)", cfg.role, worker_id, self.address,
                     self.kv_address or "-", self.metrics_port if self.metrics_port is not None else "off",
@@ -267,6 +266,7 @@ class WorkerServer:
     async def serve_forever(self, install_signals: bool = True) -> None:
         """Start, then run until SIGTERM / SIGINT has drained the worker."""
         await self.start()
+        freeze_startup_heap()  # the engine is built and warm: what lives now lives on
         loop = asyncio.get_running_loop()
         signals = (signal.SIGTERM, signal.SIGINT) if install_signals else ()
         for sig in signals:

@@ -1,12 +1,14 @@
 """The garbage collector and a serving process's long-lived heap.
 
 A worker's heap after start-up holds the model's modules, torch, grpc and the protobuf
-descriptors: a few hundred thousand objects that live as long as the process. Python's cyclic
-collector scans them on each of its full collections, which every step's short-lived objects
-(a step's outputs, stream chunks, scheduler records) trigger under load, on the engine thread
-as on the event loop. `freeze_startup_heap` moves them out of the collector's reach once the
-worker is up (`gc.freeze`, what vLLM's engine core and SGLang's scheduler do after start-up), so
-a collection scans only what serving allocated. `TANDEM_GC_FREEZE=0` leaves the heap as it is.
+descriptors, a gateway's grpc, its routing tables and the tokenizer: objects that live as long
+as the process. Python's cyclic collector scans them on each of its full collections, which the
+short-lived objects of serving (a step's outputs, stream chunks, scheduler records) trigger
+under load, on a worker's engine thread as on any event loop. `freeze_startup_heap` moves them
+out of the collector's reach once the process serves (`gc.freeze`, what vLLM's engine core and
+SGLang's scheduler do after start-up), so a collection scans only what serving allocated.
+`TANDEM_GC_FREEZE=0` leaves the heap as it is. Called by the processes' entry points only (a
+library user's heap is theirs).
 """
 from __future__ import annotations
 
