@@ -146,6 +146,14 @@ def run_decode_b1_no_pdl(ctx: Context) -> dict:
     return run_decode_b1(ctx)
 
 
+def run_decode_b1_no_cublas_workspace(ctx: Context) -> dict:
+    """decode_b1 with no cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, set before this child's
+    first GEMM): cuBLAS then cannot choose its split-K kernels, which need one (BENCHMARKS.md
+    §17: batch-1 decode 1.3% faster in one run; every GEMM of the process is affected)."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":0:0"
+    return run_decode_b1(ctx)
+
+
 def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None) -> dict:
     """The offline workload; `max_running` (else --max-running, else derived) caps the batch."""
     _need_cuda()
@@ -396,9 +404,11 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("services_small_prefill", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_small_prefill"),
             "`tandem up --prefill-memory-ratio 0.25 --max-model-len 8192`: decode gets 72% of the GPU, prefill 18% "
             "(too little KV for one 131,072-token request, hence the shorter limit)"),
-    # Experiments beside the table's rows (BENCHMARKS.md §15-16), each against its row in the same run:
+    # Experiments beside the table's rows (BENCHMARKS.md §15-17), each against its row in the same run:
     Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
+    Section("decode_b1_no_cublas_workspace", "", 75, 35, "child", run_decode_b1_no_cublas_workspace,
+            "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:0:0 (no split-K GEMMs)"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 
