@@ -7,7 +7,8 @@ timed and set aside; the rest is the host work a GPU step must hide behind its k
 Each row: milliseconds a step of schedule, prepare (model_runner.prepare: inputs, slots, block
 tables), rows (the sampler's per-row parameters), sample (Sampler.launch on the logits),
 process (Engine._process_samples: appending tokens, stop checks), postprocess (the scheduler's
-bookkeeping, with the prefix cache's inserts unless --no-prefix-cache), the model's forward and logits, and `host`: the whole step less forward and logits.
+bookkeeping, with the prefix cache's inserts unless --no-prefix-cache), the model's forward and
+logits, and `host`: the whole step less forward and logits.
 """
 from __future__ import annotations
 

@@ -318,7 +318,8 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
     lazy_rescale, narrow_offsets, unsigned_index, GB/s, max error vs reference]. `order`: where
     each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
-    (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on `caches` (DECODE_CACHES names)."""
+    (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
+    `caches` (DECODE_CACHES names)."""
     from kernels import decode_attention as da
 
     rows: list[list] = []

@@ -186,40 +186,11 @@ class RadixCache:
             return PrefixMatch([], 0, self._root, len(token_ids))
         if len(block_ids) < n_full:
             raise ValueError(f"block_ids has {len(block_ids)} blocks, token_ids fill {n_full}")
-        node, ids, i = self._root, [], 0
-        while i < n_full:
-            child = node.children.get(tuple(token_ids[i * bs : (i + 1) * bs]))
-            if child is None:
-                break
-            other = self._by_block.get(block_ids[i])
-            if other is not None and other is not child:
-                raise ValueError(f"block_ids[{i}]={block_ids[i]} is cached for other tokens")
-            ids.append(child.block_id)
-            node = child
-            i += 1
-        new_ids = list(block_ids[i:n_full])
-        if any(b in self._by_block for b in new_ids) or len(set(new_ids)) != len(new_ids):
-            raise ValueError("block_ids reuses a block that is already cached or listed twice")
-        self.allocator.incref(new_ids)  # validates before any tree change
-        self._clock += 1
+        node, ids = self._grow(self._root, [], token_ids, block_ids, 0)
         path = node
         while path is not self._root:
             path.last_access = self._clock
             path = path.parent
-        if new_ids:
-            parent_hash = None if node is self._root else node.hash
-            hashes = []
-            for j in range(i, n_full):
-                key = tuple(token_ids[j * bs : (j + 1) * bs])
-                self._serial += 1
-                child = _Node(node, key, block_ids[j], next_hash(node.hash, key), self._serial, self._clock)
-                node.children[key] = child
-                self._by_block[child.block_id] = child
-                self._num_unlocked += 1
-                hashes.append(child.hash)
-                ids.append(child.block_id)
-                node = child
-            self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n_full * bs]), bs))
         self._maybe_push(node)
         return PrefixMatch(ids, n_full * bs, node, len(token_ids))
 
@@ -238,37 +209,8 @@ class RadixCache:
         first, n_new = len(match.block_ids), len(token_ids) // bs
         if len(block_ids) < first + n_new:
             raise ValueError(f"block_ids has {len(block_ids)} blocks, the tokens fill {first + n_new}")
-        top = node = match.last_node
-        ids, i = list(match.block_ids), 0
-        while i < n_new:
-            child = node.children.get(tuple(token_ids[i * bs : (i + 1) * bs]))
-            if child is None:
-                break
-            other = self._by_block.get(block_ids[first + i])
-            if other is not None and other is not child:
-                raise ValueError(f"block_ids[{first + i}]={block_ids[first + i]} is cached for other tokens")
-            ids.append(child.block_id)
-            node = child
-            i += 1
-        new_ids = list(block_ids[first + i : first + n_new])
-        if any(b in self._by_block for b in new_ids) or len(set(new_ids)) != len(new_ids):
-            raise ValueError("block_ids reuses a block that is already cached or listed twice")
-        self.allocator.incref(new_ids)  # validates before any tree change
-        self._clock += 1
-        if new_ids:
-            parent_hash = None if node is self._root else node.hash
-            hashes = []
-            for j in range(i, n_new):
-                key = tuple(token_ids[j * bs : (j + 1) * bs])
-                self._serial += 1
-                child = _Node(node, key, block_ids[first + j], next_hash(node.hash, key), self._serial, self._clock)
-                node.children[key] = child
-                self._by_block[child.block_id] = child
-                self._num_unlocked += 1
-                hashes.append(child.hash)
-                ids.append(child.block_id)
-                node = child
-            self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n_new * bs]), bs))
+        top = match.last_node
+        node, ids = self._grow(top, list(match.block_ids), token_ids, block_ids, first)
         below = node  # lock the path's new part: the nodes from the deepest up to match's
         while below is not top:
             if below.lock_count == 0:
@@ -330,6 +272,47 @@ class RadixCache:
         return freed
 
     # ----------------------------------------------------------------- internals
+    def _grow(self, node: _Node, ids: list[int], token_ids: Sequence[int], block_ids: Sequence[int],
+              first: int) -> tuple[_Node, list[int]]:
+        """Below `node`, the path of the full blocks of `token_ids`, whose KV is in
+        `block_ids[first:]`: children the tree holds are followed (their blocks kept), the rest
+        are added (the tree increfs their blocks, a BlockStored event names them) with this
+        operation's clock, which it advances. Returns the deepest node and `ids` extended by the
+        path's block ids. ValueError, before any change, for a block cached for other tokens or
+        given twice."""
+        bs = self.block_size
+        n, i = len(token_ids) // bs, 0
+        while i < n:
+            child = node.children.get(tuple(token_ids[i * bs : (i + 1) * bs]))
+            if child is None:
+                break
+            other = self._by_block.get(block_ids[first + i])
+            if other is not None and other is not child:
+                raise ValueError(f"block_ids[{first + i}]={block_ids[first + i]} is cached for other tokens")
+            ids.append(child.block_id)
+            node = child
+            i += 1
+        new_ids = list(block_ids[first + i : first + n])
+        if any(b in self._by_block for b in new_ids) or len(set(new_ids)) != len(new_ids):
+            raise ValueError("block_ids reuses a block that is already cached or listed twice")
+        self.allocator.incref(new_ids)  # validates before any tree change
+        self._clock += 1
+        if new_ids:
+            parent_hash = None if node is self._root else node.hash
+            hashes = []
+            for j in range(i, n):
+                key = tuple(token_ids[j * bs : (j + 1) * bs])
+                self._serial += 1
+                child = _Node(node, key, block_ids[first + j], next_hash(node.hash, key), self._serial, self._clock)
+                node.children[key] = child
+                self._by_block[child.block_id] = child
+                self._num_unlocked += 1
+                hashes.append(child.hash)
+                ids.append(child.block_id)
+                node = child
+            self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n * bs]), bs))
+        return node, ids
+
     def _remove(self, node: _Node, removed: list[int]) -> int:
         """Detach `node` (its children are detached by the caller), drop the tree's reference;
         return 1 if the block became free."""

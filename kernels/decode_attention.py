@@ -86,9 +86,9 @@ class DecodeTuning:
 # a quarter of them out (216 -> 161 a warp and tile) and read +2.8-5.3% at the engine's shapes;
 # bf16 loses 1-14% with them. Unsigned table math (unsigned_index: a shift and a mask for a
 # token's block and slot) reads FP8 +1.8-2.2% more at every engine shape; bf16 loses 12% at batch
-# 64 / 4,096 tokens and ~1% at the full batches with it. Splits of 64 tokens (min_partition) matter only where a batch is too
-# small to fill the GPU: at batch 1 / 1,024 tokens bf16 686 GB/s against 575 with 128, FP8 355
-# against 306.
+# 64 / 4,096 tokens and ~1% at the full batches with it. Splits of 64 tokens (min_partition)
+# matter only where a batch is too small to fill the GPU: at batch 1 / 1,024 tokens bf16 686 GB/s
+# against 575 with 128, FP8 355 against 306.
 BF16_TUNING = DecodeTuning(min_partition=64)
 FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True,
                           narrow_offsets=True, unsigned_index=True)

@@ -226,7 +226,10 @@ def test_extend_leaves_what_insert_and_relock_leave() -> None:
             if len(tokens) > len(table) * BS:
                 table += alloc.allocate(1)
             if len(tokens) // BS > len(m.block_ids):
-                m = _insert(cache, m, tokens, table) if way == "insert" else cache.extend(m, tokens[m.num_tokens:], table)
+                if way == "insert":
+                    m = _insert(cache, m, tokens, table)
+                else:
+                    m = cache.extend(m, tokens[m.num_tokens:], table)
         assert m.block_ids[:3] == t_other[:3] and m.num_tokens == len(tokens) // BS * BS
         cache.unlock(other, t_other)
         events = cache.drain_events()
