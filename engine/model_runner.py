@@ -98,7 +98,7 @@ class ModelRunner:
             else:
                 if end > seq.num_known_tokens:
                     raise RuntimeError(f"prepare: {seq.request_id} has pending tokens inside a multi-token chunk")
-                ids.extend((seq.prompt_token_ids + seq.output_token_ids)[start:end])
+                ids.extend(seq.token_slice(start, end))
                 pos.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + s.num_new_tokens)
