@@ -96,6 +96,26 @@ SHORT = {"tandem_engine_step_seconds": "step", "tandem_prefill_stage_seconds:com
          "tandem_gateway_worker_call_seconds:first_chunk": "gw_first_chunk"}
 
 
+def scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    """`scrape` of every process in `ports` (metrics_ports)."""
+    return {w: scrape(p) for w, p in ports.items()}
+
+
+def stage_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """"process stage" -> mean ms between two `scrape_all`s (engine steps, the prefill worker's
+    stages, the gateway's worker calls), and each process's turn wait per engine step."""
+    out = {}
+    for w in after:
+        means = means_ms(before[w], after[w])
+        for key, (ms, _count) in means.items():
+            out[f"{w} {SHORT.get(key, key)}"] = round(ms, 3)
+        steps = means.get("tandem_engine_step_seconds", (0.0, 0))[1]
+        waited = after[w]["turn_wait_seconds"] - before[w]["turn_wait_seconds"]
+        if steps and waited:
+            out[f"{w} turn_wait_per_step"] = round(waited / steps * 1e3, 3)
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

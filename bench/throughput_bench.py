@@ -296,9 +296,15 @@ def within_slo(row: dict, ttft_ms: float, tpot_ms: float) -> bool:
 def run_online(ctx: Context, mode: str = "disagg") -> dict:
     a = ctx.args
     target, info = ctx.clusters.get(mode, ctx.left())
+    from bench import step_gaps
+
+    ports = step_gaps.metrics_ports(info["banner"])
+    before = step_gaps.scrape_all(ports)
     s = bench_point(ctx, target, a.online_rate, a.online_requests, seed=1, out=ctx.work / f"online-{mode}.json")
+    stages = step_gaps.stage_means(before, step_gaps.scrape_all(ports))
     return {**info, "mode": mode, "rate": a.online_rate, "input_len": a.input_len, "output_len": a.online_output_len,
-            **_point_row(a.online_rate, s), "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "itl_ms": s["itl_ms"]}
+            **_point_row(a.online_rate, s), "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "itl_ms": s["itl_ms"],
+            "stage_means_ms": stages}
 
 
 def point_requests(rate: float, seconds: float, least: int) -> int:

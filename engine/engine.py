@@ -320,11 +320,16 @@ class Engine:
             self._ready += self._resolve(inflight)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self, on_layer: Callable[[int, StepPlan], None] | None = None) -> list[StepOutput]:
+    def step(self, on_layer: Callable[[int, StepPlan], None] | None = None,
+             hold: Callable[[], None] | None = None) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; returns what each request gained.
 
         `on_layer(layer, plan)` runs after each layer's K/V are in the cache (the prefill
         worker pushes them to the decode worker from there, overlapping the next layer).
+        `hold()`, when given, runs once the step's inputs are prepared, right before its forward
+        is queued, and after the step before it has finished on the device: the step is
+        prepared ahead but queued just in time, so at any moment at most one step of this
+        engine is on the device (a decode worker sharing its GPU checks its turn there).
         RuntimeError on a follower (see `follow`).
         """
         if self.runner is None:
@@ -340,10 +345,10 @@ class Engine:
                 hook = lambda layer: on_layer(layer, plan)  # noqa: E731
             else:
                 hook = None
-            sampled_idx, samples = self.runner.execute(out, hook)
+            sampled_idx, samples = self.runner.execute(out, hook, hold)
             self._postprocess(out)
             return results + self._process_samples(out, sampled_idx, samples)
-        return self._overlapped_step()
+        return self._overlapped_step(hold)
 
     def _schedule(self) -> SchedulerOutput:
         if self.observer is None:
@@ -361,19 +366,26 @@ class Engine:
         self._scheduler.postprocess(out)
         self.observer.on_postprocess(time.perf_counter() - t)
 
-    def _overlapped_step(self) -> list[StepOutput]:
+    def _overlapped_step(self, hold: Callable[[], None] | None = None) -> list[StepOutput]:
         """Schedule and launch step n+1 while step n may still run on the device, then process
         step n's samples. Sequences sampled in step n carry a pending token (counted by the
         scheduler, read by step n+1 from the device); one that step n ends was scheduled in n+1
         anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
-        it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens)."""
+        it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens).
+        With `hold` (see `step`) step n+1 is queued only once step n has finished."""
         results, self._ready = self._ready, []
         prev, self._inflight = self._inflight, None
         out = self._schedule()
         launched = None
         if not out.is_empty:
             prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
-            idx, samples = self.runner.launch(out, None, prev_tokens)
+            gate = None
+            if hold is not None:
+                def gate() -> None:
+                    if prev is not None:
+                        prev.samples.wait() if prev.samples is not None else self.runner.synchronize()
+                    hold()
+            idx, samples = self.runner.launch(out, None, prev_tokens, gate)
             launched = _InFlight(out, idx, samples)
             for j, i in enumerate(idx):
                 seq = out.scheduled[i].seq

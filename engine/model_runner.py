@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,16 +145,20 @@ class ModelRunner:
             host = host.pin_memory().to(self.device, non_blocking=True)
         return host
 
-    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
+    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
+                before_forward: Callable[[], None] | None = None) -> tuple[list[int], SamplerOutput | None]:
         """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples)."""
-        idx, pending = self.launch(out, after_layer)
+        idx, pending = self.launch(out, after_layer, before_forward=before_forward)
         return idx, (pending.result() if pending is not None else None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
-               prev_tokens: torch.Tensor | None = None) -> tuple[list[int], PendingSamples | None]:
+               prev_tokens: torch.Tensor | None = None,
+               before_forward: Callable[[], None] | None = None) -> tuple[list[int], PendingSamples | None]:
         """Queue swaps, the forward pass and sampling without waiting for the device. Returns
-        (scheduled indices that sample, their PendingSamples). `prev_tokens`: see `prepare`."""
+        (scheduled indices that sample, their PendingSamples). `prev_tokens`: see `prepare`.
+        `before_forward()` runs once the inputs are prepared, right before the forward is queued
+        (`Engine.step`'s hold)."""
         for dev_blocks, host_blocks in out.swap_out:
             self.kv_cache.swap_out(dev_blocks, host_blocks)
         for host_blocks, dev_blocks in out.swap_in:
@@ -161,6 +166,8 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         batch = self.prepare(out, prev_tokens)
+        if before_forward is not None:
+            before_forward()
         hidden = None
         if self.graphs is not None and batch.meta.is_decode and after_layer is None:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -170,6 +177,11 @@ class ModelRunner:
             return [], None
         logits = self.model.logits(hidden[batch.sample_rows])
         return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index))
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (nothing to wait for on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def stop(self) -> None:
         """`Engine.close()`: release whatever runs beside this runner (nothing here; a

@@ -340,6 +340,12 @@ class PendingSamples:
     _asked: list[int | None]  # each row's params.logprobs
     _done: Any = None  # torch.cuda.Event recorded after the copy, for device tensors
 
+    def wait(self) -> None:
+        """Block until the device has produced these samples (the GIL released); `result` is
+        then immediate."""
+        if self._done is not None:
+            self._done.synchronize()
+
     def result(self) -> SamplerOutput:
         if self._flat is None:
             return SamplerOutput(token_ids=[], logprobs=[])

@@ -191,10 +191,13 @@ class TPModelRunner(ModelRunner):
         self.step_extras: StepExtras | None = None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None) -> tuple[list[int], SamplerOutput | None]:
+    def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
+                before_forward: Callable[[], None] | None = None) -> tuple[list[int], SamplerOutput | None]:
         if self.stopped:
             raise RuntimeError("tensor-parallel runner was stopped")
         batch: BatchInputs | None = self.prepare(out) if out.scheduled else None
+        if before_forward is not None:
+            before_forward()
         if batch is None:
             step = _empty_step(self.device, self.kv_cache)
         else:

@@ -16,7 +16,8 @@ import pytest
 from gateway.config import GatewayConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, stop_workers, wait_idle
 from tandem import Client, SamplingParams
-from worker.gpu_turn import (DecodeTurn, GpuTurn, PrefillTurn, create_turn_file, make_turn, turn_paths)
+from worker.gpu_turn import (HOLD_ENV, DecodeTurn, GpuTurn, PrefillTurn, create_turn_file, make_turn,
+                             turn_paths)
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT = 60.0
@@ -97,13 +98,15 @@ def test_the_wait_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None
 
 
 def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_turn(
-        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a decode step waits for a prefill worker's step (here held for seconds), what is
     submitted to the worker's engine thread (a Reserve, an abort) runs at once and a stop ends
-    the wait; only the step waits."""
+    the wait; only the step waits. (The wait before a step, without the held launch, whose
+    second look runs no commands: the next test.)"""
     from engine import Engine, EngineConfig, SamplingParams
     from worker.engine_loop import EngineLoop
 
+    monkeypatch.setenv(HOLD_ENV, "0")
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)
     prefill = PrefillTurn(str(f))  # stands for the prefill worker: its step runs until after_step
@@ -138,6 +141,95 @@ def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_tu
         prefill.close()
         turn.close()
         engine.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_held_launch_takes_a_second_look_right_before_the_forward(
+        tiny_models: dict[str, Path], tmp_path: Path, overlap: bool) -> None:
+    """A decode worker prepares a step while the one before runs, then looks at the turn again
+    right before queuing its forward: a prefill step that began meanwhile (here, while the step
+    was being prepared) goes first. The outputs are the engine's without a turn."""
+    import threading
+
+    from engine import Engine, EngineConfig, SamplingParams
+    from worker.engine_loop import EngineLoop
+
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    prefill = PrefillTurn(str(f))
+    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0)
+    assert turn.holds_launch
+    cfg = EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu",
+                       overlap_schedule=overlap)
+    engine = Engine(cfg)
+    events: list[tuple[str, float]] = []
+    engine.runner.model.register_forward_pre_hook(lambda *_: events.append(("forward", time.monotonic())))
+    prepare = engine.runner.prepare
+    released: list[float] = []
+
+    def prepare_while_a_prefill_begins(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        if not released:  # the first step: a prefill step begins now and runs 0.3 s
+            prefill.before_step()
+
+            def end() -> None:
+                released.append(time.monotonic())
+                prefill.after_step()
+            threading.Timer(0.3, end).start()
+        events.append(("prepared", time.monotonic()))
+        return out
+
+    engine.runner.prepare = prepare_while_a_prefill_begins
+    loop = EngineLoop(engine, turn=turn)
+    loop.start()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [256, *range(40, 60)]
+    try:
+        got: list[int] = []
+        done = threading.Event()
+
+        def listener(out) -> None:
+            got.extend(out.new_token_ids)
+            if out.finished:
+                done.set()
+        loop.submit(lambda e: (loop.listen("r", listener), e.admit(prompt, params, "r"))).result(WAIT)
+        assert done.wait(WAIT)
+    finally:
+        loop.stop(timeout=WAIT)
+        prefill.close()
+        turn.close()
+        engine.close()
+    assert events[0][0] == "prepared" and events[1][0] == "forward"
+    assert events[1][1] >= released[0]  # the first forward waited for the prefill step's end
+    assert turn.waits >= 1 and turn.waited_s >= 0.25
+    assert [e for e, _ in events[:2 * len(got)]] == ["prepared", "forward"] * len(got)  # one look a step
+    ref = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu"))
+    try:
+        ref.admit(prompt, params, "r")
+        want: list[int] = []
+        while ref.has_unfinished():
+            want += [t for o in ref.step() for t in o.new_token_ids]
+    finally:
+        ref.close()
+    assert got == want
+
+
+def test_the_hold_is_on_for_a_decode_turn_unless_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    assert not GpuTurn().holds_launch and GpuTurn().before_forward() == 0.0
+    p = PrefillTurn(str(f))
+    assert not p.holds_launch
+    monkeypatch.setenv(HOLD_ENV, "0")
+    d = DecodeTurn([str(f)], max_wait_s=5.0)
+    p.before_step()
+    t = time.monotonic()
+    assert not d.holds_launch and d.before_forward() == 0.0 and time.monotonic() - t < 1.0  # no look, no wait
+    monkeypatch.setenv(HOLD_ENV, "1")
+    d = DecodeTurn([str(f)], max_wait_s=0.2)
+    assert d.holds_launch and d.before_forward() >= 0.2  # a look, bounded as before_step
+    p.close()
+    d.close()
 
 
 def test_bad_values_name_the_field(tmp_path: Path) -> None:

@@ -260,6 +260,12 @@ class EngineLoop:
             self._stop_taken = True
         return not self._stop_taken
 
+    def _hold(self) -> None:
+        """Engine.step's hold: the turn's second look, right before the forward is queued."""
+        waited = self.turn.before_forward()
+        if waited and self._on_turn_wait is not None:
+            self._on_turn_wait(waited)
+
     def _step(self) -> None:
         waited = self.turn.before_step(self._pause)
         if waited and self._on_turn_wait is not None:
@@ -271,7 +277,7 @@ class EngineLoop:
             self.profiler.before_step()
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step(on_layer=self.on_layer)
+            outputs = self.engine.step(on_layer=self.on_layer, hold=self._hold if self.turn.holds_launch else None)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))
             self._fail_all(exc)

@@ -14,7 +14,12 @@ decode worker lets the prompt go first:
   a token on a prefill's account), and ignores a mark older than `STALE_S` (a prefill worker
   killed mid-step) (`DecodeTurn`). The engine loop waits through its `pause`, which runs the
   commands that arrive meanwhile (a Reserve for the next prompt, an abort), so only the step
-  waits, not the worker.
+  waits, not the worker;
+- and it holds each step's launch (`DecodeTurn.before_forward`, `Engine.step`'s hold): a step
+  is prepared while the one before runs, but queued on the device only once that one is done,
+  after a second look at the marks. Queued ahead, a decode worker keeps up to two steps on the
+  GPU, and a prompt that arrives shares the GPU with both; held, with at most the rest of one.
+  `TANDEM_GPU_TURN_HOLD=0` queues ahead as an engine alone does.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -27,10 +32,11 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["DecodeTurn", "GpuTurn", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_max_wait_ms", "create_turn_file",
+__all__ = ["DecodeTurn", "GpuTurn", "HOLD_ENV", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_max_wait_ms", "create_turn_file",
            "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
+HOLD_ENV = "TANDEM_GPU_TURN_HOLD"  # "0": a decode worker queues its steps ahead (no hold)
 MAX_WAIT_LIMIT_MS = 1000.0  # the largest --gpu-turn-max-wait-ms accepted
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
@@ -74,10 +80,18 @@ def _map(path: str) -> mmap.mmap:
 class GpuTurn:
     """What the engine loop calls around each step; the base class does nothing (no shared GPU)."""
 
+    holds_launch = False  # whether the loop calls `before_forward` (through Engine.step's hold)
+
     def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
         """Called before a step; returns the seconds it waited. A wait goes through `pause(s)`,
         which returns within about `s` seconds, and False to end the wait at once (the loop is
         stopping)."""
+        return 0.0
+
+    def before_forward(self) -> float:
+        """Called inside a step, once the device has finished the step before and right before
+        this one's forward is queued (only when `holds_launch`); returns the seconds it waited.
+        It runs no commands: the step's batch is fixed by then."""
         return 0.0
 
     def after_step(self) -> None:
@@ -117,7 +131,8 @@ class DecodeTurn(GpuTurn):
         self.paths = list(paths)
         self._marks = [_map(p) for p in self.paths]
         self.max_wait_s, self.stale_ns = max_wait_s, int(stale_s * 1e9)
-        self.waits = 0  # steps that waited
+        self.holds_launch = os.environ.get(HOLD_ENV, "1").strip() != "0"
+        self.waits = 0  # waits (before a step or its forward)
         self.waited_s = 0.0
 
     def busy(self) -> bool:
@@ -141,6 +156,9 @@ class DecodeTurn(GpuTurn):
         self.waits += 1
         self.waited_s += waited
         return waited
+
+    def before_forward(self) -> float:
+        return self.before_step(_sleep) if self.holds_launch else 0.0
 
     def close(self) -> None:
         for mark in self._marks:
