@@ -280,6 +280,11 @@ class Engine:
             seq.num_computed_tokens = num_kv_tokens
         return StepOutput(request_id, [first_token], [logprob], reason is not None, reason, stop_reason)
 
+    def holds_any(self) -> bool:
+        """Whether some request is reserved or prefilled-and-held: on the decode side, a prompt
+        whose KV another engine is about to compute and push."""
+        return bool(self._scheduler.held)
+
     def knows(self, request_id: str) -> bool:
         """Whether `request_id` is queued, running, swapped, reserved or prefilled-and-held."""
         return self._scheduler.knows(request_id)

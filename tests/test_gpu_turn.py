@@ -143,12 +143,13 @@ def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_tu
         engine.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap,reserved", [(False, True), (True, True), (True, False)])
 def test_a_held_launch_takes_a_second_look_right_before_the_forward(
-        tiny_models: dict[str, Path], tmp_path: Path, overlap: bool) -> None:
-    """A decode worker prepares a step while the one before runs, then looks at the turn again
-    right before queuing its forward: a prefill step that began meanwhile (here, while the step
-    was being prepared) goes first. The outputs are the engine's without a turn."""
+        tiny_models: dict[str, Path], tmp_path: Path, overlap: bool, reserved: bool) -> None:
+    """While a decode worker holds a reservation (a prefill for it is near), it prepares a step
+    while the one before runs, then looks at the turn again right before queuing its forward: a
+    prefill step that began meanwhile (here, while the step was being prepared) goes first.
+    Without a reservation it queues at once. The outputs are the engine's without a turn."""
     import threading
 
     from engine import Engine, EngineConfig, SamplingParams
@@ -192,6 +193,8 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
             got.extend(out.new_token_ids)
             if out.finished:
                 done.set()
+        if reserved:
+            assert loop.submit(lambda e: e.reserve("coming", [256, *range(90, 99)], params)).result(WAIT)
         loop.submit(lambda e: (loop.listen("r", listener), e.admit(prompt, params, "r"))).result(WAIT)
         assert done.wait(WAIT)
     finally:
@@ -200,9 +203,12 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
         turn.close()
         engine.close()
     assert events[0][0] == "prepared" and events[1][0] == "forward"
-    assert events[1][1] >= released[0]  # the first forward waited for the prefill step's end
-    assert turn.waits >= 1 and turn.waited_s >= 0.25
     assert [e for e, _ in events[:2 * len(got)]] == ["prepared", "forward"] * len(got)  # one look a step
+    if reserved:
+        assert events[1][1] >= released[0]  # the first forward waited for the prefill step's end
+        assert turn.waits >= 1 and turn.waited_s >= 0.25
+    else:
+        assert events[1][1] < released[0]  # queued at once (the next step waits for its turn before it)
     ref = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu"))
     try:
         ref.admit(prompt, params, "r")

@@ -261,7 +261,8 @@ class EngineLoop:
         return not self._stop_taken
 
     def _hold(self) -> None:
-        """Engine.step's hold: the turn's second look, right before the forward is queued."""
+        """Engine.step's hold: the turn's second look, right before the forward is queued. Taken
+        while a reservation is held, i.e. while a prefill for this worker is coming or running."""
         waited = self.turn.before_forward()
         if waited and self._on_turn_wait is not None:
             self._on_turn_wait(waited)
@@ -277,7 +278,8 @@ class EngineLoop:
             self.profiler.before_step()
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step(on_layer=self.on_layer, hold=self._hold if self.turn.holds_launch else None)
+            hold = self._hold if self.turn.holds_launch and self.engine.holds_any() else None
+            outputs = self.engine.step(on_layer=self.on_layer, hold=hold)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))
             self._fail_all(exc)

@@ -15,11 +15,13 @@ decode worker lets the prompt go first:
   killed mid-step) (`DecodeTurn`). The engine loop waits through its `pause`, which runs the
   commands that arrive meanwhile (a Reserve for the next prompt, an abort), so only the step
   waits, not the worker;
-- and it holds each step's launch (`DecodeTurn.before_forward`, `Engine.step`'s hold): a step
-  is prepared while the one before runs, but queued on the device only once that one is done,
-  after a second look at the marks. Queued ahead, a decode worker keeps up to two steps on the
-  GPU, and a prompt that arrives shares the GPU with both; held, with at most the rest of one.
-  `TANDEM_GPU_TURN_HOLD=0` queues ahead as an engine alone does.
+- and while it holds a reservation (a prompt's prefill is coming or running), it holds each
+  step's launch (`DecodeTurn.before_forward`, `Engine.step`'s hold): a step is prepared while
+  the one before runs, but queued on the device only once that one is done, after a second
+  look at the marks. Queued ahead, a decode worker keeps up to two steps on the GPU, and the
+  prompt shares the GPU with both; held, with at most the rest of one. Holding costs each step
+  the host's reaction to the one before (the GPU idles meanwhile), so it is only done while a
+  prefill is near. `TANDEM_GPU_TURN_HOLD=0` never holds.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
