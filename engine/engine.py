@@ -240,7 +240,8 @@ class Engine:
         params = params.validate(self.model_config.vocab_size)
         token_ids = list(token_ids)
         self._check_request(token_ids, params, num_output_tokens, field)
-        self.settle()
+        # No settle: a step in flight goes on. The blocks it writes are held by its sequences
+        # (a finished one's until that step is done, Scheduler.finish), so none is handed out here.
         seq = Sequence(request_id, token_ids, params, Tier.parse(tier))
         seq.num_resumed_output = num_output_tokens
         return self._scheduler.reserve(seq)
@@ -319,7 +320,7 @@ class Engine:
     def settle(self) -> None:
         """Process the samples of a step still in flight (their outputs come with the next
         `step()`), so that the caller may change requests and free blocks. Every method that
-        does so calls it; it waits for the device."""
+        does so calls it (not `reserve`, which only takes free blocks); it waits for the device."""
         if self._inflight is not None:
             inflight, self._inflight = self._inflight, None
             self._ready += self._resolve(inflight)
@@ -410,7 +411,10 @@ class Engine:
         """Wait for a launched step's samples and process them."""
         samples = step.samples.result() if step.samples is not None else None
         for i in step.sample_index:
-            step.out.scheduled[i].seq.num_pending -= 1
+            seq = step.out.scheduled[i].seq
+            seq.num_pending -= 1
+            if not seq.num_pending and seq.status is SeqStatus.FINISHED:
+                self._scheduler.release_finished(seq)  # ended by the step before this one
         return self._process_samples(step.out, step.sample_index, samples)
 
     def _process_samples(self, out: SchedulerOutput, idx: list[int], samples) -> list[StepOutput]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_allocator import BlockAllocator, OutOfBlocks
 from engine.radix_cache import RadixCache
@@ -87,6 +88,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._by_id: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests whose KV awaits transfer
+        # Finished sequences whose blocks a step still in flight writes: (seq, match, blocks)
+        # until that step is done (`release_finished`), so no reservation gets them meanwhile.
+        self.unreleased: list[tuple[Sequence, Any, list[int]]] = []
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -120,7 +124,11 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence: cache its computed full blocks, release its device and host blocks."""
+        """End a sequence: cache its computed full blocks, release its device and host blocks.
+        A sequence in a step still in flight (`num_pending`; the overlapped engine schedules one
+        that the step before ends) keeps its device blocks until `release_finished`: that step
+        writes its last token's K/V, and a transport writing a reservation's blocks is not
+        ordered after the engine's steps."""
         if seq.status is SeqStatus.FINISHED:
             return
         for queue in (self.waiting, self.running, self.swapped):
@@ -128,12 +136,23 @@ class Scheduler:
                 queue.remove(seq)
         if seq.block_table:
             self._cache_computed(seq)
-            self.cache.unlock(seq.prefix_match, seq.block_table)
+            if seq.num_pending:
+                self.unreleased.append((seq, seq.prefix_match, seq.block_table))
+            else:
+                self.cache.unlock(seq.prefix_match, seq.block_table)
         if seq.host_blocks:
             self.host_allocator.decref(seq.host_blocks)
         seq.block_table, seq.host_blocks, seq.prefix_match = [], [], None
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self._by_id.pop(seq.request_id, None)
+
+    def release_finished(self, seq: Sequence) -> None:
+        """The last step in flight with finished `seq` is done: release the blocks `finish` kept."""
+        for i, (held_seq, match, blocks) in enumerate(self.unreleased):
+            if held_seq is seq:
+                del self.unreleased[i]
+                self.cache.unlock(match, blocks)
+                return
 
     def finish_prefill(self, seq: Sequence) -> None:
         """A prefill-only request is done computing: stop scheduling it but keep its blocks

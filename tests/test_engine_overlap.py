@@ -165,3 +165,39 @@ def test_workers_warm_up_unless_told_not_to():
     for argv, want in (([], True), (["--no-warm-up"], False)):
         args = build_parser("decode").parse_args(["--model", "m", *argv])
         assert config_from_args(args, "decode").engine_config().warm_up is want
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_reservation_never_gets_blocks_a_step_in_flight_writes(model_dir, prefix_cache):
+    """A sequence that a step ends is scheduled in the next step anyway, which writes its last
+    token's K/V while it runs. A Reserve made meanwhile (it does not wait for the device) must not
+    get those blocks: a transport writes a reservation's blocks on its own stream. They go back
+    to the pool once that step is done."""
+    prompt = list(range(40, 60))  # 20 tokens + a few out: 2 blocks of 16
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    third = LLM(model_dir, num_kv_blocks=16).generate([prompt], greedy)[0].token_ids[2]
+    llm = LLM(model_dir, num_kv_blocks=16, overlap_schedule=True, enable_prefix_cache=prefix_cache)
+    e = llm.engine
+    # Ends on a stop token, which the scheduler cannot see coming (a length it can: it would not
+    # schedule the sequence again).
+    params = SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[third])
+    e.admit(prompt, params, "a")
+    blocks: list[int] = []
+    while True:
+        seq = e._scheduler.get("a")
+        if seq is not None:
+            blocks = list(seq.block_table)
+        outs = e.step()
+        if any(o.request_id == "a" and o.finished for o in outs):
+            break
+    assert e._inflight is not None and blocks  # "a" ended while the next step, holding it too, runs
+    kept = {b for _seq, _match, held in e._scheduler.unreleased for b in held}
+    assert kept == set(blocks)
+    got = e.reserve("b", list(range(100, 130)), SamplingParams(max_tokens=4))  # 30 tokens: 2 blocks
+    assert got is not None
+    _cached, dest = got
+    assert not set(dest) & set(blocks), (dest, blocks)  # LIFO would have handed out a's last block
+    e.settle()
+    assert not e._scheduler.unreleased
+    assert e.release("b")
+    assert e.num_free_blocks_after_reset() == e.num_total_blocks
