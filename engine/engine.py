@@ -388,8 +388,10 @@ class Engine:
             gate = None
             if hold is not None:
                 def gate() -> None:
-                    if prev is not None:
-                        prev.samples.wait() if prev.samples is not None else self.runner.synchronize()
+                    if prev is not None and prev.samples is not None:
+                        prev.samples.wait()
+                    elif prev is not None:  # a step without samples: wait for the device itself
+                        self.runner.synchronize()
                     hold()
             idx, samples = self.runner.launch(out, None, prev_tokens, gate)
             launched = _InFlight(out, idx, samples)
