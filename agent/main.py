@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import statistics
 import sys
@@ -203,7 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cluster token for the gateway's Admin, the workers and the supervisor (default: "
                         "$TANDEM_AUTH_TOKEN_FILE or $TANDEM_AUTH_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="PEM CA that signed the gateway's and workers' certificates")
+    p.add_argument("--ready-file", default=None, help="write {pid, metrics_port} here (JSON) once watching: "
+                   "`tandem up` reports up only after it")
     return p
+
+
+def write_ready_file(path: str, metrics_port: int | None) -> None:
+    """The ready file `tandem up` waits for, written whole (through a rename)."""
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "metrics_port": metrics_port}))
+    tmp.replace(target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     logger.info("agent watching %s every %.2fs%s (metrics %s)", a.gateway or a.redis_url, config.poll_s,
                 " in dry-run" if a.dry_run else "", metrics.port if metrics.port is not None else "off")
+    if a.ready_file:
+        write_ready_file(a.ready_file, metrics.port)
     try:
         while not stop.is_set():
             started = time.monotonic()
@@ -251,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.close()
         if log is not None:
             log.close()
+        if a.ready_file:
+            Path(a.ready_file).unlink(missing_ok=True)
     logger.info("agent stopped")
     return 0
 

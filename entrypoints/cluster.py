@@ -193,6 +193,7 @@ class ClusterProcess:
     info: dict[str, Any] = field(default_factory=dict)
     auth_token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None
+    serves: bool = True  # False: no server to health-check (the agent); ready once its ready file is in
 
     @property
     def address(self) -> str:
@@ -245,6 +246,8 @@ class ClusterProcess:
             if info.get("pid") not in (None, self.pid):
                 return False  # a stale file of an earlier process
             self.info = info
+        if not self.serves:
+            return self.ready_file is not None and bool(self.info)
         if self.port and self.pid is not None and not owns_port(self.pid, self.port):
             return False
         return healthy(self.address, tls_ca=self.tls_ca)

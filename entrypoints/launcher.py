@@ -403,10 +403,14 @@ def main(argv: list[str] | None = None) -> int:
                 agent_metrics = free_port()
                 agent_argv += ["--metrics-port", str(agent_metrics)]
                 print(f"  {'agent':<10} metrics :{agent_metrics}", flush=True)
-            agent = agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir, agent_argv)
+            agent = agent_process(f"127.0.0.1:{a.port}", supervisor.start(), log_dir, agent_argv,
+                                  ready_dir / "agent.ready.json")
             agent.auth_token = a.auth_token
-            cluster.processes.append(agent)
-            agent.start()
+            try:
+                cluster.add(agent, HEALTH_TIMEOUT_S)  # "up" means every child is ready, the agent too
+            except ClusterError as exc:
+                print(f"tandem up: {exc}", file=sys.stderr, flush=True)
+                return 1
         print(f"Cluster token (internal RPCs, Admin, KV handshake): {token_file}"
               + ("; public API key required" if a.api_key else "") + ("; TLS on" if a.tls_cert else ""), flush=True)
         print(f"Tandem is up: gRPC endpoint {endpoint} "

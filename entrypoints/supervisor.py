@@ -89,11 +89,16 @@ class SupervisorSocket:
             os.rmdir(self._dir)
 
 
-def agent_process(gateway: str, supervisor_path: str, log_dir: Path | None, extra: list[str]) -> ClusterProcess:
+def agent_process(gateway: str, supervisor_path: str, log_dir: Path | None, extra: list[str],
+                  ready_file: Path | None = None) -> ClusterProcess:
     """The infra agent as one of `tandem up`'s processes: it watches through the gateway's Admin
     service, restarts through `supervisor_path`, and logs its decisions to
-    `log_dir/agent-decisions.jsonl` (with its own log in `log_dir/agent.log`)."""
+    `log_dir/agent-decisions.jsonl` (with its own log in `log_dir/agent.log`). With `ready_file`
+    it is ready once it has written that file (it watches then)."""
     argv = ["--gateway", gateway, "--supervisor", supervisor_path]
     if log_dir is not None:
         argv += ["--decision-log", str(log_dir / "agent-decisions.jsonl")]
-    return ClusterProcess("agent", "agent", [*argv, *extra], log_path=log_dir / "agent.log" if log_dir else None)
+    if ready_file is not None:
+        argv += ["--ready-file", str(ready_file)]
+    return ClusterProcess("agent", "agent", [*argv, *extra], log_path=log_dir / "agent.log" if log_dir else None,
+                          ready_file=ready_file, serves=False)
