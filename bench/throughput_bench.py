@@ -352,13 +352,17 @@ def search_max_rate(measure: Callable[[float], dict], rates: list[float], refine
 def run_max_rate(ctx: Context, mode: str = "disagg") -> dict:
     a = ctx.args
     target, info = ctx.clusters.get(mode, ctx.left())
+    from bench import step_gaps
+
+    ports = step_gaps.metrics_ports(info["banner"])
     n = [0]
 
     def measure(rate: float) -> dict:
         n[0] += 1
+        before = step_gaps.scrape_all(ports)
         s = bench_point(ctx, target, rate, point_requests(rate, a.point_s, a.point_min_requests),
                         seed=100 + n[0], out=ctx.work / f"rate-{mode}-{n[0]}.json")
-        return _point_row(rate, s)
+        return {**_point_row(rate, s), "stage_means_ms": step_gaps.stage_means(before, step_gaps.scrape_all(ports))}
 
     def fits(rate: float) -> bool:  # the arrivals, the last requests' tail and the client's start-up
         return ctx.left() > point_requests(rate, a.point_s, a.point_min_requests) / rate + 10

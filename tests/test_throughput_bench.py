@@ -170,5 +170,9 @@ def test_the_cluster_sections_run_end_to_end_on_a_tiny_model(tiny_models, tmp_pa
     online = res["sections"]["online"]
     assert online["failed"] == 0 and online["requests"] >= 6
     assert res["online_ttft_p50_ms"] > 0 and res["online_tpot_p50_ms"] > 0
+    stages = online["stage_means_ms"]  # what each process's histograms saw during the run
+    assert stages["gateway gw_reserve"] > 0 and stages["gateway gw_prefill"] > 0
+    assert stages["prefill-0 step"] > 0 and stages["decode-0 step"] > 0
     assert res["sections"]["max_rate"]["points"][0]["rate"] == 4
+    assert res["sections"]["max_rate"]["points"][0]["stage_means_ms"]["decode-0 step"] > 0
     assert res["sections"]["max_rate"]["reused"]  # one disaggregated cluster served three sections
