@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-per-decode", type=int, default=64)
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts up to this many tokens are prefilled on the decode worker")
+    p.add_argument("--reserve-before-prefill", action="store_true",
+                   help="send a prompt's Prefill only once its decode worker has reserved the KV blocks (default: "
+                        "both at once, the KV target following the Prefill)")
     p.add_argument("--max-retries", type=int, default=3)
     p.add_argument("--stream-interval", type=int, default=1,
                    help="new tokens per chunk of a stream that does not ask for its own (1: every step; N: the "
@@ -75,7 +78,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_dir = str(demo_model_dir())
     pool = WorkerPoolConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), both=tuple(args.worker),
                             max_inflight_per_decode=args.max_inflight_per_decode,
-                            local_prefill_tokens=args.local_prefill_tokens)
+                            local_prefill_tokens=args.local_prefill_tokens,
+                            prefill_target_follows=not args.reserve_before_prefill)
     defaults = GatewayConfig(model_dir=model_dir).tiers
     tiers = {t: TierConfig(args.queue_capacity, defaults[t].aging_s, defaults[t].default_deadline_s) for t in Tier}
     return GatewayConfig(

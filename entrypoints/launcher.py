@@ -174,6 +174,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         gw += ["--stream-interval", str(a.stream_interval)]
     if a.local_prefill_tokens is not None:
         gw += ["--local-prefill-tokens", str(a.local_prefill_tokens)]
+    if a.reserve_before_prefill:
+        gw += ["--reserve-before-prefill"]
     if a.max_model_len is not None:
         gw += ["--max-context", str(a.max_model_len)]
     if a.block_size is not None:
@@ -252,6 +254,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="new tokens per chunk of a stream that does not ask for its own (default: the gateway's, 1)")
     p.add_argument("--local-prefill-tokens", type=int, default=None,
                    help="prefill on the decode worker when it lacks fewer tokens than this (default: the gateway's)")
+    p.add_argument("--reserve-before-prefill", action="store_true",
+                   help="the gateway sends a prompt's Prefill only once the decode worker reserved its KV blocks "
+                        "(default: both at once)")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: inherit the terminal)")
     p.add_argument("--auth-token-file", default=None,
                    help="the cluster token every process requires on its internal RPCs and KV handshake "

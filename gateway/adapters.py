@@ -109,16 +109,23 @@ def reserve_request(request_id: str, token_ids: Sequence[int], max_tokens: int, 
                               num_output_tokens=num_output_tokens)
 
 
+def kv_target(decode_worker_id: str, reservation: Reservation, voucher: str = "") -> wpb.KvTarget:
+    return wpb.KvTarget(worker_id=decode_worker_id, kv_address=reservation.kv_address,
+                        reservation_id=reservation.reservation_id, num_cached_blocks=reservation.num_cached_blocks,
+                        dst_block_ids=reservation.dst_block_ids, voucher=voucher)
+
+
 def prefill_request(request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
-                    decode_worker_id: str, reservation: Reservation, timeout_s: float | None,
-                    num_output_tokens: int, voucher: str = "") -> wpb.PrefillRequest:
-    target = wpb.KvTarget(worker_id=decode_worker_id, kv_address=reservation.kv_address,
-                          reservation_id=reservation.reservation_id,
-                          num_cached_blocks=reservation.num_cached_blocks,
-                          dst_block_ids=reservation.dst_block_ids, voucher=voucher)
+                    target: wpb.KvTarget | None, timeout_s: float | None,
+                    num_output_tokens: int) -> wpb.PrefillRequest:
+    """target None: it follows in a PrefillTarget call (`target_follows`)."""
     return wpb.PrefillRequest(request_id=request_id, token_ids=token_ids, params=wire.params_to_proto(params),
-                              tier=wire.tier_to_proto(tier), target=target, timeout_ms=timeout_ms(timeout_s),
-                              num_output_tokens=num_output_tokens)
+                              tier=wire.tier_to_proto(tier), target=target, target_follows=target is None,
+                              timeout_ms=timeout_ms(timeout_s), num_output_tokens=num_output_tokens)
+
+
+def prefill_target_request(request_id: str, target: wpb.KvTarget) -> wpb.PrefillTargetRequest:
+    return wpb.PrefillTargetRequest(request_id=request_id, target=target)
 
 
 def decode_request(request_id: str, reservation_id: int, first_token_id: int, params: SamplingParams,

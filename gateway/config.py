@@ -58,6 +58,9 @@ class WorkerPoolConfig:
     local_prefill_tokens: a decode worker prefills a prompt itself (PrefillAndDecode, no
         transfer) when the prompt has at most this many tokens; 0 = always disaggregate
         while a prefill worker is up.
+    prefill_target_follows: send a disaggregated request's Prefill together with its Reserve,
+        the KV target following once the decode worker has reserved (the prefill worker
+        computes meanwhile); False: the Prefill waits for the reservation.
     """
 
     prefill: tuple[str, ...] = ()
@@ -67,6 +70,7 @@ class WorkerPoolConfig:
     stats_interval_s: float = 0.1
     stats_timeout_s: float = 1.0
     local_prefill_tokens: int = 0
+    prefill_target_follows: bool = True
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

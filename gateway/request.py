@@ -100,8 +100,13 @@ class RequestRunner:
     """
 
     def __init__(self, *, dispatcher: Dispatcher, placer: Placer, block_size: int, max_retries: int,
-                 metrics: GatewayMetrics, liveness: LivenessConfig | None = None) -> None:
+                 metrics: GatewayMetrics, liveness: LivenessConfig | None = None,
+                 prefill_target_follows: bool = True) -> None:
         self.dispatcher = dispatcher
+        # Send a disaggregated attempt's Prefill with its Reserve (the target follows); an
+        # attempt after a refused Reserve waits for the reservation, so a short decode worker
+        # does not cost a prefill per retry.
+        self.prefill_target_follows = prefill_target_follows
         self.placer = placer
         self.block_size = block_size
         self.max_retries = max_retries
@@ -186,7 +191,7 @@ class RequestRunner:
             retry = True
             backoff = 0.0
             try:
-                await self._attempt(st, worker)
+                await self._attempt(st, worker, target_follows=self.prefill_target_follows and not no_room)
                 return
             except _NoRoom as exc:
                 logger.debug("request %s: %s has no room (%s)", st.request_id, worker.name, exc)
@@ -212,7 +217,7 @@ class RequestRunner:
             if backoff:  # D had no free blocks: give running requests a moment, slot released
                 await asyncio.sleep(backoff)
 
-    async def _attempt(self, st: RequestState, d: WorkerHandle) -> None:
+    async def _attempt(self, st: RequestState, d: WorkerHandle, target_follows: bool) -> None:
         st.attempts += 1
         # Workers see one id per attempt, so a late Abort of an earlier attempt cannot hit this one.
         wrid = st.request_id if st.attempts == 1 else f"{st.request_id}#{st.attempts - 1}"
@@ -228,7 +233,7 @@ class RequestRunner:
             self._hold(st, d, wrid)
             await self._consume(st, d, wrid, stream)
         else:
-            await self._disaggregated(st, placement, wrid, tokens, n_out)
+            await self._disaggregated(st, placement, wrid, tokens, n_out, target_follows)
 
     def _note_prefill(self, st: RequestState, wrid: str, placement: Placement) -> None:
         w = placement.computes_prompt
@@ -236,30 +241,41 @@ class RequestRunner:
         self.dispatcher.note_prefill(wrid, st.admitted.tier, w, placement.reason)
 
     async def _disaggregated(self, st: RequestState, placement: Placement, wrid: str, tokens: list[int],
-                             n_out: int) -> None:
+                             n_out: int, target_follows: bool) -> None:
+        """Reserve on D, Prefill on P, Decode on D. target_follows: the Prefill goes out with the
+        Reserve, without its target, and the target follows once D has reserved (P computes
+        meanwhile; a refused Reserve aborts it). Else the Prefill waits for the reservation."""
         d = placement.decode
         params = st.admitted.params
         # 1. D reserves blocks. Shielded: if we are cancelled meanwhile, the cleanup waits for
         # the answer before aborting, so a late reservation cannot leak.
         reserve = d.client.reserve(wrid, tokens, params.max_tokens - n_out, st.admitted.tier, n_out, st.deadline)
         self._hold(st, d, wrid, reserve)
-        t = time.monotonic()
-        resv = await self._unless_stalled(d, "reserve", self.liveness.prefill_timeout(d), asyncio.shield(reserve))
-        self.metrics.worker_calls.labels("reserve").observe(time.monotonic() - t)
-        if not resv.ok:
-            self._unhold(st, d, wrid)
-            raise _NoRoom(resv.reason or "reservation refused")
+        reserve_sent = time.monotonic()
+        resv = None if target_follows else await self._reserved(st, d, wrid, reserve, reserve_sent)
         # 2. P prefills and pushes the KV into D's reserved blocks.
         placement = await self.placer.route_prefill(st.needs, placement, tokens, resumed=n_out > 0)
         p = placement.computes_prompt
         self._note_prefill(st, wrid, placement)
         self._hold(st, p, wrid)
         t = time.monotonic()
+        prefill = p.client.prefill(wrid, tokens, params, st.admitted.tier, n_out, st.deadline, d.name, resv)
         try:
-            first = await self._unless_stalled(
-                p, "prefill", self.liveness.prefill_timeout(p),
-                p.client.prefill(wrid, tokens, params, st.admitted.tier, d.name, resv, n_out, st.deadline))
+            if resv is None:
+                resv = await self._reserved(st, d, wrid, reserve, reserve_sent)
+                target = p.client.prefill_target(wrid, d.name, resv, st.deadline)
+                try:
+                    await self._unless_stalled(p, "prefill", self.liveness.prefill_timeout(p), target)
+                except WorkerUnavailable:
+                    if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                        raise prefill.exception() from None  # why the prefill ended: the target came too late
+                    raise
+            first = await self._unless_stalled(p, "prefill", self.liveness.prefill_timeout(p), prefill)
         finally:
+            if not prefill.done():
+                prefill.cancel()  # P aborts a prefill whose call is cancelled
+            elif not prefill.cancelled():
+                prefill.exception()  # read, so an error nobody awaits is not logged as lost
             self.placer.release(st.needs)
         self.metrics.worker_calls.labels("prefill").observe(time.monotonic() - t)
         self._unhold(st, p, wrid)  # P released its blocks once the KV was handed to the sender
@@ -275,6 +291,16 @@ class RequestRunner:
         stream = d.client.decode(wrid, resv.reservation_id, first.first_token_id, params, st.deadline,
                                  st.worker_interval)
         await self._consume(st, d, wrid, stream)
+
+    async def _reserved(self, st: RequestState, d: WorkerHandle, wrid: str, reserve: asyncio.Future[Reservation],
+                        sent: float) -> Reservation:
+        """The answer to the Reserve sent at `sent`; _NoRoom when D refused it."""
+        resv = await self._unless_stalled(d, "reserve", self.liveness.prefill_timeout(d), asyncio.shield(reserve))
+        self.metrics.worker_calls.labels("reserve").observe(time.monotonic() - sent)
+        if not resv.ok:
+            self._unhold(st, d, wrid)
+            raise _NoRoom(resv.reason or "reservation refused")
+        return resv
 
     async def _consume(self, st: RequestState, w: WorkerHandle, wrid: str, stream: ChunkStream) -> None:
         """Relay a worker's chunks until the request ends; raises WorkerUnavailable on failure,

@@ -69,7 +69,8 @@ class Gateway:
                              sticky_bonus=config.routing.decode_sticky_bonus, metrics=self.metrics)
         self.dispatcher = Dispatcher(queues, self.registry, self.placer, self.metrics)
         self.runner = RequestRunner(dispatcher=self.dispatcher, placer=self.placer, block_size=config.block_size,
-                                    max_retries=config.max_retries, metrics=self.metrics, liveness=config.liveness)
+                                    max_retries=config.max_retries, metrics=self.metrics, liveness=config.liveness,
+                                    prefill_target_follows=config.workers.prefill_target_follows)
         self.admission = Admission(config=config, model=self.model, runner=self.runner, placer=self.placer,
                                    dispatcher=self.dispatcher, registry=self.registry, metrics=self.metrics)
         self.service = TandemService(config=config, model=self.model, admission=self.admission, metrics=self.metrics)

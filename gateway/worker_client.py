@@ -163,17 +163,32 @@ class WorkerClient:
                                                            num_output_tokens), timeout=timeout, metadata=self._md)
         return asyncio.ensure_future(self._unary(call, "reserve", deadline, adapters.reservation_from_proto))
 
-    async def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
-                      decode_worker_id: str, reservation: Reservation, num_output_tokens: int,
-                      deadline: float) -> PrefillResult:
-        """Prefill on this (prefill) worker, pushing the KV into `reservation` on the decode worker."""
+    def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, tier: Tier,
+                num_output_tokens: int, deadline: float, decode_worker_id: str = "",
+                reservation: Reservation | None = None) -> asyncio.Future[PrefillResult]:
+        """Start a Prefill on this (prefill) worker; the future holds its first token or a
+        WorkerCallError. It pushes the KV into `reservation` on `decode_worker_id`; without one
+        the target follows (`prefill_target`) and the worker computes meanwhile."""
         timeout = _remaining(deadline)
+        target = None if reservation is None else self._target(request_id, decode_worker_id, reservation)
+        call = self._stub.Prefill(adapters.prefill_request(request_id, token_ids, params, tier, target, timeout,
+                                                           num_output_tokens), timeout=timeout, metadata=self._md)
+        return asyncio.ensure_future(self._unary(call, "prefill", deadline, adapters.prefill_result_from_proto))
+
+    async def prefill_target(self, request_id: str, decode_worker_id: str, reservation: Reservation,
+                             deadline: float) -> None:
+        """Send the target of a Prefill started without one; WorkerCallError when refused."""
+        call = self._stub.PrefillTarget(
+            adapters.prefill_target_request(request_id, self._target(request_id, decode_worker_id, reservation)),
+            timeout=_remaining(deadline), metadata=self._md)
+        await self._unary(call, "prefill", deadline, lambda _msg: None)
+
+    def _target(self, request_id: str, decode_worker_id: str, reservation: Reservation) -> Any:
+        """The KvTarget of `reservation`, with the gateway's voucher (a prefill worker pushes only
+        to vouched targets)."""
         voucher = security.kv_voucher(self._token, request_id, reservation.reservation_id, decode_worker_id,
-                                      reservation.kv_address)  # the prefill worker pushes only to vouched targets
-        call = self._stub.Prefill(adapters.prefill_request(request_id, token_ids, params, tier, decode_worker_id,
-                                                           reservation, timeout, num_output_tokens, voucher),
-                                  timeout=timeout, metadata=self._md)
-        return await self._unary(call, "prefill", deadline, adapters.prefill_result_from_proto)
+                                      reservation.kv_address)
+        return adapters.kv_target(decode_worker_id, reservation, voucher)
 
     def decode(self, request_id: str, reservation_id: int, first_token_id: int, params: SamplingParams,
                deadline: float, stream_interval: int = 1) -> ChunkStream:

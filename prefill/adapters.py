@@ -36,44 +36,57 @@ class PrefillInput:
     token_ids: list[int]
     params: SamplingParams
     tier: Tier
-    target: KvTarget
+    target: KvTarget | None  # None: it follows (PrefillTarget)
     timeout_s: float | None
     num_output_tokens: int
 
 
 def prefill_from_proto(msg: worker_pb2.PrefillRequest, block_size: int) -> PrefillInput:
-    """Also checks that the target's blocks cover exactly the prompt blocks D lacks:
-    len(dst_block_ids) == ceil(len(token_ids) / block_size) - num_cached_blocks."""
+    """The request, its target checked by `target_from_proto`; target None when it follows
+    (`target_follows`: a PrefillTarget call brings it)."""
     if not msg.request_id:
         raise ValueError("request_id: must not be empty")
     if not msg.token_ids:
         raise ValueError("token_ids: the prompt must not be empty")
-    if not msg.HasField("target"):
-        raise ValueError("target: a KvTarget is required")
-    t = msg.target
-    addresses = split_kv_addresses(t.kv_address)
-    for address in addresses:
-        if not address.startswith(_SCHEMES):
-            raise ValueError(f"target.kv_address: expected tcp://, ipc:// or inproc:// endpoints, got {t.kv_address!r}")
-    prompt_blocks = -(-len(msg.token_ids) // block_size)
-    if t.num_cached_blocks >= prompt_blocks:
-        raise ValueError(f"target.num_cached_blocks: {t.num_cached_blocks} leaves none of the prompt's {prompt_blocks} blocks to send")
-    want = prompt_blocks - t.num_cached_blocks
-    if len(t.dst_block_ids) != want:
-        raise ValueError(
-            f"target.dst_block_ids: {len(t.dst_block_ids)} blocks for {want} prompt blocks to send "
-            f"(block size here is {block_size}; prefill and decode workers must use the same)"
-        )
+    if msg.target_follows:
+        if msg.HasField("target"):
+            raise ValueError("target: must be absent when target_follows is set (a PrefillTarget call brings it)")
+        target = None
+    elif not msg.HasField("target"):
+        raise ValueError("target: a KvTarget is required (or target_follows, and a PrefillTarget call)")
+    else:
+        target = target_from_proto(msg.target, len(msg.token_ids), block_size)
     return PrefillInput(
         request_id=msg.request_id,
         token_ids=list(msg.token_ids),
         params=wire.params_from_proto(msg.params),
         tier=wire.tier_from_proto(msg.tier),
-        target=KvTarget(t.worker_id, t.kv_address, t.reservation_id, t.num_cached_blocks, list(t.dst_block_ids),
-                        tuple(addresses)),
+        target=target,
         timeout_s=msg.timeout_ms / 1000.0 if msg.timeout_ms else None,
         num_output_tokens=msg.num_output_tokens,
     )
+
+
+def target_from_proto(t: worker_pb2.KvTarget, num_tokens: int, block_size: int, field: str = "target") -> KvTarget:
+    """Checks that the target's blocks cover exactly the prompt blocks D lacks:
+    len(dst_block_ids) == ceil(num_tokens / block_size) - num_cached_blocks. ValueError naming
+    the field otherwise."""
+    addresses = split_kv_addresses(t.kv_address)
+    for address in addresses:
+        if not address.startswith(_SCHEMES):
+            raise ValueError(f"{field}.kv_address: expected tcp://, ipc:// or inproc:// endpoints, got {t.kv_address!r}")
+    prompt_blocks = -(-num_tokens // block_size)
+    if t.num_cached_blocks >= prompt_blocks:
+        raise ValueError(f"{field}.num_cached_blocks: {t.num_cached_blocks} leaves none of the prompt's {prompt_blocks} "
+                         "blocks to send")
+    want = prompt_blocks - t.num_cached_blocks
+    if len(t.dst_block_ids) != want:
+        raise ValueError(
+            f"{field}.dst_block_ids: {len(t.dst_block_ids)} blocks for {want} prompt blocks to send "
+            f"(block size here is {block_size}; prefill and decode workers must use the same)"
+        )
+    return KvTarget(t.worker_id, t.kv_address, t.reservation_id, t.num_cached_blocks, list(t.dst_block_ids),
+                    tuple(addresses))
 
 
 def prefill_response(out: StepOutput, prompt_tokens: int, cached_tokens: int, want_logprobs: bool) -> worker_pb2.PrefillResponse:

@@ -9,6 +9,14 @@ returning. When the step's output (the first token) reaches the request's listen
 commits the transfer with the token and frees the engine's blocks at once: the sender no
 longer reads them.
 
+A job's target may follow its prompt (`target_follows`: the gateway asks the decode worker for
+blocks while this worker computes). The service sets `PrefillJob.target` from its own thread
+and then runs `target_arrived` on the engine thread. A layer hook that sees no target yet skips
+the push; the first one that sees it pushes every layer up to its own. If the step ends first,
+the job keeps its output and its blocks (`awaiting`) and pushes every layer once the target
+comes, from the engine thread after the step (the sender gathers on the current stream, so
+after the forward); without a target within the timeout the job fails and frees its blocks.
+
 Tensor parallel (`ranks` set): this is rank 0; `step_extras` tells the other ranks which
 requests push in the step about to run (`prefill.tp_push`), each rank pushes its own KV heads
 to the decode rank of the same index, and the send future resolves once every rank's commit
@@ -25,7 +33,7 @@ from functools import partial
 from engine.engine import Engine
 from engine.outputs import FinishReason, Request, StepOutput, StepPlan
 from kvtransfer import KVSender, KVTransferError
-from prefill.adapters import PrefillInput
+from prefill.adapters import KvTarget, PrefillInput
 from prefill.push_mode import check_kv_push, layers_due, named_layers
 from prefill.tp_push import PushPlan, RankSends, combine_sends, encode_plans
 from tandem.types import DEADLINE
@@ -38,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 class PrefillFailed(Exception):
     """A prefill did not produce a committed transfer. `kind`: "aborted", "deadline",
-    "transfer" (the push failed) or "engine" (the engine failed or stopped)."""
+    "transfer" (the push failed, or its target never came) or "engine" (the engine failed or
+    stopped)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -54,9 +63,13 @@ class PrefillDone:
 
 @dataclass(eq=False)
 class PrefillJob:
+    """One Prefill call's work. `target` starts as the request's and, when that follows, is set
+    once by the service (any thread; the engine thread reads it in its hooks)."""
+
     inp: PrefillInput
     num_layers: int
     deadline: float | None = None
+    target: KvTarget | None = None
     request: Request | None = None
     opened: bool = False
     layers_sent: int = 0
@@ -64,10 +77,16 @@ class PrefillJob:
     timer: TimerHandle | None = None
     done: Future = field(default_factory=Future)  # Future[PrefillDone], or PrefillFailed
     rank_sends: Future | None = None  # TP: the other ranks' send results (prefill.tp_push.RankSends)
+    output: StepOutput | None = None  # the first token, kept while the job awaits its target
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = self.inp.target
 
     @property
     def transfer_id(self) -> str:
-        return transfer_id(self.inp.request_id, self.inp.target.reservation_id)
+        assert self.target is not None, "a transfer needs the job's target"
+        return transfer_id(self.inp.request_id, self.target.reservation_id)
 
     def finish(self, value: PrefillDone | PrefillFailed) -> None:
         try:
@@ -85,17 +104,21 @@ class KvPusher:
     ranks: on rank 0 of a tensor-parallel worker, the collector of the other ranks' results
       (None without TP). rank_timeout_s bounds the wait for them after the step.
     push: when the layers go ("layer" or "step", prefill.push_mode).
+    target_timeout_s: how long a computed prompt keeps its blocks waiting for a target that
+      follows (the job's own deadline, when sooner, applies).
     """
 
     def __init__(self, loop: EngineLoop, sender: KVSender, ranks: RankSends | None = None,
-                 rank_timeout_s: float = 30.0, push: str = "layer") -> None:
+                 rank_timeout_s: float = 30.0, push: str = "layer", target_timeout_s: float = 30.0) -> None:
         check_kv_push(push)
         self.loop = loop
         self.sender = sender
         self.ranks = ranks
         self.rank_timeout_s = rank_timeout_s
         self.push = push
-        self.jobs: dict[str, PrefillJob] = {}
+        self.target_timeout_s = target_timeout_s
+        self.jobs: dict[str, PrefillJob] = {}  # queued or computing
+        self.awaiting: dict[str, PrefillJob] = {}  # computed, waiting for the target to push to
 
     def start(self, engine: Engine, job: PrefillJob) -> Request:
         """Queue the job's prompt (prefill only); ValueError for bad input."""
@@ -109,9 +132,42 @@ class KvPusher:
             job.timer = self.loop.call_at(job.deadline, partial(self._expire, job))
         return request
 
+    def abort(self, engine: Engine, request_id: str, reason: str = "aborted") -> bool:
+        """End `request_id`'s job wherever it is (queued, computing or awaiting its target) and
+        free its blocks; its Prefill call fails. Whether anything knew the id."""
+        job = self.awaiting.pop(request_id, None)
+        if job is None:
+            return self.loop.abort_now(request_id, reason)
+        if job.timer is not None:
+            job.timer.cancel()
+        kind = "deadline" if reason == DEADLINE else "aborted"
+        self._fail(engine, job, PrefillFailed(kind, f"request {request_id} {reason}"))
+        return True
+
+    def target_arrived(self, engine: Engine, job: PrefillJob) -> None:
+        """Run on the engine thread after the service set `job.target`: push and commit now if
+        the job was only waiting for it (else a layer hook or `_on_output` will see it)."""
+        if self.awaiting.get(job.inp.request_id) is not job:
+            return
+        del self.awaiting[job.inp.request_id]
+        if job.timer is not None:
+            job.timer.cancel()
+        assert job.output is not None
+        self._push_rest_and_commit(engine, job, job.output)
+
     def _expire(self, job: PrefillJob, engine: Engine) -> None:
         if self.jobs.get(job.inp.request_id) is job:
             self.loop.abort_now(job.inp.request_id, DEADLINE)
+
+    def _no_target(self, job: PrefillJob, engine: Engine) -> None:
+        if self.awaiting.get(job.inp.request_id) is not job:
+            return
+        del self.awaiting[job.inp.request_id]
+        if job.deadline is not None and time.monotonic() >= job.deadline:
+            self._fail(engine, job, PrefillFailed("deadline", f"request {job.inp.request_id} {DEADLINE}"))
+        else:
+            self._fail(engine, job, PrefillFailed(
+                "transfer", f"no KV target came for {job.inp.request_id} within {self.target_timeout_s:g}s"))
 
     # ---- engine hooks -------------------------------------------------------------------------
     def _pushing(self, plan: StepPlan) -> list[PrefillJob]:
@@ -127,9 +183,11 @@ class KvPusher:
         if not self.jobs:
             return
         for job in self._pushing(plan):
+            if job.target is None:  # it follows; a later layer or the step's end pushes
+                continue
             due = layers_due(layer, job.num_layers, self.push)
-            if due:
-                self._push(job, due)
+            if due and job.layers_sent < due.stop:
+                self._push(job, range(job.layers_sent, due.stop))
 
     def step_extras(self, plan: StepPlan) -> bytes:
         """TP rank 0, before the step is broadcast: what the other ranks push during it."""
@@ -137,7 +195,8 @@ class KvPusher:
             return b""
         plans = []
         for job in self._pushing(plan):
-            target = job.inp.target
+            target = job.target
+            assert target is not None, "a tensor-parallel prefill is queued only once its target is known"
             first = target.num_cached_blocks
             src = job.request.block_table[first : first + len(target.dst_block_ids)]
             plans.append(PushPlan(job.transfer_id, list(target.kv_addresses), job.num_layers, list(src),
@@ -146,7 +205,8 @@ class KvPusher:
         return encode_plans(plans)
 
     def _push(self, job: PrefillJob, layers: range) -> None:
-        target = job.inp.target
+        target = job.target
+        assert target is not None
         try:
             if not job.opened:
                 self.sender.open(job.transfer_id, target.kv_addresses[0], job.num_layers)
@@ -171,7 +231,23 @@ class KvPusher:
         elif out.finish_reason is FinishReason.ABORT:
             kind = "deadline" if out.stop_reason == DEADLINE else "aborted"
             self._fail(engine, job, PrefillFailed(kind, f"request {rid} {out.stop_reason or 'aborted'}"))
-        elif job.error is not None or job.layers_sent != job.num_layers:
+        elif job.error is not None:
+            self._fail(engine, job, PrefillFailed("transfer", job.error))
+        elif job.target is None:  # computed before its target came: hold the KV for it
+            job.output = out
+            self.awaiting[rid] = job
+            wait_until = time.monotonic() + self.target_timeout_s
+            if job.deadline is not None:
+                wait_until = min(wait_until, job.deadline)
+            job.timer = self.loop.call_at(wait_until, partial(self._no_target, job))
+        else:
+            self._push_rest_and_commit(engine, job, out)
+
+    def _push_rest_and_commit(self, engine: Engine, job: PrefillJob, out: StepOutput) -> None:
+        """After the step: push the layers no hook pushed (the target came late), then commit."""
+        if job.layers_sent < job.num_layers and job.rank_sends is None:
+            self._push(job, range(job.layers_sent, job.num_layers))
+        if job.error is not None or job.layers_sent != job.num_layers:
             why = job.error or f"only {job.layers_sent} of {job.num_layers} layers were pushed"
             self._fail(engine, job, PrefillFailed("transfer", why))
         else:

@@ -139,3 +139,54 @@ def test_decode_worker_killed_mid_stream_resumes_exactly_once(model_dir: Path, l
         gw.stop()
     for name in ("p", "d"):
         wait_idle(cluster[name], WAIT)
+
+
+def test_a_refused_reservation_aborts_the_prefill_sent_with_it(model_dir: Path, llm, cluster, tmp_path) -> None:
+    """The gateway sends a prompt's Prefill with its Reserve (the target follows). When the
+    decode worker has no room, the prefill is aborted (P frees its blocks), the attempts after
+    that wait for a reservation before they prefill, and the request completes once room frees
+    up, with the offline engine's tokens."""
+    [small] = start_workers([("decode", ["--num-kv-blocks", "16", "--max-running", "4"], {OVERLAP_ENV: "1"})],
+                            model_dir, tmp_path)
+    gw = gateway_for(model_dir, [cluster["p"]], [small])
+    p = cluster["p"].worker_id
+    try:
+        first = list(range(100, 116))  # 16 tokens; with 200 more it holds 14 of the 16 blocks
+        second = list(range(150, 230))  # 80 tokens: 6 blocks
+        want = reference(llm, second, max_tokens=4, **GREEDY)
+        with Client(gw.target, timeout=WAIT) as c, ThreadPoolExecutor(1) as pool:
+            stream = c.stream(first, max_tokens=200, ignore_eos=True, **GREEDY)
+            got_first = []
+            while len(got_first) < 170:  # 186 tokens in 12 blocks: 4 free, too few for the second
+                got_first += next(stream).token_ids
+            late = pool.submit(c.generate, second, max_tokens=4, **GREEDY)
+            wait_until(lambda: gw.metric("tandem_gateway_prefill_requests_total", {"worker": p}) >= 2, WAIT,
+                       what="the second request's prefill to be sent with its Reserve")
+            got_first += [t for ch in stream for t in ch.token_ids]
+            got = late.result(WAIT)
+        assert len(got_first) == 200
+        assert got.token_ids == want.token_ids
+        # The first request's prefill, the second's sent with its refused Reserve, and its last.
+        assert gw.metric("tandem_gateway_prefill_requests_total", {"worker": p}) == 3
+    finally:
+        gw.stop()
+        stop_workers([small])
+    wait_idle(cluster["p"], WAIT)
+
+
+def test_the_prefill_can_wait_for_the_reservation(model_dir: Path, llm, cluster) -> None:
+    """`--reserve-before-prefill`: the Prefill goes out with its target once D has reserved."""
+    pool = WorkerPoolConfig(prefill=(cluster["p"].address,), decode=(cluster["d"].address,),
+                            prefill_target_follows=False)
+    gw = GatewayThread(GatewayConfig(model_dir=str(model_dir), port=0, workers=pool))
+    try:
+        assert gw.wait_ready(WAIT)
+        prompts = ["Hello there", "One more prompt that spans more than a single block of sixteen tokens."]
+        with Client(gw.target, timeout=WAIT) as c:
+            for prompt in prompts:
+                want = reference(llm, prompt, max_tokens=8, **GREEDY)
+                assert c.generate(prompt, max_tokens=8, **GREEDY).token_ids == want.token_ids
+    finally:
+        gw.stop()
+    for name in ("p", "d"):
+        wait_idle(cluster[name], WAIT)

@@ -365,6 +365,105 @@ def test_bad_requests_are_invalid_argument(cluster):
     assert_no_leaks(d, p, b)
 
 
+def prefill_follows(p: Worker, rid: str, prompt: list[int], params=GREEDY, timeout_ms: int = 20000) -> grpc.Future:
+    """Start a Prefill whose target follows (the gateway's default): the call's future."""
+    return p.stub.Prefill.future(w.PrefillRequest(request_id=rid, token_ids=prompt, params=wire.params_to_proto(params),
+                                                  target_follows=True, timeout_ms=timeout_ms), timeout=WAIT_S)
+
+
+def send_target(p: Worker, rid: str, r: w.ReserveResponse, dst_block_ids=None) -> w.PrefillTargetResponse:
+    target = w.KvTarget(worker_id="d", kv_address=r.kv_address, reservation_id=r.reservation_id,
+                        num_cached_blocks=r.num_cached_blocks,
+                        dst_block_ids=r.dst_block_ids if dst_block_ids is None else dst_block_ids)
+    return p.stub.PrefillTarget(w.PrefillTargetRequest(request_id=rid, target=target), timeout=WAIT_S)
+
+
+def computed_and_waiting(p: Worker) -> bool:
+    """P runs nothing but holds a prompt's blocks: a prefill computed, waiting for its target."""
+    s = p.stats()
+    return s.running == 0 and s.waiting == 0 and s.free_kv_blocks < s.total_kv_blocks
+
+
+def rpc_error(fut: grpc.Future) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        fut.result(timeout=WAIT_S)
+    return err.value
+
+
+def test_a_target_that_follows_the_prefill_gives_the_same_tokens(cluster, reference):
+    """The target sent with the Reserve's answer while P computes, or only once P has computed
+    the prompt (it then holds the KV and pushes when the target comes): the same tokens."""
+    d, p = cluster["d"], cluster["p"]
+    prompts = [fresh_prompt(n) for n in (5, 33, 70)]
+    want = reference(prompts)
+    for late in (False, True):
+        for i, prompt in enumerate(prompts):
+            rid = f"follows-{late}-{i}"
+            fut = prefill_follows(p, rid, prompt)
+            if late:
+                wait_until(lambda: computed_and_waiting(p), "P to compute the prompt and wait for its target")
+                assert not fut.done()
+            r = reserve(d, rid, prompt)
+            send_target(p, rid, r)
+            pr = fut.result(timeout=WAIT_S)
+            assert pr.prompt_tokens == len(prompt)
+            chunks = list(decode_call(d, rid, r, pr.first_token_id))
+            assert [pr.first_token_id] + [t for c in chunks for t in c.token_ids] == want[i], (late, i)
+    with pytest.raises(grpc.RpcError) as err:  # the prefill is over: nothing waits for a target
+        send_target(p, rid, r)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "request_id" in err.value.details()
+    # A target that overtakes its Prefill on the way waits for it.
+    prompt = fresh_prompt(21)
+    r = reserve(d, "follows-early", prompt)
+    target = threading.Thread(target=send_target, args=(p, "follows-early", r))
+    target.start()
+    time.sleep(0.2)  # ordering only: the target is sent first (no assertion on time)
+    pr = prefill_follows(p, "follows-early", prompt).result(timeout=WAIT_S)
+    target.join(WAIT_S)
+    chunks = list(decode_call(d, "follows-early", r, pr.first_token_id))
+    assert [pr.first_token_id] + [t for c in chunks for t in c.token_ids] == reference([prompt])[0]
+    assert_no_leaks(d, p)
+
+
+def test_a_prefill_waiting_for_its_target_ends_cleanly(cluster):
+    """Aborted, cancelled, past its deadline or given a bad target while it holds the computed
+    prompt: the Prefill call fails with its reason and P frees every block."""
+    d, p = cluster["d"], cluster["p"]
+    fut = prefill_follows(p, "tf-abort", fresh_prompt(40))
+    wait_until(lambda: computed_and_waiting(p), "P to wait for the target")
+    assert p.stub.Abort(pb.AbortRequest(request_id="tf-abort"), timeout=WAIT_S).found
+    assert rpc_error(fut).code() == grpc.StatusCode.ABORTED
+    assert_no_leaks(p)
+
+    fut = prefill_follows(p, "tf-cancel", fresh_prompt(40))
+    wait_until(lambda: computed_and_waiting(p), "P to wait for the target")
+    fut.cancel()
+    assert_no_leaks(p)
+
+    err = rpc_error(prefill_follows(p, "tf-deadline", fresh_prompt(40), timeout_ms=300))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_no_leaks(p)
+
+    prompt = fresh_prompt(40)
+    fut = prefill_follows(p, "tf-bad", prompt)
+    r = reserve(d, "tf-bad", prompt)
+    with pytest.raises(grpc.RpcError) as err:
+        send_target(p, "tf-bad", r, dst_block_ids=[1])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "target.dst_block_ids" in err.value.details()
+    failed = rpc_error(fut)
+    assert failed.code() == grpc.StatusCode.ABORTED and "refused" in failed.details()
+    assert d.stub.Release(w.ReleaseRequest(request_id="tf-bad", reservation_id=r.reservation_id)).found
+
+    with pytest.raises(grpc.RpcError) as err:  # a target with target_follows: one or the other
+        p.stub.Prefill(w.PrefillRequest(request_id="tf-both", token_ids=prompt, target_follows=True,
+                                        target=w.KvTarget(kv_address=r.kv_address)), timeout=WAIT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "target" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        send_target(p, "tf-never-sent", r)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_no_leaks(d, p)
+
+
 def test_kv_events_stream_starts_with_every_cached_block(cluster):
     b = cluster["b"]
     seed = seed_hash(b.info["model_identity"])

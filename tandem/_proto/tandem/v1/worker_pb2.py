@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from tandem._proto.tandem.v1 import tandem_pb2 as tandem_dot_v1_dot_tandem__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"\x8c\x01\n\x08KvTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x12\x0f\n\x07voucher\x18\x06 \x01(\t\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12#\n\x06target\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KvTarget\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x99\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"\xa0\x01\n\x0fReserveResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x15\n\rdst_block_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\"\xab\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"\xa7\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xd2\x01\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\"<\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xde\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x08 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0cmetrics_port\x18\x0e \x01(\r\"\x11\n\x0fKvEventsRequest\"^\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x06\x12\x0f\n\x07removed\x18\x05 \x03(\x06*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\x8a\x02\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x41\n\x08KvEvents\x12\x1a.tandem.v1.KvEventsRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x32\xdb\x03\n\x0c\x44\x65\x63odeWorker\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeChunk0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12P\n\x10PrefillAndDecode\x12\".tandem.v1.GenerateOnWorkerRequest\x1a\x16.tandem.v1.DecodeChunk0\x01\x12\x41\n\x08KvEvents\x12\x1a.tandem.v1.KvEventsRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/tandem.proto\"\x8c\x01\n\x08KvTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x12\x0f\n\x07voucher\x18\x06 \x01(\t\"\xed\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12#\n\x06target\x18\x05 \x01(\x0b\x32\x13.tandem.v1.KvTarget\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x16\n\x0etarget_follows\x18\x08 \x01(\x08\"O\n\x14PrefillTargetRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KvTarget\"\x17\n\x15PrefillTargetResponse\"\xcc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\x99\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\"\xa0\x01\n\x0fReserveResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0ereservation_id\x18\x03 \x01(\x04\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x15\n\rdst_block_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\"\xab\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x17\n\x0fstream_interval\x18\x06 \x01(\r\"\xa7\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xd2\x01\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1d\n\x04tier\x18\x04 \x01(\x0e\x32\x0f.tandem.v1.Tier\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\"<\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xde\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x08 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0b \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x0c \x01(\x04\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x14\n\x0cmetrics_port\x18\x0e \x01(\r\"\x11\n\x0fKvEventsRequest\"^\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x06\x12\x0f\n\x07removed\x18\x05 \x03(\x06*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xde\x02\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12R\n\rPrefillTarget\x12\x1f.tandem.v1.PrefillTargetRequest\x1a .tandem.v1.PrefillTargetResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12\x41\n\x08KvEvents\x12\x1a.tandem.v1.KvEventsRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x32\xdb\x03\n\x0c\x44\x65\x63odeWorker\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.DecodeChunk0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12P\n\x10PrefillAndDecode\x12\".tandem.v1.GenerateOnWorkerRequest\x1a\x16.tandem.v1.DecodeChunk0\x01\x12\x41\n\x08KvEvents\x12\x1a.tandem.v1.KvEventsRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2083
-  _globals['_WORKERROLE']._serialized_end=2195
+  _globals['_WORKERROLE']._serialized_start=2213
+  _globals['_WORKERROLE']._serialized_end=2325
   _globals['_KVTARGET']._serialized_start=62
   _globals['_KVTARGET']._serialized_end=202
   _globals['_PREFILLREQUEST']._serialized_start=205
-  _globals['_PREFILLREQUEST']._serialized_end=418
-  _globals['_PREFILLRESPONSE']._serialized_start=421
-  _globals['_PREFILLRESPONSE']._serialized_end=625
-  _globals['_RESERVEREQUEST']._serialized_start=628
-  _globals['_RESERVEREQUEST']._serialized_end=781
-  _globals['_RESERVERESPONSE']._serialized_start=784
-  _globals['_RESERVERESPONSE']._serialized_end=944
-  _globals['_DECODEREQUEST']._serialized_start=947
-  _globals['_DECODEREQUEST']._serialized_end=1118
-  _globals['_DECODECHUNK']._serialized_start=1121
-  _globals['_DECODECHUNK']._serialized_end=1288
-  _globals['_GENERATEONWORKERREQUEST']._serialized_start=1291
-  _globals['_GENERATEONWORKERREQUEST']._serialized_end=1501
-  _globals['_RELEASEREQUEST']._serialized_start=1503
-  _globals['_RELEASEREQUEST']._serialized_end=1563
-  _globals['_RELEASERESPONSE']._serialized_start=1565
-  _globals['_RELEASERESPONSE']._serialized_end=1597
-  _globals['_STATSREQUEST']._serialized_start=1599
-  _globals['_STATSREQUEST']._serialized_end=1613
-  _globals['_WORKERSTATS']._serialized_start=1616
-  _globals['_WORKERSTATS']._serialized_end=1966
-  _globals['_KVEVENTSREQUEST']._serialized_start=1968
-  _globals['_KVEVENTSREQUEST']._serialized_end=1985
-  _globals['_KVEVENTBATCH']._serialized_start=1987
-  _globals['_KVEVENTBATCH']._serialized_end=2081
-  _globals['_PREFILLWORKER']._serialized_start=2198
-  _globals['_PREFILLWORKER']._serialized_end=2464
-  _globals['_DECODEWORKER']._serialized_start=2467
-  _globals['_DECODEWORKER']._serialized_end=2942
+  _globals['_PREFILLREQUEST']._serialized_end=442
+  _globals['_PREFILLTARGETREQUEST']._serialized_start=444
+  _globals['_PREFILLTARGETREQUEST']._serialized_end=523
+  _globals['_PREFILLTARGETRESPONSE']._serialized_start=525
+  _globals['_PREFILLTARGETRESPONSE']._serialized_end=548
+  _globals['_PREFILLRESPONSE']._serialized_start=551
+  _globals['_PREFILLRESPONSE']._serialized_end=755
+  _globals['_RESERVEREQUEST']._serialized_start=758
+  _globals['_RESERVEREQUEST']._serialized_end=911
+  _globals['_RESERVERESPONSE']._serialized_start=914
+  _globals['_RESERVERESPONSE']._serialized_end=1074
+  _globals['_DECODEREQUEST']._serialized_start=1077
+  _globals['_DECODEREQUEST']._serialized_end=1248
+  _globals['_DECODECHUNK']._serialized_start=1251
+  _globals['_DECODECHUNK']._serialized_end=1418
+  _globals['_GENERATEONWORKERREQUEST']._serialized_start=1421
+  _globals['_GENERATEONWORKERREQUEST']._serialized_end=1631
+  _globals['_RELEASEREQUEST']._serialized_start=1633
+  _globals['_RELEASEREQUEST']._serialized_end=1693
+  _globals['_RELEASERESPONSE']._serialized_start=1695
+  _globals['_RELEASERESPONSE']._serialized_end=1727
+  _globals['_STATSREQUEST']._serialized_start=1729
+  _globals['_STATSREQUEST']._serialized_end=1743
+  _globals['_WORKERSTATS']._serialized_start=1746
+  _globals['_WORKERSTATS']._serialized_end=2096
+  _globals['_KVEVENTSREQUEST']._serialized_start=2098
+  _globals['_KVEVENTSREQUEST']._serialized_end=2115
+  _globals['_KVEVENTBATCH']._serialized_start=2117
+  _globals['_KVEVENTBATCH']._serialized_end=2211
+  _globals['_PREFILLWORKER']._serialized_start=2328
+  _globals['_PREFILLWORKER']._serialized_end=2678
+  _globals['_DECODEWORKER']._serialized_start=2681
+  _globals['_DECODEWORKER']._serialized_end=3156
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class KvTarget(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., reservation_id: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., voucher: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "tier", "target", "timeout_ms", "num_output_tokens")
+    __slots__ = ("request_id", "token_ids", "params", "tier", "target", "timeout_ms", "num_output_tokens", "target_follows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class PrefillRequest(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _tandem_pb2.SamplingParams
@@ -51,7 +52,20 @@ class PrefillRequest(_message.Message):
     target: KvTarget
     timeout_ms: int
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_tandem_pb2.Tier, str]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    target_follows: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tandem_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[_tandem_pb2.Tier, str]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., target_follows: _Optional[bool] = ...) -> None: ...
+
+class PrefillTargetRequest(_message.Message):
+    __slots__ = ("request_id", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target: KvTarget
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ...) -> None: ...
+
+class PrefillTargetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "prompt_tokens", "cached_tokens", "finish_reason", "stop_reason")

@@ -40,6 +40,11 @@ class PrefillWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillTarget = channel.unary_unary(
+                '/tandem.v1.PrefillWorker/PrefillTarget',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillTargetRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillTargetResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/Abort',
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.AbortRequest.SerializeToString,
@@ -66,6 +71,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillTarget': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillTarget,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillTargetRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillTargetResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -110,6 +120,33 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/Prefill',
             tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillTarget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillWorker/PrefillTarget',
+            tandem_dot_v1_dot_worker__pb2.PrefillTargetRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.PrefillTargetResponse.FromString,
             options,
             channel_credentials,
             insecure,
