@@ -231,9 +231,14 @@ def test_the_hold_is_on_for_a_decode_turn_unless_turned_off(tmp_path: Path, monk
     p.before_step()
     t = time.monotonic()
     assert not d.holds_launch and d.before_forward() == 0.0 and time.monotonic() - t < 1.0  # no look, no wait
+    assert not d.holds(reserving=True)
     monkeypatch.setenv(HOLD_ENV, "1")
     d = DecodeTurn([str(f)], max_wait_s=0.2)
     assert d.holds_launch and d.before_forward() >= 0.2  # a look, bounded as before_step
+    assert d.holds(reserving=True) and not d.holds(reserving=False)  # only while a prefill is near
+    monkeypatch.setenv(HOLD_ENV, "always")
+    assert DecodeTurn([str(f)]).holds(reserving=False)
+    assert not GpuTurn().holds(reserving=True)
     p.close()
     d.close()
 

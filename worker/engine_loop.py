@@ -278,7 +278,7 @@ class EngineLoop:
             self.profiler.before_step()
         t0 = time.perf_counter()
         try:
-            hold = self._hold if self.turn.holds_launch and self.engine.holds_any() else None
+            hold = self._hold if self.turn.holds(self.engine.holds_any()) else None
             outputs = self.engine.step(on_layer=self.on_layer, hold=hold)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))

@@ -21,7 +21,7 @@ decode worker lets the prompt go first:
   look at the marks. Queued ahead, a decode worker keeps up to two steps on the GPU, and the
   prompt shares the GPU with both; held, with at most the rest of one. Holding costs each step
   the host's reaction to the one before (the GPU idles meanwhile), so it is only done while a
-  prefill is near. `TANDEM_GPU_TURN_HOLD=0` never holds.
+  prefill is near. `TANDEM_GPU_TURN_HOLD=0` never holds, `always` holds every step.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -38,7 +38,7 @@ __all__ = ["DecodeTurn", "GpuTurn", "HOLD_ENV", "MAX_WAIT_S", "PrefillTurn", "ST
            "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
-HOLD_ENV = "TANDEM_GPU_TURN_HOLD"  # "0": a decode worker queues its steps ahead (no hold)
+HOLD_ENV = "TANDEM_GPU_TURN_HOLD"  # "0": a decode worker queues its steps ahead (no hold); "always"
 MAX_WAIT_LIMIT_MS = 1000.0  # the largest --gpu-turn-max-wait-ms accepted
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
@@ -83,6 +83,12 @@ class GpuTurn:
     """What the engine loop calls around each step; the base class does nothing (no shared GPU)."""
 
     holds_launch = False  # whether the loop calls `before_forward` (through Engine.step's hold)
+    hold_always = False  # hold every step, not only while a prefill is near
+
+    def holds(self, reserving: bool) -> bool:
+        """Whether the next step's launch is held; `reserving`: the worker holds a reservation
+        (a prefill for it is coming or running)."""
+        return self.holds_launch and (reserving or self.hold_always)
 
     def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
         """Called before a step; returns the seconds it waited. A wait goes through `pause(s)`,
@@ -133,7 +139,8 @@ class DecodeTurn(GpuTurn):
         self.paths = list(paths)
         self._marks = [_map(p) for p in self.paths]
         self.max_wait_s, self.stale_ns = max_wait_s, int(stale_s * 1e9)
-        self.holds_launch = os.environ.get(HOLD_ENV, "1").strip() != "0"
+        hold = os.environ.get(HOLD_ENV, "1").strip()
+        self.holds_launch, self.hold_always = hold != "0", hold == "always"
         self.waits = 0  # waits (before a step or its forward)
         self.waited_s = 0.0
 
