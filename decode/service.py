@@ -102,7 +102,11 @@ class DecodeService(wire.DecodeWorkerServicer):
             return ad.reserve_refused("this worker has no KV receiver (role both): use PrefillAndDecode", free)
         inp = ad.reserve_from_proto(request)
         rid = next(self._ids)
-        res, free = await self.runtime.run(lambda e: self._reserve(e, inp, rid))
+        self.loop.reserves_arriving += 1  # the gateway sent the prompt's Prefill with it: hold from now
+        try:
+            res, free = await self.runtime.run(lambda e: self._reserve(e, inp, rid))
+        finally:
+            self.loop.reserves_arriving -= 1
         if res is None:
             return ad.reserve_refused("no free KV blocks", free)
         return ad.reserve_ok(rid, self.receiver.address, res.num_cached_blocks, res.dst_block_ids, free)

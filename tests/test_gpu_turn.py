@@ -143,13 +143,15 @@ def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_tu
         engine.close()
 
 
-@pytest.mark.parametrize("overlap,reserved", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("overlap,near", [(False, "reservation"), (True, "reservation"), (True, "reserve"),
+                                          (True, None)])
 def test_a_held_launch_takes_a_second_look_right_before_the_forward(
-        tiny_models: dict[str, Path], tmp_path: Path, overlap: bool, reserved: bool) -> None:
-    """While a decode worker holds a reservation (a prefill for it is near), it prepares a step
-    while the one before runs, then looks at the turn again right before queuing its forward: a
-    prefill step that began meanwhile (here, while the step was being prepared) goes first.
-    Without a reservation it queues at once. The outputs are the engine's without a turn."""
+        tiny_models: dict[str, Path], tmp_path: Path, overlap: bool, near: str | None) -> None:
+    """While a decode worker holds a reservation or answers a Reserve (a prefill for it is
+    near), it prepares a step while the one before runs, then looks at the turn again right
+    before queuing its forward: a prefill step that began meanwhile (here, while the step was
+    being prepared) goes first. Otherwise it queues at once. The outputs are the engine's
+    without a turn."""
     import threading
 
     from engine import Engine, EngineConfig, SamplingParams
@@ -193,8 +195,10 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
             got.extend(out.new_token_ids)
             if out.finished:
                 done.set()
-        if reserved:
+        if near == "reservation":
             assert loop.submit(lambda e: e.reserve("coming", [256, *range(90, 99)], params)).result(WAIT)
+        elif near == "reserve":
+            loop.reserves_arriving += 1  # as the decode service does while a Reserve waits for its command
         loop.submit(lambda e: (loop.listen("r", listener), e.admit(prompt, params, "r"))).result(WAIT)
         assert done.wait(WAIT)
     finally:
@@ -204,7 +208,7 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
         engine.close()
     assert events[0][0] == "prepared" and events[1][0] == "forward"
     assert [e for e, _ in events[:2 * len(got)]] == ["prepared", "forward"] * len(got)  # one look a step
-    if reserved:
+    if near:
         assert events[1][1] >= released[0]  # the first forward waited for the prefill step's end
         assert turn.waits >= 1 and turn.waited_s >= 0.25
     else:

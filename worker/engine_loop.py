@@ -107,6 +107,10 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._stop_taken = False  # the stop sentinel was taken by a command run inside a turn's wait
         self._submit_lock = threading.Lock()
+        # Reserves received and not yet answered (written by the one thread that serves the
+        # worker's RPCs, read here): a prompt for this worker is coming, so the launches hold
+        # (GpuTurn.holds) before the Reserve's command has even run.
+        self.reserves_arriving = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ---- any thread ---------------------------------------------------------------------------
@@ -278,7 +282,7 @@ class EngineLoop:
             self.profiler.before_step()
         t0 = time.perf_counter()
         try:
-            hold = self._hold if self.turn.holds(self.engine.holds_any()) else None
+            hold = self._hold if self.turn.holds(self.reserves_arriving > 0 or self.engine.holds_any()) else None
             outputs = self.engine.step(on_layer=self.on_layer, hold=hold)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))

@@ -15,7 +15,8 @@ decode worker lets the prompt go first:
   killed mid-step) (`DecodeTurn`). The engine loop waits through its `pause`, which runs the
   commands that arrive meanwhile (a Reserve for the next prompt, an abort), so only the step
   waits, not the worker;
-- and while it holds a reservation (a prompt's prefill is coming or running), it holds each
+- and while it holds a reservation or answers a Reserve (a prompt's prefill is coming or
+  running: the gateway sends the Prefill with the Reserve), it holds each
   step's launch (`DecodeTurn.before_forward`, `Engine.step`'s hold): a step is prepared while
   the one before runs, but queued on the device only once that one is done, after a second
   look at the marks. Queued ahead, a decode worker keeps up to two steps on the GPU, and the
@@ -87,7 +88,7 @@ class GpuTurn:
 
     def holds(self, reserving: bool) -> bool:
         """Whether the next step's launch is held; `reserving`: the worker holds a reservation
-        (a prefill for it is coming or running)."""
+        or answers a Reserve (a prefill for it is coming or running)."""
         return self.holds_launch and (reserving or self.hold_always)
 
     def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
