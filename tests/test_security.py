@@ -252,6 +252,20 @@ def test_prefill_refuses_an_unvouched_kv_target(workers: dict[str, ClusterProces
                     stub.Prefill(req, timeout=10, metadata=md)
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 assert "not vouched" in err.value.details()
+                # The same target sent after the Prefill (target_follows) is refused too, and
+                # the prefill waiting for it ends.
+                rid = f"steer-follows-{len(voucher)}-{voucher[:1]}"
+                follows = stub.Prefill.future(worker_pb2.PrefillRequest(
+                    request_id=rid, token_ids=list(range(1, 41)), params=params, target_follows=True,
+                    timeout_ms=5000), timeout=10, metadata=md)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.PrefillTarget(worker_pb2.PrefillTargetRequest(request_id=rid, target=target), timeout=10,
+                                       metadata=md)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "not vouched" in err.value.details()
+                with pytest.raises(grpc.RpcError) as err:
+                    follows.result(timeout=10)
+                assert err.value.code() == grpc.StatusCode.ABORTED and "refused" in err.value.details()
         assert trap.poll(500) == 0  # nothing was pushed there
         assert p.stats().kv_bytes_sent == sent_before  # nor anywhere else
     finally:
