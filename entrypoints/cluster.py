@@ -57,6 +57,12 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default range is 32768-60999
 
 
+def keep_off(*ports: int | None) -> None:
+    """Ports this process's children will bind that are not bound yet (a user's --port, say):
+    free_port never returns them, or the child that binds second fails."""
+    _handed_out.update(p for p in ports if p)
+
+
 def free_port() -> int:
     """A TCP port free on every address now, for a process to bind later (a restarted child
     keeps it). Drawn at random below the kernel's ephemeral port range: a port that bind(0)

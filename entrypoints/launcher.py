@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port,
+from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, parse_gpus, place,
                                    visible_gpu_count)
@@ -276,6 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--restart-backoff", type=float, default=0.5, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    keep_off(a.port, a.metrics_port, a.http_port)  # the gateway binds them last, after every drawn port
     if a.http_port == 0:  # a fixed port, so a restarted gateway keeps its address
         a.http_port = free_port()
     for name in ("prefill_workers", "decode_workers", "tp"):

@@ -244,6 +244,28 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
                for c in cpu)
 
 
+def test_no_drawn_port_is_one_the_user_fixed(monkeypatch) -> None:
+    """The gateway binds --port, --metrics-port and --http-port last, after every worker is up, so
+    those ports are free while the launcher draws the workers' ports: drawing one of them again
+    would fail the gateway (seen: its metrics server on the gateway's own gRPC port)."""
+    import random
+
+    from entrypoints.cluster import _handed_out, port_in_use
+    from entrypoints.launcher import build_children, parse_args, placement_for
+
+    free = [p for p in range(21000, 21300) if p not in _handed_out and not port_in_use("0.0.0.0", p)]
+    fixed = free[:3]
+    draws = iter(fixed * 3 + free[3:])  # the user's ports drawn first, again and again
+    monkeypatch.setattr(random, "randrange", lambda *_: next(draws))
+    a = parse_args(["--port", str(fixed[0]), "--metrics-port", str(fixed[1]), "--http-port", str(fixed[2]),
+                    "--prefill-workers", "2", "--decode-workers", "2"])
+    children = build_children(a, "/models/m", placement=placement_for(a, 0))
+    drawn = [int(c.argv[c.argv.index(f) + 1]) for c in children[:-1] for f in ("--port", "--metrics-port")]
+    assert len(drawn) == 8 and not set(drawn) & set(fixed), drawn
+    gw = children[-1]
+    assert [int(gw.argv[gw.argv.index(f) + 1]) for f in ("--port", "--metrics-port", "--http-port")] == fixed
+
+
 def test_a_port_is_busy_while_listened_on_not_while_its_old_connections_linger():
     """`tandem up` run again at once must find its port free: the previous run's connections
     linger in TIME_WAIT, which the servers' SO_REUSEADDR binds ignore, and so must the check."""
