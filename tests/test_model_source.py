@@ -58,7 +58,10 @@ def test_uncached_repo_id_offline_names_the_flag(tmp_path, monkeypatch) -> None:
 def test_uncached_repo_id_with_an_unreachable_hub_names_the_flag(tmp_path) -> None:
     """The hub cannot be reached (nothing listens at HF_ENDPOINT): one error naming the flag, no traceback
     of the HTTP library's own exception types."""
-    code = ("import sys; from tandem.hub import ModelSourceError, resolve_model\n"
+    # huggingface_hub retries a refused connection five times, backing off 1+2+4+8+8 s: the
+    # retries run here as for a user, their sleeps do not (time.sleep is a no-op in the child).
+    code = ("import sys, time; time.sleep = lambda _s: None\n"
+            "from tandem.hub import ModelSourceError, resolve_model\n"
             "try:\n    resolve_model('nobody/no-such-model', cache_dir=sys.argv[1])\n"
             "except ModelSourceError as e:\n    print(e); sys.exit(3)\n")
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_HUB_ETAG_TIMEOUT": "2",
