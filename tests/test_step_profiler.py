@@ -11,6 +11,7 @@ import pytest
 from gateway.config import GatewayConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, stop_workers, wait_idle
 from tandem import Client
+from bench import trace_steps
 from worker.step_profiler import ENV_DIR, ENV_STEPS, ENV_WORKERS, parse_steps
 
 WAIT = 60.0
@@ -50,3 +51,5 @@ def test_a_worker_profiles_the_steps_it_was_asked_for(tiny_models: dict[str, Pat
     assert "aten::" in table  # the model's operators, with their totals
     trace = json.loads((out / "both-a-steps1-3.json").read_text())
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    steps = trace_steps.analyze(trace)  # each profiled step is a range of its own
+    assert len(steps) == 3 and all(s["host_ms"] > 0 for s in steps)

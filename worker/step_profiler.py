@@ -6,7 +6,8 @@
 first step after warm-up; a plain COUNT means 0:COUNT); `TANDEM_PROFILE_WORKERS` (comma list of
 worker ids, `prefill-0,decode-0` under `tandem up`; default every worker) picks the workers.
 Each one writes, under `TANDEM_PROFILE_DIR`, `{worker_id}-steps{START}-{END}.json` (a Chrome /
-Perfetto trace) and `.txt` (the operators' totals, device time first), then carries on: a
+Perfetto trace, each step a `tandem_step` range that `bench/trace_steps.py` reads) and `.txt`
+(the operators' totals, device time first), then carries on: a
 whole cluster is profiled by one setting in the environment `tandem up` runs in, as vLLM's
 `VLLM_TORCH_PROFILER_DIR` does. The steps being profiled run slower.
 """
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 ENV_DIR, ENV_STEPS, ENV_WORKERS = "TANDEM_PROFILE_DIR", "TANDEM_PROFILE_STEPS", "TANDEM_PROFILE_WORKERS"
 TABLE_ROWS = 40
+STEP_RANGE = "tandem_step"  # the name of each profiled step's range in the trace
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -43,6 +45,7 @@ class StepProfiler:
         self.start, self.end = start, start + count
         self.step = 0
         self._prof: Any = None
+        self._range: Any = None  # the profiled step's record_function
         self.written: list[Path] = []
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -68,14 +71,25 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities)
             self._prof.__enter__()
+        if self._prof is not None:
+            import torch
+
+            self._range = torch.profiler.record_function(STEP_RANGE)
+            self._range.__enter__()
 
     def after_step(self) -> None:
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         self.step += 1
         if self._prof is not None and self.step >= self.end:
             self._finish()
 
     def close(self) -> None:
         """Write what was recorded if the worker stops mid-window."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         if self._prof is not None:
             self._finish()
 

@@ -1,0 +1,63 @@
+"""bench/trace_steps.py: a step trace's kernels go to the step that launched them, and the busy
+time and gaps are the union of the kernels' intervals (checked against a brute-force count on
+random intervals)."""
+from __future__ import annotations
+
+import random
+
+from bench import trace_steps
+from worker.step_profiler import STEP_RANGE
+
+
+def _brute(intervals: list[tuple[int, int]]) -> tuple[int, int]:
+    """Covered µs and the gaps longer than GAP_US between the intervals, counted µs by µs."""
+    covered = sorted({t for s, e in intervals for t in range(s, e)})
+    gaps = sum(b - a - 1 for a, b in zip(covered, covered[1:]) if b - a - 1 > trace_steps.GAP_US)
+    return len(covered), gaps
+
+
+def test_the_union_matches_a_brute_force_count() -> None:
+    rng = random.Random()
+    for _ in range(200):
+        spans = []
+        for _ in range(rng.randint(1, 12)):
+            s = rng.randint(0, 600)
+            spans.append((s, s + rng.randint(1, 120)))
+        assert trace_steps._union_us([(float(s), float(e)) for s, e in spans]) == _brute(spans)
+
+
+def test_kernels_go_to_the_step_that_launched_them() -> None:
+    assert trace_steps.STEP_RANGE == STEP_RANGE
+    rng = random.Random()
+    events, expected = [], []
+    t, corr = 0.0, 0
+    for _step in range(3):
+        start = t
+        n = rng.randint(1, 5)
+        kernels = []
+        for _ in range(n):
+            corr += 1
+            t += rng.randint(5, 30)
+            events.append({"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 3,
+                           "args": {"correlation": corr}})
+            k0 = t + rng.randint(10, 200)
+            kernels.append((k0, k0 + rng.randint(5, 90)))
+            events.append({"cat": "kernel", "name": f"k{corr % 2}", "ts": k0, "dur": kernels[-1][1] - k0,
+                           "args": {"correlation": corr}})
+        t += rng.randint(5, 20)
+        events.append({"cat": "user_annotation", "name": STEP_RANGE, "ts": start, "dur": t - start})
+        first, last = min(s for s, _ in kernels), max(e for _, e in kernels)
+        expected.append((t - start, n, first - start, last - first, t - last))
+        t = max(t, last) + rng.randint(1, 50)
+    events.append({"cat": "kernel", "name": "stray", "ts": 0, "dur": 5, "args": {"correlation": 10_000}})
+    rng.shuffle(events)
+    rows = trace_steps.analyze({"traceEvents": events})
+    assert len(rows) == 3
+    for row, (host, n, to_first, span, after) in zip(rows, expected):
+        assert row["kernels"] == n
+        assert row["host_ms"] == round(host / 1e3, 3)
+        assert row["to_first_kernel_ms"] == round(to_first / 1e3, 3)
+        assert row["device_span_ms"] == round(span / 1e3, 3)
+        assert row["after_last_kernel_ms"] == round(after / 1e3, 3)
+        assert row["device_busy_ms"] <= row["device_span_ms"]
+        assert sum(k["count"] for k in row["top_kernels"]) == n
