@@ -16,7 +16,10 @@ that replayed it, and copies on a side stream with the step that queued them). P
 - `after_last_kernel_ms`: from the last kernel's end to the step's return (sampling's copy back,
   the host's bookkeeping; negative when the step returned before its kernels ended, as an
   overlapped engine's step does);
-- `top_kernels`: the longest kernels by total time, with their counts.
+- `top_kernels`: the longest kernels by total time, with their counts;
+- `late_launch_ms`: of the gaps, the part before the next kernel was even launched (the host
+  was late: launch-bound, or stalled), and `largest_gaps`: the longest few, each with what the
+  step's thread was inside meanwhile (the CPU ranges overlapping the wait, longest first).
 
 A kernel's time in a trace runs from its start to its end on the device; on a GPU that two
 processes share, it includes the stretches the GPU gave the other process, so the same kernels
@@ -36,6 +39,7 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 GAP_US = 50.0
 TOP = 12
+TOP_GAPS = 5
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> tuple[float, float]:
@@ -54,6 +58,35 @@ def _union_us(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     return covered, gaps
 
 
+def _inside(host: list[dict[str, Any]], tid: Any, start: float, end: float) -> list[str]:
+    """Names of the CPU ranges on thread `tid` overlapping [start, end], most overlap first."""
+    overlap: dict[str, float] = defaultdict(float)
+    for e in host:
+        if e.get("tid") != tid:
+            continue
+        s, d = float(e["ts"]), float(e.get("dur", 0.0))
+        o = min(end, s + d) - max(start, s)
+        if o > 0 and e.get("name") != STEP_RANGE:
+            overlap[e["name"][:60]] += o
+    return [f"{n} {o / 1e3:.3f}" for n, o in sorted(overlap.items(), key=lambda kv: -kv[1])[:4]]
+
+
+def _gaps(kernels: list[tuple[float, float, float]], host: list[dict[str, Any]], tid: Any) -> tuple[float, list[dict[str, Any]]]:
+    """(late-launch µs, the largest gaps) of a step's kernels, each (start, end, launched at)."""
+    late = 0.0
+    found = []
+    end = None
+    for s, e, launched in sorted(kernels):
+        if end is not None and s - end > GAP_US:
+            late_by = max(0.0, min(s, launched) - end)
+            late += late_by
+            found.append((s - end, end, s, late_by))
+        end = e if end is None else max(end, e)
+    found.sort(reverse=True)
+    return late, [{"ms": round(g / 1e3, 3), "late_launch_ms": round(lb / 1e3, 3), "host": _inside(host, tid, a, b)}
+                  for g, a, b, lb in found[:TOP_GAPS]]
+
+
 def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per `tandem_step` range of a Chrome trace written by torch.profiler, in order."""
     events = trace.get("traceEvents", [])
@@ -63,6 +96,8 @@ def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
     for e in events:
         if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = float(e["ts"])
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATS)
+            and "ts" in e]
     per_step: list[list[dict[str, Any]]] = [[] for _ in steps]
     bounds = [(float(s["ts"]), float(s["ts"]) + float(s.get("dur", 0.0))) for s in steps]
     for e in events:
@@ -76,12 +111,14 @@ def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
                 per_step[i].append(e)
                 break
     rows = []
-    for (start, end), kernels in zip(bounds, per_step):
+    for step, (start, end), kernels in zip(steps, bounds, per_step):
         row: dict[str, Any] = {"host_ms": round((end - start) / 1e3, 3), "kernels": len(kernels)}
         if kernels:
             spans = [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0.0))) for k in kernels]
             first, last = min(s for s, _ in spans), max(e for _, e in spans)
             busy, gaps = _union_us(spans)
+            late, largest = _gaps([(s, e, launches[k["args"]["correlation"]]) for k, (s, e) in zip(kernels, spans)],
+                                  host, step.get("tid"))
             totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
             for k, (s, e) in zip(kernels, spans):
                 t = totals[k.get("name", "?")[:80]]
@@ -93,6 +130,8 @@ def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
                 "device_busy_ms": round(busy / 1e3, 3),
                 "gaps_over_50us_ms": round(gaps / 1e3, 3),
                 "after_last_kernel_ms": round((end - last) / 1e3, 3),
+                "late_launch_ms": round(late / 1e3, 3),
+                "largest_gaps": largest,
                 "top_kernels": [{"name": n, "ms": round(t / 1e3, 3), "count": c}
                                 for n, (t, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP]],
             })
@@ -116,10 +155,12 @@ def main() -> int:
         result[Path(path).name] = rows
         print(f"{Path(path).name}: {len(rows)} steps")
         for i, r in enumerate(rows):
-            brief = {k: v for k, v in r.items() if k != "top_kernels"}
+            brief = {k: v for k, v in r.items() if k not in ("top_kernels", "largest_gaps")}
             print(f"  step {i}: {brief}")
             for k in r.get("top_kernels", [])[:5]:
                 print(f"      {k['ms']:8.3f} ms  x{k['count']:<4} {k['name']}")
+            for g in r.get("largest_gaps", [])[:3]:
+                print(f"      gap {g['ms']:.3f} ms (launched late by {g['late_launch_ms']:.3f}): {'; '.join(g['host'])}")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -61,3 +61,30 @@ def test_kernels_go_to_the_step_that_launched_them() -> None:
         assert row["after_last_kernel_ms"] == round(after / 1e3, 3)
         assert row["device_busy_ms"] <= row["device_span_ms"]
         assert sum(k["count"] for k in row["top_kernels"]) == n
+
+
+def test_a_gap_the_host_caused_is_told_from_one_it_did_not() -> None:
+    rng = random.Random()
+    late, wait = rng.randint(100, 900), rng.randint(100, 900)
+    wait += wait == late + 10  # two gaps of one length would be one key below
+    # kernel 1 runs [100, 200); kernel 2 is launched `late` µs after it ended and starts 10 µs
+    # later; kernel 3 was launched long before and starts `wait` µs after kernel 2 ends.
+    k2 = 200 + late + 10
+    k3 = k2 + 50 + wait
+    events = [
+        {"cat": "user_annotation", "name": STEP_RANGE, "ts": 0, "dur": k3 + 100, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::busy_host", "ts": 150, "dur": late + 60, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::other_thread", "ts": 150, "dur": 5000, "tid": 2},
+    ]
+    for corr, (launched, start, dur) in enumerate([(50, 100, 100), (200 + late, k2, 50), (60, k3, 20)]):
+        events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 2, "tid": 1,
+                    "args": {"correlation": corr}},
+                   {"cat": "kernel", "name": f"k{corr}", "ts": start, "dur": dur, "args": {"correlation": corr}}]
+    (row,) = trace_steps.analyze({"traceEvents": events})
+    assert row["late_launch_ms"] == round(late / 1e3, 3)
+    assert row["gaps_over_50us_ms"] == round((late + 10 + wait) / 1e3, 3)
+    gaps = {g["ms"]: g for g in row["largest_gaps"]}
+    assert gaps[round((late + 10) / 1e3, 3)]["late_launch_ms"] == round(late / 1e3, 3)
+    assert gaps[round(wait / 1e3, 3)]["late_launch_ms"] == 0
+    host = gaps[round((late + 10) / 1e3, 3)]["host"]
+    assert host and host[0].startswith("aten::busy_host") and not any("other_thread" in h for h in host)
