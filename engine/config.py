@@ -21,6 +21,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)  # engine/quant
+MAX_PREFILL_GRAPH_TOKENS = 8192  # the largest prefill_graph_tokens (its graphs' activations stay in their pool)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -68,6 +69,10 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     seed: int | None = None
     cuda_graphs: bool = True  # capture decode graphs on CUDA devices
+    # Capture prefill graphs for pure prefill steps of up to this many tokens on CUDA devices
+    # (engine/prefill_graphs.py); 0: none. A prefill worker sets it (its steps are host-bound
+    # below a few thousand tokens); LLM's large mixed steps are not.
+    prefill_graph_tokens: int = 0
     # Decode steps of at most kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
     # enable_fused_decode). Off by default until measured against cuBLAS on the device.
     fused_decode_gemv: bool = False
@@ -93,6 +98,9 @@ class EngineConfig:
         for name in ("max_batched_tokens",):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not (_is_int(self.prefill_graph_tokens) and 0 <= self.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS):
+            raise ValueError(f"prefill_graph_tokens: must be an integer in [0, {MAX_PREFILL_GRAPH_TOKENS}], "
+                             f"got {self.prefill_graph_tokens!r}")
         for name in ("num_kv_blocks", "max_model_len", "max_running"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and value >= 1):

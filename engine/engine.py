@@ -85,6 +85,8 @@ class Engine:
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        # A step never holds more tokens than max_batched_tokens: no larger prefill graph.
+        self.prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_batched_tokens)
         check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
                           1 if self.shard.runs_alone else _world_size(self.shard))
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
@@ -133,6 +135,8 @@ class Engine:
         if alone and self.runner is not None and config.cuda_graphs and device.type == "cuda":
             # Bounded: larger decode batches than the largest graph run eagerly.
             self.runner.capture_decode_graphs(min(self.max_running, MAX_GRAPH_BATCH), self.max_model_len)
+        if alone and self.runner is not None and config.prefill_graph_tokens and device.type == "cuda":
+            self.runner.capture_prefill_graphs(self.prefill_graph_tokens, self.max_model_len)
         overlap = config.overlap_schedule
         if overlap is None:
             overlap = {"1": True, "0": False}.get(os.environ.get(OVERLAP_ENV, ""), device.type == "cuda")
@@ -330,8 +334,9 @@ class Engine:
              hold: Callable[[], None] | None = None) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; returns what each request gained.
 
-        `on_layer(layer, plan)` runs after each layer's K/V are in the cache (the prefill
-        worker pushes them to the decode worker from there, overlapping the next layer).
+        `on_layer(layer, plan)` runs after each layer's K/V are queued into the cache (the prefill
+        worker pushes them to the decode worker from there, overlapping the next layer; a step
+        replayed from a prefill graph queues every layer at once, then runs the hook for each).
         `hold()`, when given, runs once the step's inputs are prepared, right before its forward
         is queued, and after the step before it has finished on the device: the step is
         prepared ahead but queued just in time, so at any moment at most one step of this

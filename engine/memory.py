@@ -6,8 +6,9 @@
                − weights (what this process has allocated once they are loaded)
                − activations of the largest step (measured: a forward of max_batched_tokens
                  prompt tokens and the logits of the largest decode batch, as vLLM profiles)
-               − CUDA graphs of the decode batches (estimated from the measured per-token
-                 activations, plus a fixed amount per captured batch size)
+               − CUDA graphs of the decode batches and of prefill steps up to
+                 prefill_graph_tokens (estimated from the measured per-token activations, plus
+                 a fixed amount per captured size)
                − the sampler's buffers for the largest decode batch (probabilities, sorted
                  copies and indices of vocab-wide rows)
                − NON_TORCH_BYTES (CUDA context, cuBLAS and Triton workspaces, KV transfer staging)
@@ -33,6 +34,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH
 from engine.kv_cache import KVCache
+from engine.prefill_graphs import buckets_up_to
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +157,18 @@ def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, samp
 
 
 def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
-            graph_batches: int, vocab_size: int) -> MemoryPlan:
+            graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0) -> MemoryPlan:
     """The budget of an engine on `device` whose weights are loaded: `step_activations` from
     `profile_step` (or `estimate_step`) for a step of `num_tokens`; `max_batch` the largest
     decode batch (sampler rows, and the largest CUDA graph when `graph_batches` > 0 graphs are
-    captured)."""
+    captured); `prefill_graph_tokens` the largest prefill graph (engine/prefill_graphs.py, whose
+    pool holds a step of that many tokens' activations), 0 for none."""
     total = torch.cuda.get_device_properties(device).total_memory
     per_token = step_activations / max(1, num_tokens)
     graphs = int(per_token * max_batch * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
+    if prefill_graph_tokens:
+        sizes = len(buckets_up_to(prefill_graph_tokens))
+        graphs += int(per_token * prefill_graph_tokens) + sizes * GRAPH_BYTES_PER_BATCH_SIZE
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
                       activations=step_activations, graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
@@ -189,9 +195,10 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
             step = estimate_step(model_config, dtype, num_tokens, rows, world_size)
         graph_batch = min(max_batch, MAX_GRAPH_BATCH)
         graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and config.cuda_graphs else 0
+        prefill_tokens = min(config.prefill_graph_tokens, num_tokens) if alone else 0
         plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
                        num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
-                       vocab_size=model_config.vocab_size)
+                       vocab_size=model_config.vocab_size, prefill_graph_tokens=prefill_tokens)
         blocks = max(0, plan.kv) // block_bytes
         logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
         if blocks < per_request:

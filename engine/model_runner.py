@@ -45,6 +45,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.prefill_graphs = None  # engine.prefill_graphs.PrefillGraphs once captured
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         from engine.cuda_graphs import DecodeGraphs
@@ -52,6 +53,13 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
         graphs.capture()
         self.graphs = graphs
+
+    def capture_prefill_graphs(self, max_tokens: int, max_model_len: int) -> None:
+        from engine.prefill_graphs import PrefillGraphs
+
+        graphs = PrefillGraphs(self.model, self.kv_cache, max_tokens, max_model_len)
+        graphs.capture()
+        self.prefill_graphs = graphs
 
     def prepare(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None) -> BatchInputs:
         """Pack the scheduled sequences' new tokens, positions, cache slots and block tables.
@@ -171,6 +179,11 @@ class ModelRunner:
         hidden = None
         if self.graphs is not None and batch.meta.is_decode and after_layer is None:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        elif self.prefill_graphs is not None and not batch.meta.is_decode:
+            hidden = self.prefill_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None and after_layer is not None:
+                for layer in range(len(self.kv_cache.layers)):  # every layer's K/V is queued now
+                    after_layer(layer)
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
         if not batch.sample_index:

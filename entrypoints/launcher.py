@@ -34,13 +34,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, parse_gpus, place,
                                    visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
-from worker.config import KV_PUSH_MODES, HelpFormatter
+from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
 from worker.gpu_turn import MAX_WAIT_S, check_max_wait_ms, create_turn_file
 
 logger = logging.getLogger("tandem.up")
@@ -69,7 +70,9 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
     ratio = shared_gpu_ratio(placement, model, physical_gpus, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
                              max_model_len=a.max_model_len,
                              max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
-                             max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction)
+                             max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
+                             prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None
+                             else a.prefill_graph_tokens)
     return placement if ratio is None else placed(ratio)
 
 
@@ -98,7 +101,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         common += ["--redis-url", a.redis_url]
     for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running),
                         ("--max-batched-tokens", a.max_batched_tokens), ("--max-model-len", a.max_model_len),
-                        ("--block-size", a.block_size), ("--swap-space-gb", a.swap_space_gb)):
+                        ("--block-size", a.block_size), ("--swap-space-gb", a.swap_space_gb),
+                        ("--prefill-graph-tokens", a.prefill_graph_tokens)):
         if value is not None:
             common += [flag, str(value)]
     if a.kv_cache_dtype != "auto":
@@ -243,6 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="disable the prefix cache (default: enabled)")
     p.add_argument("--swap-space-gb", "--swap-space", type=float, default=None, dest="swap_space_gb",
                    help="GiB of host memory per worker for preempted requests' KV (default: 1)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="workers that prefill replay CUDA graphs for prefill steps of up to this many tokens "
+                        f"(0: none; default: the workers', {PREFILL_GRAPH_TOKENS})")
     p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="every child serves Prometheus metrics on its own port (listed in the banner)")
     p.add_argument("--metrics-port", type=int, default=None, help="the gateway's Prometheus port (default: a free one)")
@@ -284,6 +291,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.gpu_memory_fraction <= 1:
         p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
+    if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
+        p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
     try:
         check_max_wait_ms(a.gpu_turn_max_wait_ms, "--gpu-turn-max-wait-ms")
     except ValueError as exc:

@@ -11,8 +11,8 @@ given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when i
 GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
 
 On an H200 (139.8 GiB) and Llama-3.1-8B (bf16, 131,072 tokens) the prefill worker needs
-~38.3 GiB: 27.6% of the GPU, and the decode worker gets 62.4% instead of 60%; with
-`--max-model-len 32768` the decode worker gets 71%.
+~39.9 GiB (1.6 of them its prefill graphs): 28.7% of the GPU, and the decode worker gets 61.3%
+instead of 60%; with `--max-model-len 32768` the decode worker gets 70%.
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
-from engine.memory import MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step
+from engine.memory import (GRAPH_BYTES_PER_BATCH_SIZE, MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES,
+                           SAMPLER_BYTES_PER_LOGIT, estimate_step)
+from engine.prefill_graphs import buckets_up_to
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
 logger = logging.getLogger(__name__)
@@ -38,12 +40,14 @@ CUDA_VISIBLE_SHARE = 0.99
 
 
 def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: str, max_model_len: int | None,
-                       max_batched_tokens: int, max_running: int | None = None, tp: int = 1) -> int:
+                       max_batched_tokens: int, max_running: int | None = None, tp: int = 1,
+                       prefill_graph_tokens: int = 0) -> int:
     """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights of `dtype`,
     KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
     activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
-    `max_running` rows, or the device's ceiling before the pool is known), what torch does not
-    see, and MARGIN_BYTES."""
+    `max_running` rows, or the device's ceiling before the pool is known), its prefill graphs
+    (`prefill_graph_tokens`, as `engine.memory.plan_kv` counts them), what torch does not see,
+    and MARGIN_BYTES."""
     context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     kv_dtype = KVCache.storage_dtype(kv_cache_dtype, dtype)
     kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
@@ -51,7 +55,11 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
     weights = mc.num_params() * dtype.itemsize // tp
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    return weights + kv + activations + sampler + NON_TORCH_BYTES + MARGIN_BYTES
+    graphs = 0
+    if prefill_graph_tokens and tp == 1:  # tensor-parallel workers capture none
+        tokens = min(prefill_graph_tokens, max_batched_tokens)
+        graphs = activations * tokens // max_batched_tokens + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
+    return weights + kv + activations + sampler + graphs + NON_TORCH_BYTES + MARGIN_BYTES
 
 
 def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, prefill_per_gpu: int = 1,
@@ -72,7 +80,8 @@ def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, 
 
 def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                      dtype: str | None, kv_cache_dtype: str, max_model_len: int | None, max_batched_tokens: int,
-                     max_running: int | None, tp: int, cluster_share: float) -> float | None:
+                     max_running: int | None, tp: int, cluster_share: float,
+                     prefill_graph_tokens: int = 0) -> float | None:
     """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
     first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi); None
     when no GPU does, its size cannot be read, or the model's config cannot (the workers then
@@ -94,7 +103,7 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
         return None
     need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
                               max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, tp=tp)
+                              max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens)
     ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
     logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
                 need / GiB, gpu, size / GiB, ratio)

@@ -430,6 +430,29 @@ def case_extend() -> None:
         close(got, want, dtype, what, scale=2.0)
 
 
+def case_extend_padded() -> None:
+    """A prefill graph's padded layout (engine/prefill_graphs.py): rows past the real tokens in no
+    sequence, empty sequences after the real ones (query_start_loc repeating the token count,
+    length 0), stale block-table rows. The real rows get the unpadded reference's result."""
+    from kernels import ops, reference as ref
+
+    for dtype, cdt, seqs, pad_rows, pad_seqs in [(torch.float32, torch.float32, [(37, 20), (5, 0)], 150, 3),
+                                                 (torch.bfloat16, torch.bfloat16, [(129, 0)], 1, 1)]:
+        hq, hk, d, bs = 2, 1, 32, 16
+        what = f"extend padded {dtype} seqs={seqs} pad_rows={pad_rows} pad_seqs={pad_seqs}"
+        lens = [n + p for n, p in seqs]
+        kc, vc, table = paged(lens + [bs] * pad_seqs, bs, hk, d, cdt)
+        n = sum(q for q, _ in seqs)
+        qsl = torch.tensor([0] + list(itertools.accumulate(q for q, _ in seqs)), dtype=torch.int32)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        q = rand(n + pad_rows, hq, d, dtype=dtype)
+        padded_qsl = torch.cat([qsl, torch.full((pad_seqs,), n, dtype=torch.int32)])
+        padded_sl = torch.cat([sl, torch.zeros(pad_seqs, dtype=torch.int32)])
+        got = ops.extend_attention(q, kc, vc, table, padded_qsl, padded_sl, d ** -0.5)
+        want = ref.extend_attention(q[:n], kc, vc, table[: len(seqs)], qsl, sl, d ** -0.5)
+        close(got[:n], want, dtype, what, scale=2.0)
+
+
 def case_extend_blocks_ahead() -> None:
     """extend_attention with and without each tile's block-table entries read a tile ahead
     (BLOCKS_AHEAD: which caches do) gives the reference's result, both caches: prefixes over

@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.memory import NON_TORCH_BYTES
 from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, parse_memory_mib, prefill_memory_ratio, prefill_need_bytes
 from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, place
+from worker.config import PREFILL_GRAPH_TOKENS
 
 GiB = 1 << 30
 H200_MIB = 143771
@@ -40,6 +41,10 @@ def test_the_need_covers_weights_one_longest_request_and_a_step() -> None:
     assert _need(max_model_len=10**7) == need  # capped at the model's context
     assert need - _need(kv_cache_dtype="fp8") == pytest.approx((131072 + 4096) * kv_per_token / 2, rel=0.01)
     assert _need(tp=2) < need / 2 + 3 * GiB  # each rank holds half the weights and half the KV heads
+    # prefill graphs: their pool holds a step of that many tokens' activations, plus each graph
+    with_graphs = _need(prefill_graph_tokens=2048)
+    assert need + 0.2 * GiB < with_graphs < need + 3 * GiB
+    assert _need(prefill_graph_tokens=2048, tp=2) == _need(tp=2)  # tensor-parallel workers capture none
 
 
 @pytest.mark.parametrize("prefills,decodes", [(1, 1), (2, 1), (1, 2)])
@@ -98,7 +103,8 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
     pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
     assert "-i 3" in nvidia_smi.read_text()  # the physical GPU, as the workers will see it
     pre, dec = pl.worker("prefill-0").memory_fraction, pl.worker("decode-0").memory_fraction
-    assert pre * (H200_MIB << 20) * CUDA_VISIBLE_SHARE == pytest.approx(_need(), abs=(H200_MIB << 20) * 5e-5)
+    need = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS)  # the worker's default graphs
+    assert pre * (H200_MIB << 20) * CUDA_VISIBLE_SHARE == pytest.approx(need, abs=(H200_MIB << 20) * 5e-5)
     assert pre + dec == pytest.approx(0.9, abs=2e-4) and 0.6 < dec < 0.7  # §11: 60% with the fixed ratio
     short = placement_for(parse_args(["--max-model-len", "8192"]), visible=1, model=str(model_dir))
     assert short.worker("decode-0").memory_fraction > dec + 0.05

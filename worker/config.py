@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"prefill": 50060, "decode": 50070, "both": 50080}
 KV_PUSH_MODES = ("layer", "step")  # when a prefill worker pushes a prompt's KV (prefill.push_mode)
+# Prefill graphs (engine/prefill_graphs.py) on workers that prefill: a 2,048-token prompt's
+# forward is ~42 ms of GPU work on an H200 for an 8B model, about what the host needs to queue it
+# eagerly; longer steps keep the GPU ahead of the host without a graph.
+PREFILL_GRAPH_TOKENS = 2048
 
 
 def check_kv_push(mode: str) -> None:
@@ -257,7 +261,13 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="share of the GPU's total memory this worker may use (weights, activations, graphs, KV)")
     p.add_argument("--swap-space-gb", "--swap-space", type=float, default=1.0, dest="swap_space_gb",
                    help="GiB of host memory (per rank) for the KV of preempted requests")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (default: graphs on)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly on CUDA (default: decode steps, and prefill steps up to "
+                        "--prefill-graph-tokens, replay CUDA graphs)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="capture CUDA graphs for prefill steps of up to this many tokens (0: none; default "
+                        f"{PREFILL_GRAPH_TOKENS} on prefill and colocated workers, 0 with --no-cuda-graphs); "
+                        "such a step then costs its GPU time however slow the host")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip the synthetic steps that compile the GPU kernels before the worker reports ready "
                         "(faster start; the first requests then wait for the compiles; default: warm up)")
@@ -308,6 +318,13 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     return p
 
 
+def _prefill_graph_tokens(args: argparse.Namespace, role: str) -> int:
+    """--prefill-graph-tokens, or its default for `role`: graphs where a worker prefills."""
+    if args.prefill_graph_tokens is not None:
+        return args.prefill_graph_tokens
+    return PREFILL_GRAPH_TOKENS if role in ("prefill", "both") and not args.no_cuda_graphs else 0
+
+
 def config_from_args(args: argparse.Namespace, role: str | None = None) -> WorkerConfig:
     role = role or args.role
     port = args.port if args.port is not None else DEFAULT_PORTS[role]
@@ -328,6 +345,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         gpu_memory_fraction=args.gpu_memory_fraction,
         swap_space_gb=args.swap_space_gb,
         cuda_graphs=not args.no_cuda_graphs,
+        prefill_graph_tokens=_prefill_graph_tokens(args, role),
         warm_up=not args.no_warm_up,
     )
     transfer = TransferConfig(transport=args.kv_transport, address=args.kv_address, timeout_s=args.kv_timeout_s,
