@@ -92,7 +92,8 @@ def weight_bytes(cfg) -> int:
 
 def gpu_parity(tmp: Path, families: list[str]) -> dict:
     """Greedy tokens of our engine (Triton kernels, CUDA graphs) vs transformers, fp32, random tiny
-    models; and of the engine with the fused decode GEMVs vs the same engine without."""
+    models; and of the engine with the fused decode GEMVs, and with prefill graphs, vs the same
+    engine without."""
     import transformers
 
     from engine import LLM, SamplingParams
@@ -120,6 +121,17 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
         res[f"{fam}_fused_decode_vs_unfused"] = (
             f"{sum(a.token_ids == b.token_ids for a, b in zip(got, outs))}/{len(prompts)} identical")
         del fused
+        # Prefill graphs: the prompts one by one (a bucket each) and together (one padded step).
+        graphed = LLM(str(d), num_kv_blocks=256, max_running=8, prefill_graph_tokens=256)
+        alone = [graphed.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+                 for p in prompts]
+        together = graphed.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        replays = graphed.engine.runner.prefill_graphs.replays
+        res[f"{fam}_prefill_graphs_vs_eager"] = (
+            f"{sum(a.token_ids == b.token_ids for a, b in zip(alone, outs))}/{len(prompts)} identical alone, "
+            f"{sum(a.token_ids == b.token_ids for a, b in zip(together, outs))}/{len(prompts)} together, "
+            f"{replays} graph replays")
+        del graphed
         torch.cuda.empty_cache()
     return res
 

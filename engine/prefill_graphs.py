@@ -63,6 +63,7 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.replays = 0  # steps run from a graph
 
     def _meta(self, tokens: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -135,4 +136,5 @@ class PrefillGraphs:
             return None
         self.stage(input_ids, positions, meta, bucket)
         self.graphs[bucket].replay()
+        self.replays += 1
         return self.outputs[bucket][:n]
