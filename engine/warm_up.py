@@ -18,7 +18,21 @@ logger = logging.getLogger(__name__)
 def warm_up(engine: Engine) -> float:
     """Run one prefill, a prefill of several sequences next to running decodes, a prefill behind
     a cached prefix, and plain decodes on `engine`. Leaves no request behind. Returns the seconds
-    it took."""
+    it took. The prefill graphs (compiled when they were captured) are set aside meanwhile, so
+    the eager path that steps no graph takes (more tokens, more sequences, mixed steps) compiles
+    too: its token counts are not the graphs' multiples of 16, and Triton specializes on that."""
+    runner = engine.runner
+    graphs = runner.prefill_graphs if runner is not None else None
+    if graphs is not None:
+        runner.prefill_graphs = None
+    try:
+        return _run(engine)
+    finally:
+        if graphs is not None:
+            runner.prefill_graphs = graphs
+
+
+def _run(engine: Engine) -> float:
     t0 = time.perf_counter()
     vocab = engine.model_config.vocab_size
     # Prompts fit the context and, all four at once, a quarter of the cache.

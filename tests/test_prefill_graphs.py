@@ -122,3 +122,25 @@ def test_workers_that_prefill_capture_by_default() -> None:
     assert tokens("prefill", "--no-cuda-graphs") == 0
     assert tokens("prefill", "--prefill-graph-tokens", "512") == 512
     assert tokens("both", "--prefill-graph-tokens", "0") == 0
+
+
+def test_warm_up_compiles_the_eager_path_past_the_graphs(tiny_models: dict[str, Path]) -> None:
+    """Warm-up steps must not go through the prefill graphs: the eager path (steps no graph
+    takes) would otherwise compile in the first request's latency."""
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=96, max_model_len=512)
+    runner = llm.engine.runner
+
+    class Recorder:  # stands in for the captured graphs (the capture needs CUDA)
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def run(self, input_ids, positions, meta):
+            self.steps += 1
+            return None  # as for a step that fits no graph: the runner goes on eagerly
+
+    recorder = Recorder()
+    runner.prefill_graphs = recorder
+    assert llm.engine.warm_up() > 0
+    assert recorder.steps == 0 and runner.prefill_graphs is recorder
+    llm.generate([[5, 6, 7, 8]], None)
+    assert recorder.steps > 0  # outside warm-up, prefill steps offer themselves to the graphs
