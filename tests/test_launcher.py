@@ -222,7 +222,7 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the launcher's own view: indices map to these
     a = parse_args(["--max-model-len", "4096", "--kv-cache-dtype", "fp8", "--no-prefix-cache",
-                    "--max-num-seqs", "64", "--gpus", "1", "--swap-space", "2"])
+                    "--max-num-seqs", "64", "--gpus", "1", "--swap-space", "2", "--prefill-graph-tokens", "512"])
     children = {c.name: c for c in build_children(a, "/models/m", placement=placement_for(a, visible=4))}
     pre, dec, gw = children["prefill-0"], children["decode-0"], children["gateway"]
     assert pre.env["CUDA_VISIBLE_DEVICES"] == dec.env["CUDA_VISIBLE_DEVICES"] == "5"
@@ -236,12 +236,22 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
         assert flag(c, "--device") == "cuda" and flag(c, "--max-model-len") == "4096"
         assert flag(c, "--kv-cache-dtype") == "fp8" and "--no-prefix-cache" in c.argv
         assert flag(c, "--max-running") == "64" and flag(c, "--swap-space-gb") == "2.0"
+        assert flag(c, "--prefill-graph-tokens") == "512"
         assert int(flag(c, "--metrics-port")) > 0
     assert flag(gw, "--max-context") == "4096" and int(flag(gw, "--metrics-port")) > 0
     assert "CUDA_VISIBLE_DEVICES" not in gw.env
     cpu = build_children(parse_args(["--no-metrics"]), "/models/m", placement=placement_for(parse_args([]), 0))
     assert all("CUDA_VISIBLE_DEVICES" not in c.env and "--device" not in c.argv and "--metrics-port" not in c.argv
-               for c in cpu)
+               and "--prefill-graph-tokens" not in c.argv for c in cpu)  # the workers' own default
+
+
+@pytest.mark.parametrize("value", ["-1", "100000"])
+def test_a_bad_prefill_graph_size_names_the_flag(value, capsys) -> None:
+    from entrypoints.launcher import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-graph-tokens", value])
+    assert "--prefill-graph-tokens" in capsys.readouterr().err
 
 
 def test_no_drawn_port_is_one_the_user_fixed(monkeypatch) -> None:
