@@ -17,6 +17,9 @@ that replayed it, and copies on a side stream with the step that queued them). P
   the host's bookkeeping; negative when the step returned before its kernels ended, as an
   overlapped engine's step does);
 - `top_kernels`: the longest kernels by total time, with their counts;
+- `other_threads_ms`: how long each other thread of the worker ran recorded work during the
+  step (the union of its spans the profiler saw: torch ops, CUDA calls such as a KV sender's
+  copies), busiest first: threads the step's own thread may wait for the GIL behind;
 - `late_launch_ms`: of the gaps, the part before the next kernel was even launched (the host
   was late: launch-bound, or stalled), and `largest_gaps`: the longest few, each with what the
   step's thread was inside meanwhile (the CPU ranges overlapping the wait, longest first).
@@ -71,6 +74,26 @@ def _inside(host: list[dict[str, Any]], tid: Any, start: float, end: float) -> l
     return [f"{n} {o / 1e3:.3f}" for n, o in sorted(overlap.items(), key=lambda kv: -kv[1])[:4]]
 
 
+def _threads(events: list[dict[str, Any]]) -> dict[Any, str]:
+    """tid -> thread name, from the trace's metadata events."""
+    return {e.get("tid"): e.get("args", {}).get("name", "?") for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def _other_threads(host: list[dict[str, Any]], names: dict[Any, str], tid: Any, start: float,
+                   end: float) -> dict[str, float]:
+    """ms each thread but `tid` ran inside [start, end] (the union of its spans), busiest first."""
+    spans: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    for e in host:
+        if e.get("tid") == tid:
+            continue
+        s, f = max(start, float(e["ts"])), min(end, float(e["ts"]) + float(e.get("dur", 0.0)))
+        if f > s:
+            spans[e.get("tid")].append((s, f))
+    busy = {f"{names.get(t, '?')} ({t})": _union_us(v)[0] / 1e3 for t, v in spans.items()}
+    return {k: round(v, 3) for k, v in sorted(busy.items(), key=lambda kv: -kv[1])[:TOP_GAPS]}
+
+
 def _gaps(kernels: list[tuple[float, float, float]], host: list[dict[str, Any]], tid: Any) -> tuple[float, list[dict[str, Any]]]:
     """(late-launch µs, the largest gaps) of a step's kernels, each (start, end, launched at)."""
     late = 0.0
@@ -98,6 +121,7 @@ def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
             launches[e["args"]["correlation"]] = float(e["ts"])
     host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATS)
             and "ts" in e]
+    names = _threads(events)
     per_step: list[list[dict[str, Any]]] = [[] for _ in steps]
     bounds = [(float(s["ts"]), float(s["ts"]) + float(s.get("dur", 0.0))) for s in steps]
     for e in events:
@@ -113,6 +137,9 @@ def analyze(trace: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for step, (start, end), kernels in zip(steps, bounds, per_step):
         row: dict[str, Any] = {"host_ms": round((end - start) / 1e3, 3), "kernels": len(kernels)}
+        others = _other_threads(host, names, step.get("tid"), start, end)
+        if others:
+            row["other_threads_ms"] = others
         if kernels:
             spans = [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0.0))) for k in kernels]
             first, last = min(s for s, _ in spans), max(e for _, e in spans)
@@ -155,10 +182,12 @@ def main() -> int:
         result[Path(path).name] = rows
         print(f"{Path(path).name}: {len(rows)} steps")
         for i, r in enumerate(rows):
-            brief = {k: v for k, v in r.items() if k not in ("top_kernels", "largest_gaps")}
+            brief = {k: v for k, v in r.items() if k not in ("top_kernels", "largest_gaps", "other_threads_ms")}
             print(f"  step {i}: {brief}")
             for k in r.get("top_kernels", [])[:5]:
                 print(f"      {k['ms']:8.3f} ms  x{k['count']:<4} {k['name']}")
+            if r.get("other_threads_ms"):
+                print(f"      other threads: {r['other_threads_ms']}")
             for g in r.get("largest_gaps", [])[:3]:
                 print(f"      gap {g['ms']:.3f} ms (launched late by {g['late_launch_ms']:.3f}): {'; '.join(g['host'])}")
     if a.out:

@@ -88,3 +88,21 @@ def test_a_gap_the_host_caused_is_told_from_one_it_did_not() -> None:
     assert gaps[round(wait / 1e3, 3)]["late_launch_ms"] == 0
     host = gaps[round((late + 10) / 1e3, 3)]["host"]
     assert host and host[0].startswith("aten::busy_host") and not any("other_thread" in h for h in host)
+
+
+def test_other_threads_time_inside_the_step_is_their_union() -> None:
+    rng = random.Random()
+    step_end = 1000
+    spans = []
+    for _ in range(rng.randint(2, 8)):
+        s = rng.randint(-200, 1100)
+        spans.append((s, s + rng.randint(1, 300)))
+    events = [{"cat": "user_annotation", "name": STEP_RANGE, "ts": 0, "dur": step_end, "tid": 1},
+              {"ph": "M", "name": "thread_name", "tid": 7, "args": {"name": "kv-ipc-send"}},
+              {"cat": "cpu_op", "name": "aten::on_the_step_thread", "ts": 10, "dur": 500, "tid": 1}]
+    events += [{"cat": "python_function", "name": "send", "ts": s, "dur": e - s, "tid": 7} for s, e in spans]
+    (row,) = trace_steps.analyze({"traceEvents": events})
+    inside = [(max(0, s), min(step_end, e)) for s, e in spans if min(step_end, e) > max(0, s)]
+    want = _brute(inside)[0] / 1e3 if inside else None
+    assert row.get("other_threads_ms", {}).get("kv-ipc-send (7)") == (round(want, 3) if inside else None)
+    assert not any("(1)" in k for k in row.get("other_threads_ms", {}))  # the step's own thread is not "other"
