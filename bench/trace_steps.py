@@ -37,7 +37,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-STEP_RANGE = "tandem_step"  # worker.step_profiler.STEP_RANGE (kept in step; the test checks)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from worker.step_profiler import STEP_RANGE  # noqa: E402
+
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 GAP_US = 50.0

@@ -7,6 +7,8 @@ sequences runs the smallest captured bucket >= n, its padding rows writing to no
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,6 +24,26 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 # (engine.memory.MAX_RUNNING_CEILING_CUDA); a larger explicit one (an FP8 KV pool holds twice the
 # sequences) runs its decode steps from graphs up to here, eagerly beyond.
 MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]
+
+
+def smallest_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest of the sorted `buckets` that holds `n`, or None."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` run twice (Triton compiles and autotunes outside the capture), then captured
+    into a graph drawing on `pool` (None: a new one); returns the graph and its output."""
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -56,12 +78,8 @@ class DecodeGraphs:
         layers = self.kv_cache.layers
         for bs in reversed(self.buckets):
             meta = self._meta(bs)
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model(self.input_ids[:bs], self.positions[:bs], layers, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], layers, meta)
+            graph, self.outputs[bs] = capture_graph(
+                lambda: self.model(self.input_ids[:bs], self.positions[:bs], layers, meta), self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -69,10 +87,7 @@ class DecodeGraphs:
         logger.info("captured decode graphs for batch sizes %s", self.buckets)
 
     def bucket(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Replay the graph for this batch; None when it does not fit (caller runs eagerly)."""

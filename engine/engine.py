@@ -22,6 +22,7 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda_graphs import MAX_GRAPH_BATCH
+from engine.prefill_graphs import graph_token_limit
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
 from engine.model_runner import ModelRunner
@@ -85,8 +86,7 @@ class Engine:
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        # A step never holds more tokens than max_batched_tokens: no larger prefill graph.
-        self.prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_batched_tokens)
+        self.prefill_graph_tokens = graph_token_limit(config.prefill_graph_tokens, config.max_batched_tokens)
         check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
                           1 if self.shard.runs_alone else _world_size(self.shard))
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)

@@ -34,7 +34,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH
 from engine.kv_cache import KVCache
-from engine.prefill_graphs import buckets_up_to
+from engine.prefill_graphs import buckets_up_to, graph_token_limit
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,17 @@ def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, samp
     return 4 * num_tokens * width * elem + sample_rows * config.vocab_size * (elem + 4 + 4 + 4 + 8)
 
 
+def prefill_graph_bytes(step_activations: int, num_tokens: int, prefill_graph_tokens: int) -> int:
+    """What prefill graphs of up to `prefill_graph_tokens` tokens take (engine/prefill_graphs.py):
+    their pool holds a step of that many tokens' activations (`step_activations` being a step of
+    `num_tokens`, which also caps the graphs), plus a fixed amount per captured size; 0 for none."""
+    tokens = graph_token_limit(prefill_graph_tokens, num_tokens)
+    if tokens <= 0:
+        return 0
+    per_token = step_activations / max(1, num_tokens)
+    return int(per_token * tokens) + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
+
+
 def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
             graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0) -> MemoryPlan:
     """The budget of an engine on `device` whose weights are loaded: `step_activations` from
@@ -166,9 +177,7 @@ def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num
     total = torch.cuda.get_device_properties(device).total_memory
     per_token = step_activations / max(1, num_tokens)
     graphs = int(per_token * max_batch * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
-    if prefill_graph_tokens:
-        sizes = len(buckets_up_to(prefill_graph_tokens))
-        graphs += int(per_token * prefill_graph_tokens) + sizes * GRAPH_BYTES_PER_BATCH_SIZE
+    graphs += prefill_graph_bytes(step_activations, num_tokens, prefill_graph_tokens)
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
                       activations=step_activations, graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
@@ -195,7 +204,7 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
             step = estimate_step(model_config, dtype, num_tokens, rows, world_size)
         graph_batch = min(max_batch, MAX_GRAPH_BATCH)
         graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and config.cuda_graphs else 0
-        prefill_tokens = min(config.prefill_graph_tokens, num_tokens) if alone else 0
+        prefill_tokens = config.prefill_graph_tokens if alone else 0
         plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
                        num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
                        vocab_size=model_config.vocab_size, prefill_graph_tokens=prefill_tokens)

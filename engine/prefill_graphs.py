@@ -25,6 +25,7 @@ import logging
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import capture_graph, smallest_bucket
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 
@@ -34,6 +35,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048,
                    2560, 3072, 3584, 4096)
 MAX_SEQS = 32  # sequences a captured step holds (a step with more runs eagerly)
+
+
+def graph_token_limit(requested: int, max_batched_tokens: int) -> int:
+    """The largest prefill graph an engine captures: what it was asked for, but no larger than a
+    step can be (max_batched_tokens)."""
+    return min(requested, max_batched_tokens)
 
 
 def buckets_up_to(max_tokens: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> list[int]:
@@ -73,10 +80,7 @@ class PrefillGraphs:
         )
 
     def bucket(self, n: int) -> int | None:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.buckets, n)
 
     def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
         """The bucket a step of `num_tokens` packed rows with `meta` replays, or None (eager)."""
@@ -116,12 +120,7 @@ class PrefillGraphs:
             self.seq_lens.fill_(0)
             self.seq_lens[0] = tokens
             ids, pos, meta = self.input_ids[:tokens], self.positions[:tokens], self._meta(tokens)
-            for _ in range(2):  # warm up: Triton compiles outside the capture
-                self.model(ids, pos, layers, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[tokens] = self.model(ids, pos, layers, meta)
+            graph, self.outputs[tokens] = capture_graph(lambda: self.model(ids, pos, layers, meta), self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[tokens] = graph

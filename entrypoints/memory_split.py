@@ -25,9 +25,8 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
-from engine.memory import (GRAPH_BYTES_PER_BATCH_SIZE, MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES,
-                           SAMPLER_BYTES_PER_LOGIT, estimate_step)
-from engine.prefill_graphs import buckets_up_to
+from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
+                           prefill_graph_bytes)
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
 logger = logging.getLogger(__name__)
@@ -55,10 +54,8 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
     weights = mc.num_params() * dtype.itemsize // tp
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    graphs = 0
-    if prefill_graph_tokens and tp == 1:  # tensor-parallel workers capture none
-        tokens = min(prefill_graph_tokens, max_batched_tokens)
-        graphs = activations * tokens // max_batched_tokens + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
+    # Tensor-parallel workers capture no prefill graphs.
+    graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
     return weights + kv + activations + sampler + graphs + NON_TORCH_BYTES + MARGIN_BYTES
 
 
