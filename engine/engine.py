@@ -331,7 +331,8 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self, on_layer: Callable[[int, StepPlan], None] | None = None,
-             hold: Callable[[], None] | None = None) -> list[StepOutput]:
+             hold: Callable[[], None] | None = None,
+             while_running: Callable[[StepPlan, Callable[[], bool]], None] | None = None) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; returns what each request gained.
 
         `on_layer(layer, plan)` runs after each layer's K/V are queued into the cache (the prefill
@@ -341,22 +342,24 @@ class Engine:
         is queued, and after the step before it has finished on the device: the step is
         prepared ahead but queued just in time, so at any moment at most one step of this
         engine is on the device (a decode worker sharing its GPU checks its turn there).
+        `while_running(plan, ready)`, in a step that samples, runs once the whole step is queued
+        and before its samples are read; `ready()` says whether they are in (the prefill worker
+        pushes the KV of prompts whose target came after their layers ran, while the device
+        still works). Either hook makes the step wait for its own samples (no overlap).
         RuntimeError on a follower (see `follow`).
         """
         if self.runner is None:
             raise RuntimeError(f"step: {self.shard} runs rank 0's steps through follow()")
-        if not self.overlap or on_layer is not None:
+        if not self.overlap or on_layer is not None or while_running is not None:
             self.settle()
             results, self._ready = self._ready, []
             out = self._schedule()
             if out.is_empty:
                 return results
-            if on_layer is not None:
-                plan = StepPlan(out)
-                hook = lambda layer: on_layer(layer, plan)  # noqa: E731
-            else:
-                hook = None
-            sampled_idx, samples = self.runner.execute(out, hook, hold)
+            plan = StepPlan(out)
+            hook = None if on_layer is None else lambda layer: on_layer(layer, plan)  # noqa: E731
+            running = None if while_running is None else lambda ready: while_running(plan, ready)  # noqa: E731
+            sampled_idx, samples = self.runner.execute(out, hook, hold, running)
             self._postprocess(out)
             return results + self._process_samples(out, sampled_idx, samples)
         return self._overlapped_step(hold)

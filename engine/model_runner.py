@@ -23,6 +23,10 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+# Engine.step's `while_running`, bound to the step: called with a probe that says whether the
+# step's samples are on the host yet.
+WhileRunning = Callable[[Callable[[], bool]], None]
+
 
 @dataclass
 class BatchInputs:
@@ -33,7 +37,7 @@ class BatchInputs:
     sample_index: list[int]  # index into scheduled of each sampled row
 
 
-__all__ = ["BatchInputs", "ModelRunner", "SchedulerOutput"]
+__all__ = ["BatchInputs", "ModelRunner", "SchedulerOutput", "WhileRunning"]
 
 
 class ModelRunner:
@@ -154,10 +158,17 @@ class ModelRunner:
         return host
 
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
-                before_forward: Callable[[], None] | None = None) -> tuple[list[int], SamplerOutput | None]:
-        """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples)."""
+                before_forward: Callable[[], None] | None = None,
+                while_running: WhileRunning | None = None) -> tuple[list[int], SamplerOutput | None]:
+        """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples).
+        `while_running(ready)`, in a step that samples, runs once the step is queued and before its
+        samples are read; `ready()` says whether they are in (it returns at once or works until then)."""
         idx, pending = self.launch(out, after_layer, before_forward=before_forward)
-        return idx, (pending.result() if pending is not None else None)
+        if pending is None:
+            return idx, None
+        if while_running is not None:
+            while_running(pending.ready)
+        return idx, pending.result()
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after_layer: LayerHook | None = None,

@@ -346,6 +346,10 @@ class PendingSamples:
         if self._done is not None:
             self._done.synchronize()
 
+    def ready(self) -> bool:
+        """Whether the device has produced these samples (never waits)."""
+        return self._done is None or self._done.query()
+
     def result(self) -> SamplerOutput:
         if self._flat is None:
             return SamplerOutput(token_ids=[], logprobs=[])

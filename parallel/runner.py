@@ -29,7 +29,7 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
-from engine.model_runner import BatchInputs, ModelRunner, SchedulerOutput
+from engine.model_runner import BatchInputs, ModelRunner, SchedulerOutput, WhileRunning
 from engine.outputs import StepPlan
 from engine.sampler import Sampler, SamplerOutput
 from engine.shard import ModelShard, OnFollowerStep, WholeModel
@@ -192,7 +192,10 @@ class TPModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
-                before_forward: Callable[[], None] | None = None) -> tuple[list[int], SamplerOutput | None]:
+                before_forward: Callable[[], None] | None = None,
+                while_running: WhileRunning | None = None) -> tuple[list[int], SamplerOutput | None]:
+        """As `ModelRunner.execute`; the samples are in once sampling returns, so `while_running`
+        is told so at once."""
         if self.stopped:
             raise RuntimeError("tensor-parallel runner was stopped")
         batch: BatchInputs | None = self.prepare(out) if out.scheduled else None
@@ -209,7 +212,10 @@ class TPModelRunner(ModelRunner):
         logits = run_step(self.model, self.kv_cache, step, after_layer)
         if batch is None or logits is None:
             return [], None
-        return batch.sample_index, self.sample(out, batch.sample_index, logits)
+        samples = self.sample(out, batch.sample_index, logits)
+        if while_running is not None:
+            while_running(lambda: True)
+        return batch.sample_index, samples
 
     def stop(self) -> None:
         """Release the followers from `follower_loop` (idempotent)."""

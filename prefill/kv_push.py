@@ -16,6 +16,11 @@ the push; the first one that sees it pushes every layer up to its own. If the st
 the job keeps its output and its blocks (`awaiting`) and pushes every layer once the target
 comes, from the engine thread after the step (the sender gathers on the current stream, so
 after the forward); without a target within the timeout the job fails and frees its blocks.
+Between the two, once the whole step is queued and while the device still runs it
+(`while_step_runs`), the engine thread waits for the targets of the step's jobs rather than for
+its samples, and pushes each as it comes: a step replayed from a prefill graph runs every hook
+before its first kernel ends, so a target that comes during the forward is pushed during the
+forward, not after it.
 
 Tensor parallel (`ranks` set): this is rank 0; `step_extras` tells the other ranks which
 requests push in the step about to run (`prefill.tp_push`), each rank pushes its own KV heads
@@ -25,7 +30,9 @@ was handed to its transport.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +49,8 @@ from worker.engine_loop import EngineLoop, TimerHandle
 from worker.transfer import transfer_id
 
 logger = logging.getLogger(__name__)
+
+TARGET_POLL_S = 0.0005  # while a step runs: how often the engine thread looks whether it is done
 
 
 class PrefillFailed(Exception):
@@ -119,6 +128,11 @@ class KvPusher:
         self.target_timeout_s = target_timeout_s
         self.jobs: dict[str, PrefillJob] = {}  # queued or computing
         self.awaiting: dict[str, PrefillJob] = {}  # computed, waiting for the target to push to
+        self._target_came = threading.Event()  # set by `target_set` (any thread)
+
+    def target_set(self) -> None:
+        """Any thread, right after setting a job's `target`: wake `while_step_runs`."""
+        self._target_came.set()
 
     def start(self, engine: Engine, job: PrefillJob) -> Request:
         """Queue the job's prompt (prefill only); ValueError for bad input."""
@@ -188,6 +202,21 @@ class KvPusher:
             due = layers_due(layer, job.num_layers, self.push)
             if due and job.layers_sent < due.stop:
                 self._push(job, range(job.layers_sent, due.stop))
+
+    def while_step_runs(self, plan: StepPlan, ready: Callable[[], bool]) -> None:
+        """Engine.step's `while_running`: every hook ran and the step is queued; until `ready()`
+        (its samples are in), push each of its jobs whose target comes meanwhile. The gathers
+        queue after the step's work, which wrote every layer."""
+        if not self.jobs:
+            return
+        waiting = [job for job in self._pushing(plan) if job.layers_sent < job.num_layers]
+        while waiting and not ready():
+            self._target_came.wait(TARGET_POLL_S)
+            self._target_came.clear()  # targets set before this are seen below; later ones wake the next wait
+            for job in [j for j in waiting if j.target is not None]:
+                waiting.remove(job)
+                if job.error is None and job.rank_sends is None:
+                    self._push(job, range(job.layers_sent, job.num_layers))
 
     def step_extras(self, plan: StepPlan) -> bytes:
         """TP rank 0, before the step is broadcast: what the other ranks push during it."""

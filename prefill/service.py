@@ -58,6 +58,7 @@ class PrefillService(wire.PrefillWorkerServicer):
         self.pusher = KvPusher(runtime.loop, sender, ranks, runtime.config.transfer.timeout_s,
                                runtime.config.transfer.push, target_timeout_s=runtime.config.transfer.timeout_s)
         runtime.loop.on_layer = self.pusher.on_layer
+        runtime.loop.while_running = self.pusher.while_step_runs
         self._target_follows: dict[str, tuple[PrefillJob, asyncio.Event]] = {}  # Prefill calls awaiting a PrefillTarget
         self._early_targets: dict[str, asyncio.Future[None]] = {}  # PrefillTarget calls awaiting their Prefill
 
@@ -171,6 +172,7 @@ class PrefillService(wire.PrefillWorkerServicer):
             self.loop.submit(lambda e: self.pusher.abort(e, rid, "aborted: its target was refused"))
             raise
         job.target = target  # the engine thread's hooks read it from here on
+        self.pusher.target_set()
         known.set()
         await self.runtime.run(lambda e: self.pusher.target_arrived(e, job))
         return worker_pb2.PrefillTargetResponse()

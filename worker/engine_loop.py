@@ -35,6 +35,8 @@ T = TypeVar("T")
 # ended it (engine failure, loop stopped). It must return quickly (hand the item over).
 Listener = Callable[[StepOutput | BaseException], None]
 LayerHook = Callable[[int, StepPlan], None]
+# Engine.step's while_running: the step's plan and a probe that says whether its samples are in.
+WhileRunning = Callable[[StepPlan, Callable[[], bool]], None]
 
 
 class LoopStopped(RuntimeError):
@@ -68,7 +70,7 @@ class EngineLoop:
     batch_window_s: when a command wakes an idle engine, keep collecting commands this long
       before the first step, so requests arriving together are prefilled in one batch (the
       engine's per-step token budget still caps the batch). 0 steps at once.
-    on_layer: passed to `engine.step` (the prefill worker pushes KV from there).
+    on_layer, while_running: passed to `engine.step` (the prefill worker pushes KV from there).
     on_step: called on the engine thread after each step with its duration in seconds.
     turn: the worker's side of a GPU shared with other workers (`worker.gpu_turn`): called
       around each step; `on_turn_wait` gets the seconds a step waited for its turn (when > 0).
@@ -82,6 +84,7 @@ class EngineLoop:
         name: str = "engine",
         batch_window_s: float = 0.0,
         on_layer: LayerHook | None = None,
+        while_running: WhileRunning | None = None,
         on_step: Callable[[float], None] | None = None,
         turn: GpuTurn | None = None,
         on_turn_wait: Callable[[float], None] | None = None,
@@ -92,6 +95,7 @@ class EngineLoop:
         self.engine = engine
         self.batch_window_s = float(batch_window_s)
         self.on_layer = on_layer
+        self.while_running = while_running
         self._on_step = on_step
         self.turn = turn or GpuTurn()
         self._on_turn_wait = on_turn_wait
@@ -283,7 +287,7 @@ class EngineLoop:
         t0 = time.perf_counter()
         try:
             hold = self._hold if self.turn.holds(self.reserves_arriving > 0 or self.engine.holds_any()) else None
-            outputs = self.engine.step(on_layer=self.on_layer, hold=hold)
+            outputs = self.engine.step(on_layer=self.on_layer, hold=hold, while_running=self.while_running)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))
             self._fail_all(exc)
