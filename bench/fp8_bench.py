@@ -3,7 +3,7 @@
     python bench/fp8_bench.py --out bench/results/fp8_h200.json [--num-prompts 1000] [--baseline]
 
 (a) each FP8 kernel (per-token quantize, RMSNorm / residual-add + RMSNorm + quantize,
-    SiLU-and-multiply + quantize, and the cuBLASLt GEMM of kernels.ops.fp8_linear) against its
+    SiLU-and-multiply + quantize, and the cuBLASLt GEMM of tandem_kernels.ops.fp8_linear) against its
     torch reference at Llama-3.1-8B shapes, with its time next to the bf16 op it replaces;
 (b) one decoder layer's GEMMs with the ops that feed them, bf16 (norm -> GEMM, GEMM, norm ->
     GEMM, SiLU-and-multiply -> GEMM) vs FP8 (the fused quantizing variants -> _scaled_mm), each
@@ -44,7 +44,7 @@ def e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def kernels_check() -> dict:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     res = {}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -111,7 +111,7 @@ def graph_ms(fn, reps: int = 20) -> float:
 def layer_gemms() -> dict:
     """A decoder layer's four projections with the ops that feed them, bf16 vs FP8."""
     from engine.quant.fp8 import quantize_weight_per_channel
-    from kernels import ops
+    from tandem_kernels import ops
 
     g = torch.Generator(device="cuda").manual_seed(1)
     shapes = LAYER_SHAPES

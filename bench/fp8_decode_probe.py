@@ -3,7 +3,7 @@ out, one at a time, timed on the offline shape (batch 384, context 1024, one spl
 
 Variants (each a constexpr switch of `_probe_stage1`; results are wrong on purpose except `full`):
   full        the engine's kernel body as it was before the block-table lookahead (its bandwidth
-              matched kernels.decode_attention at 2 stages; the engine's FP8 default now runs 3,
+              matched tandem_kernels.decode_attention at 2 stages; the engine's FP8 default now runs 3,
               which this copy does not pipeline: compare it with `engine`)
   no_softmax  scores go to the P·V dot as they are: no max, exp2 or rescale
   no_pv       no V load and no P·V dot (the row sums stand in for the output)
@@ -28,9 +28,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench.kernel_bench import BLOCK_ORDERS, Shapes, bench_ms, interpreter_missing, max_err, paged_kv  # noqa: E402
-from kernels import decode_attention as da  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.triton_common import widen  # noqa: E402
+from tandem_kernels import decode_attention as da  # noqa: E402
+from tandem_kernels import reference as ref  # noqa: E402
+from tandem_kernels.triton_common import widen  # noqa: E402
 
 VARIANTS = {"full": 0, "no_softmax": 1, "no_pv": 2, "no_dots": 3, "loads_raw": 4}
 

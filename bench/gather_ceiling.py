@@ -2,7 +2,7 @@
 
     python3 bench/gather_ceiling.py [--order sequential] [--out FILE]
 
-A Triton kernel reads what stage 1 of `kernels.decode_attention` reads, on the same grid
+A Triton kernel reads what stage 1 of `tandem_kernels.decode_attention` reads, on the same grid
 ((sequence, KV head, split), the split count from its `choose_splits`) and through the same
 block table, K and V tiles of `block_n` tokens of one KV head, and folds them into an XOR of
 32-bit words (one ALU op per 4 bytes, so the loads are all it does). Timed in GB/s beside the
@@ -37,8 +37,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.decode_attention import _program_split  # noqa: E402
-from kernels.triton_common import first_tile_blocks, next_tile_blocks  # noqa: E402
+from tandem_kernels.decode_attention import _program_split  # noqa: E402
+from tandem_kernels.triton_common import first_tile_blocks, next_tile_blocks  # noqa: E402
 
 LAYOUTS = ("nhd", "hnd")
 
@@ -132,8 +132,8 @@ def measure(order: str) -> list[list]:
     """Rows [cache, layout, batch, ctx, block_n, stages, ahead, GB/s, the decode kernel's GB/s on
     the same caches (its default tuning), copy GB/s]."""
     from bench.kernel_bench import Shapes, bench_ms, ceilings, paged_kv
-    from kernels import decode_attention as da
-    from kernels.triton_common import num_sms
+    from tandem_kernels import decode_attention as da
+    from tandem_kernels.triton_common import num_sms
 
     copy = round(ceilings(Shapes(tokens=256, inter=256))["copy_gbps"])
     rows: list[list] = []

@@ -1,4 +1,4 @@
-"""Kernel benchmark: Triton kernels checked against kernels.reference at real shapes, then timed
+"""Kernel benchmark: Triton kernels checked against tandem_kernels.reference at real shapes, then timed
 against ceilings measured in the same run (device copy bandwidth, bf16 matmul FLOP/s).
 
 On a GPU: `python bench/kernel_bench.py` (Llama-3.1-8B shapes), prints one JSON dict.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
+from tandem_kernels import reference as ref  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def correctness(s: Shapes, dev: str) -> dict:
 
     A kernel that raises is recorded with its error, and the other checks still run.
     """
-    from kernels import activation, decode_attention, extend_attention, norm, rotary
+    from tandem_kernels import activation, decode_attention, extend_attention, norm, rotary
 
     torch.manual_seed(0)
     bf = torch.bfloat16
@@ -197,7 +197,7 @@ def ceilings(s: Shapes) -> dict:
 
 
 def decode_case(s: Shapes, cache_dtype: torch.dtype) -> tuple[callable, int]:
-    from kernels import decode_attention
+    from tandem_kernels import decode_attention
 
     b, ctx = s.decode_batch, s.decode_ctx
     kc, vc, table, cl = paged_kv([ctx] * b, s, cache_dtype, "cuda")
@@ -208,7 +208,7 @@ def decode_case(s: Shapes, cache_dtype: torch.dtype) -> tuple[callable, int]:
 
 def extend_case(s: Shapes, q_len: int, prefix: int,
                 cache_dtype: torch.dtype = torch.bfloat16) -> tuple[callable, float]:
-    from kernels import extend_attention
+    from tandem_kernels import extend_attention
 
     kc, vc, table, sl = paged_kv([prefix + q_len], s, cache_dtype, "cuda")
     q = torch.randn(q_len, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
@@ -227,7 +227,7 @@ def timed(out: dict, name: str, case) -> None:
 
 
 def speed(s: Shapes, ceil: dict) -> dict:
-    from kernels import activation, norm, rotary
+    from tandem_kernels import activation, norm, rotary
 
     out: dict[str, dict] = {}
     bf = torch.bfloat16
@@ -291,7 +291,7 @@ DECODE_CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # --decode
 def _decode_grid(cache: torch.dtype, batch: int) -> list:
     """decode_sweep's tunings for `cache` at `batch`: tiles, stages and widening, deeper staging,
     the softmax bookkeeping variants and, at batch 1, the split lengths."""
-    from kernels import decode_attention as da
+    from tandem_kernels import decode_attention as da
 
     fp8 = cache == torch.float8_e4m3fn
     grid = list(itertools.product((64, 128), (2, 3), (4,), ("", "v", "kv")))
@@ -320,7 +320,7 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
     `caches` (DECODE_CACHES names)."""
-    from kernels import decode_attention as da
+    from tandem_kernels import decode_attention as da
 
     rows: list[list] = []
     shapes = ((64, 4096), (384, 1024), (1, 1024)) + (((512, 1536),) if only else ())
@@ -351,12 +351,12 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
 
 
 def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
-    """The fused decode GEMV (kernels.gemv) against what it replaces (cuBLAS through F.linear plus
+    """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through F.linear plus
     the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights, each timed from a
     CUDA graph. Rows: [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error];
     the "unfused" row of each weight has block_n = block_k = warps = 0."""
-    from kernels import gemv as gm
-    from kernels import ops
+    from tandem_kernels import gemv as gm
+    from tandem_kernels import ops
 
     h, inter = 4096, 14336
     cases = {"qkv (norm in front)": (6144, h, True, False), "o_proj": (h, h, False, False),
@@ -397,7 +397,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
 def extend_sweep(s: Shapes) -> dict:
     """extend_attention with each tile's block-table entries read a tile ahead or not
     (extend_attention.BLOCKS_AHEAD), bf16 and FP8, a whole prompt and a chunk after a prefix."""
-    from kernels import extend_attention as ea
+    from tandem_kernels import extend_attention as ea
 
     rows = []
     saved = ea.BLOCKS_AHEAD
@@ -418,7 +418,7 @@ def extend_sweep(s: Shapes) -> dict:
 
 def sweep(s: Shapes) -> dict:
     """Time the attention kernels over alternative configurations."""
-    from kernels import extend_attention as ea
+    from tandem_kernels import extend_attention as ea
 
     def run(fn, amount: float) -> float | str:
         try:
@@ -473,7 +473,7 @@ def main() -> int:
         if args.decode_sweep or args.gemv_sweep or args.extend_sweep:
             only = None
             if args.decode_tuning:
-                from kernels.decode_attention import DecodeTuning
+                from tandem_kernels.decode_attention import DecodeTuning
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
             print(json.dumps({**(decode_sweep(args.block_order, only, caches) if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),

@@ -166,8 +166,8 @@ def loop_mix(compiled) -> dict:
 def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
                   d: int = 128, block_size: int = 16, sms: int = 132, pdl: bool = False):
     """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc);
-    `pdl`: as launched with programmatic dependent launch (kernels.triton_common.pdl_enabled)."""
-    from kernels import decode_attention as da
+    `pdl`: as launched with programmatic dependent launch (tandem_kernels.triton_common.pdl_enabled)."""
+    from tandem_kernels import decode_attention as da
 
     meta = dict(device="meta")
     blocks = batch * -(-ctx // block_size)
@@ -189,7 +189,7 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
 def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int = 8, d: int = 128,
            block_size: int = 16):
     """The extend kernel for one sequence of `tokens` new tokens after `prefix`, compiled."""
-    from kernels import extend_attention as ea
+    from tandem_kernels import extend_attention as ea
 
     meta = dict(device="meta")
     blocks = -(-(tokens + prefix) // block_size)
@@ -220,8 +220,8 @@ def main() -> int:
     p.add_argument("--dump", default=None, metavar="DIR", help="write each kernel's TTGIR and PTX here")
     p.add_argument("--pdl", action="store_true", help="the decode kernel as launched with programmatic dependent launch")
     a = p.parse_args()
-    from kernels import decode_attention as da, extend_attention as ea
-    from kernels.triton_common import interpreting
+    from tandem_kernels import decode_attention as da, extend_attention as ea
+    from tandem_kernels.triton_common import interpreting
 
     if interpreting():
         print("kernel_ir compiles for the GPU: unset TRITON_INTERPRET", file=sys.stderr)

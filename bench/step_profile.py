@@ -297,7 +297,7 @@ def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv
 @contextlib.contextmanager
 def decode_tuning(fields: str | None):
     """The decode kernel's default tunings (both cache dtypes) with `fields` (JSON) replaced, while inside."""
-    import kernels.decode_attention as da
+    import tandem_kernels.decode_attention as da
 
     saved = da.FP8_TUNING, da.BF16_TUNING
     if fields is not None:

@@ -140,7 +140,7 @@ def run_decode_b1(ctx: Context) -> dict:
 
 def run_decode_b1_no_pdl(ctx: Context) -> dict:
     """decode_b1 without programmatic dependent launch: this child's kernels see TANDEM_PDL=0."""
-    from kernels.triton_common import PDL_ENV
+    from tandem_kernels.triton_common import PDL_ENV
 
     os.environ[PDL_ENV] = "0"
     return run_decode_b1(ctx)

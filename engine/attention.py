@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
+from tandem_kernels import ops
 
 
 @dataclass

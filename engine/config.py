@@ -73,7 +73,7 @@ class EngineConfig:
     # (engine/prefill_graphs.py); 0: none. A prefill worker sets it (its steps are host-bound
     # below a few thousand tokens); LLM's large mixed steps are not.
     prefill_graph_tokens: int = 0
-    # Decode steps of at most kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
+    # Decode steps of at most tandem_kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
     # enable_fused_decode). Off by default until measured against cuBLAS on the device.
     fused_decode_gemv: bool = False
     # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).

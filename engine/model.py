@@ -1,7 +1,7 @@
 """The one decoder-only transformer definition for every supported family (config decides the differences).
 
 Linear layers are merged (qkv_proj, gate_up_proj) for fewer, larger matmuls; the weight loader
-maps Hugging Face names onto them. Attention reads and writes the paged KV cache via kernels.ops.
+maps Hugging Face names onto them. Attention reads and writes the paged KV cache via tandem_kernels.ops.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, attend
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
-from kernels import ops
-from kernels.ops import GEMV_MAX_ROWS
+from tandem_kernels import ops
+from tandem_kernels.ops import GEMV_MAX_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.fused_decode = False  # see enable_fused_decode
 
     def enable_fused_decode(self) -> bool:
-        """Run decode steps of at most GEMV_MAX_ROWS tokens as four fused GEMVs (kernels.ops.gemv:
+        """Run decode steps of at most GEMV_MAX_ROWS tokens as four fused GEMVs (tandem_kernels.ops.gemv:
         the norms in front of qkv and gate_up, SiLU-and-multiply behind gate_up). Projections a
         tensor-parallel rewrite replaced (their forward carries a collective), and biases other
         than qkv's, keep the unfused path. Returns whether it is on."""

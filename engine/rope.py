@@ -6,7 +6,7 @@ import math
 import torch
 
 from engine.config import ModelConfig
-from kernels.reference import rope_cos_sin_cache
+from tandem_kernels.reference import rope_cos_sin_cache
 
 
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -13,19 +13,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # The project's top-level packages, from the base up.
-PACKAGES = ("tandem", "kernels", "kvtransfer", "kvindex", "loadgen", "engine", "parallel", "worker", "prefill",
+PACKAGES = ("tandem", "tandem_kernels", "kvtransfer", "kvindex", "loadgen", "engine", "parallel", "worker", "prefill",
             "decode", "gateway", "agent", "entrypoints", "bench")
 
 # What each package may import (besides itself). Lower layers never import higher ones.
 ALLOWED: dict[str, set[str]] = {
     "tandem": set(),
-    "kernels": set(),
+    "tandem_kernels": set(),
     "kvtransfer": {"tandem"},
     "kvindex": {"tandem"},
     "loadgen": {"tandem"},
-    "engine": {"tandem", "kernels"},
-    "parallel": {"tandem", "kernels", "engine", "kvtransfer"},
-    "worker": {"tandem", "kernels", "engine", "parallel", "kvtransfer", "kvindex"},
+    "engine": {"tandem", "tandem_kernels"},
+    "parallel": {"tandem", "tandem_kernels", "engine", "kvtransfer"},
+    "worker": {"tandem", "tandem_kernels", "engine", "parallel", "kvtransfer", "kvindex"},
     "prefill": {"tandem", "engine", "parallel", "kvtransfer", "worker"},
     "decode": {"tandem", "engine", "parallel", "kvtransfer", "worker"},
     "gateway": {"tandem", "kvindex"},

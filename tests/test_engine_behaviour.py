@@ -186,7 +186,7 @@ def test_mixed_batches_send_one_token_sequences_to_the_decode_kernel(model_dir, 
     decode kernel and the chunks through extend attention; the tokens equal those of running
     the whole mixed batch through extend attention."""
     import engine.attention as attention
-    from kernels import ops
+    from tandem_kernels import ops
 
     prompts = random_prompts(6, [40, 7, 23, 61, 5, 33], seed=5)
     params = [GREEDY.replace(max_tokens=6 + 3 * i) for i in range(6)]

@@ -1,8 +1,8 @@
-"""The FP8 activation-quantization kernels (kernels/quant.py, the FP8 variants in kernels/norm.py
-and kernels/activation.py) against their torch references, under TRITON_INTERPRET=1.
+"""The FP8 activation-quantization kernels (tandem_kernels/quant.py, the FP8 variants in tandem_kernels/norm.py
+and tandem_kernels/activation.py) against their torch references, under TRITON_INTERPRET=1.
 
 As in tests/test_kernels.py each case runs in a fresh interpreter (TRITON_INTERPRET must be set
-before triton is imported), through kernels.ops, on fresh random inputs; the seed is printed on
+before triton is imported), through tandem_kernels.ops, on fresh random inputs; the seed is printed on
 failure. e4m3 outputs may differ from the reference by one e4m3 step where the interpreter's
 rounding of an intermediate to bf16 differs from torch's (it truncates); scales by that rounding.
 """
@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # kernel and the reference may round the largest element to neighbouring values (the product
 # w * x * rsqrt is formed in another order), two steps of that dtype at most (bf16: 2**-7 each).
 SCALE_RTOL = {torch.float32: 1e-6, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}
-# (rows, cols): one row, odd widths, a row longer than kernels.quant.CHUNK (the loop's second chunk)
+# (rows, cols): one row, odd widths, a row longer than tandem_kernels.quant.CHUNK (the loop's second chunk)
 SHAPES = ((1, 64), (7, 100), (33, 257), (3, 5000))
 
 
@@ -46,7 +46,7 @@ def rand(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def case_quantize() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype in DTYPES:
         for rows, cols in SHAPES:
@@ -66,7 +66,7 @@ def case_quantize() -> None:
 
 
 def case_norm() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype in DTYPES:
         for rows, cols in SHAPES:
@@ -85,7 +85,7 @@ def case_norm() -> None:
 
 
 def case_silu() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype in DTYPES:
         for rows, inter in SHAPES:
@@ -98,7 +98,7 @@ def case_silu() -> None:
 
 
 def case_errors() -> None:
-    from kernels import ops
+    from tandem_kernels import ops
 
     for call, arg in ((ops.quantize_fp8_per_token, torch.zeros(2, 3, 4)), (ops.silu_and_mul_fp8, torch.zeros(2, 5))):
         with pytest.raises(ValueError):
@@ -124,7 +124,7 @@ def test_fp8_kernel_matches_reference(case: str) -> None:
 def test_fp8_linear_reference_is_the_dequantized_product() -> None:
     """The CPU GEMM is exactly (dequantized x) @ (dequantized W)^T, up to float32 summation order."""
     from engine.quant.fp8 import quantize_weight_per_channel
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     x, w, b = torch.randn(9, 48), torch.randn(40, 48) * 0.3, torch.randn(40)
     q, s = ref.quantize_fp8_per_token(x)

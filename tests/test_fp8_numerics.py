@@ -22,7 +22,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.quant.fp8 import Fp8Linear, Fp8RMSNorm, convert_to_fp8, quantize_weight_per_channel
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
-from kernels import reference as ref
+from tandem_kernels import reference as ref
 
 pytest.importorskip("transformers")
 

@@ -1,10 +1,10 @@
-"""Every Triton kernel against its torch reference (kernels.reference), on CPU, through the interpreter.
+"""Every Triton kernel against its torch reference (tandem_kernels.reference), on CPU, through the interpreter.
 
 Triton picks the interpreter when a kernel is decorated, i.e. when a kernel module is imported,
 from TRITON_INTERPRET. Setting it at the top of this module would depend on no other test having
 imported a kernel module (or triton) first, so each case runs instead in a fresh interpreter:
 `python tests/test_kernels.py CASE SEED` with TRITON_INTERPRET=1 and TANDEM_KERNELS=triton in its
-environment, before anything imports triton. Kernels are called through kernels.ops, so the
+environment, before anything imports triton. Kernels are called through tandem_kernels.ops, so the
 dispatch is exercised too. Inputs are fresh random tensors each run; the seed is printed on failure.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def paged(lens: list[int], block_size: int, hk: int, d: int, dtype: torch.dtype,
 # ---- cases: each runs in the subprocess and raises on a mismatch ----
 
 def case_norm() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype, (rows, hidden) in itertools.product(TOL, ((1, 64), (7, 100), (33, 257))):
         x, r = rand(rows, hidden, dtype=dtype), rand(rows, hidden, dtype=dtype)
@@ -83,7 +83,7 @@ def case_norm() -> None:
 
 
 def case_activation() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype, shape in itertools.product(TOL, ((5, 96), (2, 3, 200), (1, 74), (3, 4100))):
         x = rand(*shape, dtype=dtype, scale=3.0)
@@ -93,7 +93,7 @@ def case_activation() -> None:
 
 
 def case_rotary() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     configs = [  # (dtype, cache dtype, hq, hk, d, rotary_dim, is_neox, block_size)
         (torch.float32, torch.float32, 4, 4, 64, 64, True, 16),
@@ -143,7 +143,7 @@ def case_rotary() -> None:
 
 
 def case_decode() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     configs = [  # (dtype, cache dtype, batch, hq, hk, d, block_size, table width in blocks)
         (torch.float32, torch.float32, 3, 4, 4, 32, 16, 6),  # GQA 1, one split
@@ -176,8 +176,8 @@ def case_decode() -> None:
 def case_gemv() -> None:
     """The decode GEMV alone, with a bias, with the norm in front (with and without the residual
     sum), and with SiLU-and-multiply behind; odd sizes, 1 to MAX_ROWS rows."""
-    from kernels import gemv as gm, ops, reference as ref
-    from kernels.gemv import MAX_ROWS
+    from tandem_kernels import gemv as gm, ops, reference as ref
+    from tandem_kernels.gemv import MAX_ROWS
 
     cases = [
         (torch.float32, 1, (37, 100), False, False, False, False),
@@ -239,7 +239,7 @@ def case_fused_decode_engine() -> None:
 def case_decode_tunings() -> None:
     """Every launch shape of the decode kernel (tile sizes, split lengths, where FP8 is widened)
     gives the reference's result; GQA 4 with partial blocks and an empty context."""
-    from kernels import decode_attention as da, reference as ref
+    from tandem_kernels import decode_attention as da, reference as ref
 
     for cdt, cvt, block_n, min_partition in itertools.product(
             (torch.bfloat16, FP8), ("", "v", "kv"), (16, 64), (16, 64)):
@@ -271,7 +271,7 @@ def case_decode_narrow_offsets_only_where_they_fit() -> None:
     """narrow_offsets (32-bit K/V addresses) is taken only where every offset the cache views
     allow fits in 31 bits: an engine-sized FP8 pool does, a view one block past 2**31 elements
     does not and falls back to 64-bit addresses (shapes only: the caches are on the meta device)."""
-    from kernels import decode_attention as da
+    from tandem_kernels import decode_attention as da
 
     bsz, hq, hk, d, bs = 4, 32, 8, 128, 16
     per_block = bs * hk * d
@@ -292,7 +292,7 @@ def case_decode_softmax_variants() -> None:
     """The softmax bookkeeping variants (row sums kept lane by lane, lazy rescaling) give the
     reference's result, on keys whose scores grow along the context so that the running max
     moves by far more than the lazy threshold (and, early on, by less), in one split and many."""
-    from kernels import decode_attention as da, reference as ref
+    from tandem_kernels import decode_attention as da, reference as ref
 
     for cdt, defer, lazy, min_partition in itertools.product(
             (torch.bfloat16, FP8), (False, True), (False, True), (16, 256)):
@@ -338,8 +338,8 @@ def case_gather_ceiling_checksums() -> None:
 def case_pdl_stays_off_where_it_cannot_run() -> None:
     """Programmatic dependent launch is on by default (TANDEM_PDL=1 asks for it explicitly); on a
     CPU tensor and under the interpreter (which runs no PTX) the kernels launch without it, and run."""
-    from kernels import ops, reference as ref
-    from kernels.triton_common import PDL_ENV, pdl_enabled, pdl_launch
+    from tandem_kernels import ops, reference as ref
+    from tandem_kernels.triton_common import PDL_ENV, pdl_enabled, pdl_launch
 
     os.environ[PDL_ENV] = "1"
     try:
@@ -357,7 +357,7 @@ def case_decode_cache_strides() -> None:
     bench/gather_ceiling.py times them) give the reference's result, bf16 and FP8, one split and
     several; a K or V cache whose head_dim is not its contiguous dim is refused, naming it."""
     from bench.gather_ceiling import as_layout
-    from kernels import decode_attention as da, reference as ref
+    from tandem_kernels import decode_attention as da, reference as ref
 
     b, hq, hk, d, bs = 2, 8, 2, 32, 16
     for cdt, min_partition in itertools.product((torch.bfloat16, FP8), (16, 256)):
@@ -386,7 +386,7 @@ def case_decode_wide_table() -> None:
     """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
     context has them: the split count comes from the width, and each sequence divides its own
     context among the splits (a one-token context, one just past a split, the whole width)."""
-    from kernels import decode_attention as da, reference as ref
+    from tandem_kernels import decode_attention as da, reference as ref
 
     for cdt, stages in itertools.product((torch.bfloat16, FP8), (2, 3)):
         b, hq, hk, d, bs, width = 4, 8, 2, 64, 16, 128
@@ -405,7 +405,7 @@ def case_decode_wide_table() -> None:
 
 
 def case_extend() -> None:
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     configs = [  # (dtype, cache dtype, hq, hk, d, block_size, [(q_len, prefix), ...])
         (torch.float32, torch.float32, 2, 2, 32, 16, [(131, 0)]),  # two query tiles, no prefix
@@ -434,7 +434,7 @@ def case_extend_padded() -> None:
     """A prefill graph's padded layout (engine/prefill_graphs.py): rows past the real tokens in no
     sequence, empty sequences after the real ones (query_start_loc repeating the token count,
     length 0), stale block-table rows. The real rows get the unpadded reference's result."""
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     for dtype, cdt, seqs, pad_rows, pad_seqs in [(torch.float32, torch.float32, [(37, 20), (5, 0)], 150, 3),
                                                  (torch.bfloat16, torch.bfloat16, [(129, 0)], 1, 1)]:
@@ -458,7 +458,7 @@ def case_extend_blocks_ahead() -> None:
     (BLOCKS_AHEAD: which caches do) gives the reference's result, both caches: prefixes over
     several unmasked tiles, the masked tail after them, a one-token prompt and a query tile past
     the first."""
-    from kernels import extend_attention as ea, reference as ref
+    from tandem_kernels import extend_attention as ea, reference as ref
 
     saved = ea.BLOCKS_AHEAD
     try:
@@ -482,7 +482,7 @@ def case_extend_blocks_ahead() -> None:
 def case_dispatch() -> None:
     """Runs without TRITON_INTERPRET and with triton made unimportable."""
     sys.modules["triton"] = None  # `import triton` now raises ImportError
-    from kernels import ops, reference as ref
+    from tandem_kernels import ops, reference as ref
 
     x, w = torch.randn(3, 16), torch.rand(16)
     for mode in ("auto", "reference"):

@@ -45,7 +45,7 @@ def test_allocator_events_are_per_step_deltas():
 def test_decode_tuning_replaces_both_defaults_and_restores_them():
     import torch
 
-    import kernels.decode_attention as da
+    import tandem_kernels.decode_attention as da
     from bench.step_profile import decode_tuning
 
     fp8, bf16 = da.FP8_TUNING, da.BF16_TUNING

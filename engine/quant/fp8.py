@@ -1,7 +1,7 @@
 """FP8 weights (W8A8, e4m3): `Fp8Linear` and the rewrite that puts it into a built CausalLM.
 
 Each decoder layer's four projections become `Fp8Linear`: e4m3 weights with one float32 scale
-per output channel, GEMMs through kernels.ops.fp8_linear (cuBLASLt's FP8 GEMM on the GPU, its
+per output channel, GEMMs through tandem_kernels.ops.fp8_linear (cuBLASLt's FP8 GEMM on the GPU, its
 float32 emulation elsewhere), activations quantized per token at run time. The quantization of
 the activations rides on the kernel that already runs before each GEMM:
 
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from engine.model import MLP, CausalLM, RMSNorm
-from kernels import ops
-from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from tandem_kernels import ops
+from tandem_kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 One program per token rotates all its query heads and KV heads (neox/rotate-half or interleaved
 pairs, over the first rotary_dim features) and stores the rotated K and V at slot_mapping[t]
 (skipped when < 0), quantizing to FP8 e4m3 (value / scale, clamped to +-448) for FP8 caches.
-Semantics match kernels.reference.rotary_and_store_kv, apply_rotary and store_kv.
+Semantics match tandem_kernels.reference.rotary_and_store_kv, apply_rotary and store_kv.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import next_pow2, pdl_begin, pdl_launch, quantize_for_store, soft_fp8_round
+from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch, quantize_for_store, soft_fp8_round
 
 NUM_WARPS = 2  # for tiles of up to 4096 elements; twice that above
 

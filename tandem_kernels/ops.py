@@ -1,6 +1,6 @@
-"""The kernel entry points the engine calls: Triton on CUDA tensors, kernels.reference elsewhere.
+"""The kernel entry points the engine calls: Triton on CUDA tensors, tandem_kernels.reference elsewhere.
 
-Every function has the name, signature and semantics of its kernels.reference counterpart.
+Every function has the name, signature and semantics of its tandem_kernels.reference counterpart.
 TANDEM_KERNELS=reference forces the torch reference; TANDEM_KERNELS=triton forces the Triton
 kernels even on CPU tensors (which then need TRITON_INTERPRET=1, as the tests set). Unset or
 "auto": Triton when the tensors are on CUDA and triton imports, else the reference. Triton is
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels import reference
+from tandem_kernels import reference
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def _triton(module: str, fn: str) -> Any:
@@ -81,7 +81,7 @@ def _triton(module: str, fn: str) -> Any:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """See kernels.reference.rms_norm."""
+    """See tandem_kernels.reference.rms_norm."""
     if _use_triton(x):
         return _triton("norm", "rms_norm")(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.fused_add_rms_norm."""
+    """See tandem_kernels.reference.fused_add_rms_norm."""
     if _use_triton(x):
         return _triton("norm", "fused_add_rms_norm")(x, residual, weight, eps)
     return reference.fused_add_rms_norm(x, residual, weight, eps)
@@ -101,7 +101,7 @@ def gemv(
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
     silu_pair: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows)."""
+    """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows)."""
     if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair)
@@ -111,7 +111,7 @@ def gemv(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.silu_and_mul."""
+    """See tandem_kernels.reference.silu_and_mul."""
     if _use_triton(x):
         return _triton("activation", "silu_and_mul")(x)
     return reference.silu_and_mul(x)
@@ -120,7 +120,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(
     x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int, is_neox: bool
 ) -> torch.Tensor:
-    """See kernels.reference.apply_rotary."""
+    """See tandem_kernels.reference.apply_rotary."""
     if _use_triton(x):
         return _triton("rotary", "apply_rotary")(x, positions, cos_sin_cache, rotary_dim, is_neox)
     return reference.apply_rotary(x, positions, cos_sin_cache, rotary_dim, is_neox)
@@ -130,7 +130,7 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """See kernels.reference.store_kv."""
+    """See tandem_kernels.reference.store_kv."""
     if _use_triton(k):
         return _triton("rotary", "store_kv")(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -142,7 +142,7 @@ def rotary_and_store_kv(
     slot_mapping: torch.Tensor, rotary_dim: int, is_neox: bool,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.rotary_and_store_kv."""
+    """See tandem_kernels.reference.rotary_and_store_kv."""
     args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim, is_neox,
             k_scale, v_scale)
     if _use_triton(q):
@@ -155,7 +155,7 @@ def extend_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """See kernels.reference.extend_attention."""
+    """See tandem_kernels.reference.extend_attention."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
     if _use_triton(q):
         return _triton("extend_attention", "extend_attention")(*args)
@@ -166,7 +166,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """See kernels.reference.paged_decode_attention."""
+    """See tandem_kernels.reference.paged_decode_attention."""
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if _use_triton(q):
         return _triton("decode_attention", "paged_decode_attention")(*args)
@@ -176,14 +176,14 @@ def paged_decode_attention(
 # ---- FP8 weights: activation quantization fused into the ops before each GEMM, and the GEMM ----
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.quantize_fp8_per_token."""
+    """See tandem_kernels.reference.quantize_fp8_per_token."""
     if _use_triton(x):
         return _triton("quant", "quantize_fp8_per_token")(x)
     return reference.quantize_fp8_per_token(x)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.rms_norm_fp8."""
+    """See tandem_kernels.reference.rms_norm_fp8."""
     if _use_triton(x):
         return _triton("norm", "rms_norm_fp8")(x, weight, eps)
     return reference.rms_norm_fp8(x, weight, eps)
@@ -192,14 +192,14 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
 def fused_add_rms_norm_fp8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See kernels.reference.fused_add_rms_norm_fp8."""
+    """See tandem_kernels.reference.fused_add_rms_norm_fp8."""
     if _use_triton(x):
         return _triton("norm", "fused_add_rms_norm_fp8")(x, residual, weight, eps)
     return reference.fused_add_rms_norm_fp8(x, residual, weight, eps)
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference.silu_and_mul_fp8."""
+    """See tandem_kernels.reference.silu_and_mul_fp8."""
     if _use_triton(x):
         return _triton("activation", "silu_and_mul_fp8")(x)
     return reference.silu_and_mul_fp8(x)
@@ -232,7 +232,7 @@ def fp8_linear(
     q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """See kernels.reference.fp8_linear. On the GPU: torch._scaled_mm with a [T, 1] scale per token
+    """See tandem_kernels.reference.fp8_linear. On the GPU: torch._scaled_mm with a [T, 1] scale per token
     and a [1, N] scale per output channel (`weight` is [N, K] row-major, so weight.t() is the
     column-major operand cuBLASLt wants), the bias added after. Accumulation takes the fast path
     (no periodic promotion to fp32 inside the MMA loop), as vLLM's FP8 GEMMs do: 6–10% faster at

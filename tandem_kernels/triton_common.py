@@ -1,7 +1,7 @@
 """Helpers shared by the Triton kernels: launch-size arithmetic, device facts, FP8 rounding.
 
 Imports triton at module level, so only kernel modules (themselves imported lazily by
-kernels.ops) import this file.
+tandem_kernels.ops) import this file.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.ops import device_capability
+from tandem_kernels.ops import device_capability
 
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn value
 PDL_ENV = "TANDEM_PDL"

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import FP8_MIN_SCALE, block_for, check_rows, row_scale, to_e4m3_range
-from kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
+from tandem_kernels.quant import FP8_MIN_SCALE, block_for, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
 
 BLOCK = 2048
 
@@ -73,7 +73,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_row_stride, inter,
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, 2*I] -> (q [T, I] e4m3, scale [T, 1] float32): silu_and_mul rounded to x.dtype,
-    quantized per token in the same kernel (see kernels.reference.silu_and_mul_fp8)."""
+    quantized per token in the same kernel (see tandem_kernels.reference.silu_and_mul_fp8)."""
     x = check_rows(x)
     if x.shape[-1] % 2:
         raise ValueError(f"x last dim must be even (gate and up halves), got shape {tuple(x.shape)}")

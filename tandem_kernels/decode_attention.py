@@ -12,7 +12,7 @@ so a captured CUDA graph stays valid for any context lengths. The split count is
 shapes, but each sequence's split length is its own context divided among the splits (at least
 `min_partition`): a graph captured for the longest context a model allows still spreads a short
 context over every split rather than giving it all to the first.
-Semantics match kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
+Semantics match tandem_kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, num_sms,
+from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, num_sms,
                                    pdl_begin, pdl_launch, token_place, upcast_dots, widen)
 
 LOG2E = 1.4426950408889634

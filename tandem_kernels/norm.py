@@ -1,6 +1,6 @@
 """Triton RMSNorm and fused residual-add + RMSNorm (one read of x and residual, both outputs written).
 
-Semantics match kernels.reference.rms_norm / fused_add_rms_norm exactly: statistics in fp32,
+Semantics match tandem_kernels.reference.rms_norm / fused_add_rms_norm exactly: statistics in fp32,
 the residual sum rounded to x.dtype before it is normalized, outputs in x.dtype.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import FP8_MIN_SCALE, check_rows, row_scale, to_e4m3_range
-from kernels.triton_common import next_pow2, pdl_begin, pdl_launch, soft_fp8_round
+from tandem_kernels.quant import FP8_MIN_SCALE, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch, soft_fp8_round
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
 ELEMS_PER_WARP = 512  # tile elements per warp
@@ -169,7 +169,7 @@ def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (q [T, H] e4m3, scale [T, 1] float32) of rms_norm(x); see kernels.reference."""
+    """x [T, H] -> (q [T, H] e4m3, scale [T, 1] float32) of rms_norm(x); see tandem_kernels.reference."""
     q, scale, _ = _launch_fp8(x, None, weight, eps)
     return q, scale
 

@@ -7,7 +7,7 @@ KB of activations. `gemv` does one GEMV with the norm as its prologue (every pro
 few rows of x, which stay in L2) and SiLU-and-multiply as its epilogue (a program owns matching
 gate and up rows), so a layer needs four weight kernels and nothing between them.
 
-Semantics equal kernels.reference.gemv: the unfused ops in sequence, with the same roundings
+Semantics equal tandem_kernels.reference.gemv: the unfused ops in sequence, with the same roundings
 (the normalized activations and the GEMV outputs are rounded to x.dtype where the unfused path
 stores them), up to the order of the fp32 accumulation.
 """
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import GEMV_MAX_ROWS as MAX_ROWS
-from kernels.triton_common import next_pow2, pdl_begin, pdl_launch
+from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
 BLOCK_N = 16
 BLOCK_K = 512
@@ -119,7 +119,7 @@ def gemv(
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
     silu_pair: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K]."""
+    """See tandem_kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K]."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     m_rows, k_dim = x.shape

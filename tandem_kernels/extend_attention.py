@@ -7,7 +7,7 @@ block table. One program per (query head, BLOCK_M query rows of one sequence): f
 online softmax in fp32, tl.dot on tensor cores, KV tiles before the tile's first query position
 run without a mask, tiles past its last query position are never visited. The tile -> sequence
 map is found in the kernel by binary search over query_start_loc, so a launch needs no host sync.
-Semantics match kernels.reference.extend_attention.
+Semantics match tandem_kernels.reference.extend_attention.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, pdl_begin,
+from tandem_kernels.decode_attention import LOG2E, cache_scales, check_paged_args
+from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, pdl_begin,
                                    pdl_launch, upcast_dots, widen)
 
 BLOCK_M = 128

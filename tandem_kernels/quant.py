@@ -1,7 +1,7 @@
 """Triton per-token FP8 (e4m3) quantization of activation rows, and the row quantizer the fused
 norm and SiLU-and-multiply FP8 kernels share.
 
-Semantics match kernels.reference.quantize_fp8_per_token: scale = max(amax / 448, FP8_MIN_SCALE),
+Semantics match tandem_kernels.reference.quantize_fp8_per_token: scale = max(amax / 448, FP8_MIN_SCALE),
 q = clamp(x / scale, +-448) rounded to nearest even, both divisions exact (div_rn), so the GPU
 kernels reproduce the reference bit for bit on the same input.
 """
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import pdl_begin, pdl_launch, round_to_e4m3, soft_fp8_round
+from tandem_kernels.triton_common import pdl_begin, pdl_launch, round_to_e4m3, soft_fp8_round
 
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -27,7 +27,7 @@ def row_scale(amax):
 @triton.jit
 def to_e4m3_range(y, scale, SOFT_ROUND: tl.constexpr):
     """fp32 y / scale clamped to +-448, ready for the cast to e4m3 (rounded first when SOFT_ROUND,
-    see kernels.triton_common.soft_fp8_round)."""
+    see tandem_kernels.triton_common.soft_fp8_round)."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
     if SOFT_ROUND:
         q = round_to_e4m3(q)
@@ -70,7 +70,7 @@ def block_for(n_cols: int) -> tuple[int, int]:
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (q [T, K] e4m3, scale [T, 1] float32); see kernels.reference."""
+    """x [T, K] -> (q [T, K] e4m3, scale [T, 1] float32); see tandem_kernels.reference."""
     x = check_rows(x)
     rows, n_cols = x.shape
     q = torch.empty((rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device)

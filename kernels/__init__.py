@@ -1,1 +1,0 @@
-"""Kernels: Triton on GPU, plain torch (kernels.reference) on CPU, behind one set of functions."""
