@@ -87,6 +87,8 @@ class PrefillJob:
     done: Future = field(default_factory=Future)  # Future[PrefillDone], or PrefillFailed
     rank_sends: Future | None = None  # TP: the other ranks' send results (prefill.tp_push.RankSends)
     output: StepOutput | None = None  # the first token, kept while the job awaits its target
+    admitted_at: float | None = None  # time.monotonic() when the engine thread queued the prompt
+    sampled_at: float | None = None  # ... when the engine thread had its first token
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -140,6 +142,7 @@ class KvPusher:
         request = engine.admit(inp.token_ids, inp.params, inp.request_id, inp.tier, prefill_only=True,
                                num_output_tokens=inp.num_output_tokens, field="token_ids")
         job.request = request
+        job.admitted_at = time.monotonic()
         self.jobs[inp.request_id] = job
         self.loop.listen(inp.request_id, partial(self._on_output, engine, job))
         if job.deadline is not None:
@@ -251,6 +254,7 @@ class KvPusher:
 
     def _on_output(self, engine: Engine, job: PrefillJob, out: StepOutput | BaseException) -> None:
         rid = job.inp.request_id
+        job.sampled_at = time.monotonic()
         if self.jobs.get(rid) is job:
             del self.jobs[rid]
         if job.timer is not None:

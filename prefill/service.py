@@ -126,6 +126,10 @@ class PrefillService(wire.PrefillWorkerServicer):
             if metrics is not None:
                 metrics.observe_prefill("compute", computed - arrived)
                 metrics.observe_prefill("handover", time.monotonic() - computed)
+                if job.admitted_at is not None:
+                    metrics.observe_prefill("queue", job.admitted_at - arrived)
+                if job.sampled_at is not None:
+                    metrics.observe_prefill("finish", computed - job.sampled_at)
             return ad.prefill_response(done.output, len(inp.token_ids), done.cached_tokens, inp.params.logprobs is not None)
 
     async def _await_target(self, context: grpc.aio.ServicerContext, job: PrefillJob, known: asyncio.Event) -> None:

@@ -109,7 +109,10 @@ class WorkerMetrics(MetricsEndpoint):
         self._prefill = Histogram("tandem_prefill_stage_seconds",
                                   "A Prefill call on a prefill worker, by stage: compute (the call's arrival to "
                                   "its first token: the engine's queue, batching window and the steps of its "
-                                  "prompt), handover (first token to the KV commit handed to the transport)",
+                                  "prompt), handover (first token to the KV commit handed to the transport); "
+                                  "and two parts of compute: queue (arrival to the prompt queued on the engine "
+                                  "thread, which may be finishing a step), finish (the first token sampled on "
+                                  "the engine thread to the call seeing it, the commit included)",
                                   [*labels, "stage"], buckets=_STEP_BUCKETS, registry=self.registry)
         self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
                              [*labels, "method", "code"], registry=self.registry)
@@ -126,7 +129,7 @@ class WorkerMetrics(MetricsEndpoint):
         self._turn_wait.inc(seconds)
 
     def observe_prefill(self, stage: str, seconds: float) -> None:
-        """A Prefill call's `stage` ("compute" or "handover") took `seconds`."""
+        """A Prefill call's `stage` ("compute", "handover", "queue" or "finish") took `seconds`."""
         self._prefill.labels(**self._labels, stage=stage).observe(seconds)
 
     def count_rpc(self, method: str, code: str) -> None:
