@@ -32,6 +32,7 @@ from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.shard import ModelShard, WholeModel
+from engine.jit_watch import LateCompileWatch
 from engine.warm_up import warm_up
 from tandem.detokenize import IncrementalDetokenizer
 from tandem.hashing import model_identity, seed_hash
@@ -143,8 +144,12 @@ class Engine:
         self.overlap = alone and bool(overlap)
         self._inflight: _InFlight | None = None  # a launched step whose samples are not yet processed
         self._ready: list[StepOutput] = []  # outputs of a step resolved outside step(), returned by the next
+        self.late_compiles: LateCompileWatch | None = None  # Triton compiles after warm-up (logged)
         if config.warm_up and device.type == "cuda" and alone:
             self.warm_up()
+            watch = LateCompileWatch()
+            if watch.install():
+                self.late_compiles = watch
         logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", self.shard.describe(), self.identity, device,
                     dtype, num_blocks, config.block_size, ", overlapped steps" if self.overlap else "")
 
@@ -483,9 +488,12 @@ class Engine:
 
     def close(self) -> None:
         """Release whatever runs beside this engine's runner (tensor-parallel followers wait in
-        `follow()`); idempotent, and a no-op for a whole model or a follower."""
+        `follow()`) and unhook the late-compile watch; idempotent."""
         if self.runner is not None:
             self.runner.stop()
+        if self.late_compiles is not None:
+            self.late_compiles.uninstall()
+            self.late_compiles = None
 
     # ---- introspection --------------------------------------------------------------------
     @property

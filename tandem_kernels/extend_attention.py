@@ -78,7 +78,12 @@ def _attend_tile(
     return acc, m_new, l_i, blk_ahead
 
 
-@triton.jit(do_not_specialize=["bt_s0", "num_seqs", "num_tiles"])
+# A mixed step passes the rows after its decodes (engine/attention.py: block_tables[n:],
+# seq_lens[n:]), whose 16-byte alignment varies with the decode count: specialized on it, the
+# kernel would compile afresh inside a serving step (~2 s) for each combination warm-up missed.
+# They are read one int32 at a time, so alignment buys nothing.
+@triton.jit(do_not_specialize=["bt_s0", "num_seqs", "num_tiles"],
+            do_not_specialize_on_alignment=["bt_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_s0, q_s1, o_s0, o_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
