@@ -104,7 +104,9 @@ class DecodeService(wire.DecodeWorkerServicer):
         rid = next(self._ids)
         self.loop.reserves_arriving += 1  # the gateway sent the prompt's Prefill with it: hold from now
         try:
-            res, free = await self.runtime.run(lambda e: self._reserve(e, inp, rid))
+            # It runs inside a held launch too: the prompt's prefill step, which the hold lets go
+            # first, needs this answer (its KV target) before it ends.
+            res, free = await self.runtime.run(lambda e: self._reserve(e, inp, rid), in_hold=True)
         finally:
             self.loop.reserves_arriving -= 1
         if res is None:

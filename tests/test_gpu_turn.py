@@ -335,3 +335,63 @@ def test_a_decode_worker_waits_for_a_held_turn_then_streams_on(model_dir: Path, 
         wait_idle(w, WAIT)
     stop_workers([p, d])
     assert _mark(own) == 0
+
+
+def test_a_reserve_runs_inside_a_held_launch_and_other_commands_keep_their_order(
+        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held launch waits through a prefill step on the GPU. A command submitted `in_hold` (the
+    decode service's Reserve: the prompt being prefilled needs its answer before its step ends)
+    runs during that wait; any other command (an abort, an admit) waits for the step, and so
+    does every command queued after it, in order."""
+    import threading
+
+    from engine import Engine, EngineConfig, SamplingParams
+    from worker.engine_loop import EngineLoop
+
+    monkeypatch.setenv(HOLD_ENV, "always")
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    prefill = PrefillTurn(str(f))
+    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0)
+    engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=64, max_running=4, device="cpu"))
+    prepare = engine.runner.prepare
+    marked = threading.Event()
+    released: list[float] = []
+
+    def prepare_while_a_prefill_begins(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        if not marked.is_set():  # this step's launch is held through a 1 s prefill step
+            prefill.before_step()
+            marked.set()
+
+            def end() -> None:
+                released.append(time.monotonic())
+                prefill.after_step()
+            threading.Timer(1.0, end).start()
+        return out
+
+    engine.runner.prepare = prepare_while_a_prefill_begins
+    loop = EngineLoop(engine, turn=turn)
+    loop.start()
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        done = threading.Event()
+        loop.submit(lambda e: (loop.listen("r", lambda out: out.finished and done.set()),
+                               e.admit([256, *range(40, 60)], params, "r"))).result(WAIT)
+        assert marked.wait(WAIT)
+        time.sleep(0.1)  # the launch is held now
+        reserved = loop.submit(lambda e: e.reserve("coming", [256, *range(90, 99)], params), in_hold=True).result(WAIT)
+        reserved_at = time.monotonic()
+        assert reserved is not None and not released  # answered while the prefill step still ran
+        plain = loop.submit(lambda e: time.monotonic())
+        after = loop.submit(lambda e: time.monotonic(), in_hold=True)
+        assert plain.result(WAIT) >= released[0] > reserved_at  # waited for the held step
+        assert after.result(WAIT) >= plain.result()  # queued behind it, so after it
+        assert turn.waits >= 1 and turn.waited_s >= 0.8
+        assert done.wait(WAIT)  # the stream went on
+        assert loop.submit(lambda e: e.knows("coming")).result(WAIT)
+    finally:
+        loop.stop(timeout=WAIT)
+        prefill.close()
+        turn.close()
+        engine.close()

@@ -59,6 +59,7 @@ class TimerHandle:
 class _Command:
     fn: Callable[[Engine], Any]
     future: Future
+    in_hold: bool = False  # may also run inside a step's held launch (see EngineLoop.submit)
 
 
 _STOP = object()
@@ -110,6 +111,7 @@ class EngineLoop:
         self._snapshot = take_snapshot(engine, 0, 0)
         self._stopped = threading.Event()
         self._stop_taken = False  # the stop sentinel was taken by a command run inside a turn's wait
+        self._deferred: list[Any] = []  # taken during a held launch, run (first, in order) after the step
         self._submit_lock = threading.Lock()
         # Reserves received and not yet answered (written by the one thread that serves the
         # worker's RPCs, read here): a prompt for this worker is coming, so the launches hold
@@ -135,14 +137,20 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
 
-    def submit(self, fn: Callable[[Engine], T]) -> Future[T]:
+    def submit(self, fn: Callable[[Engine], T], in_hold: bool = False) -> Future[T]:
         """Run `fn(engine)` on the engine thread between steps; its result or exception lands in
-        the returned future. Raises LoopStopped if the loop has stopped."""
+        the returned future. Raises LoopStopped if the loop has stopped.
+
+        in_hold: `fn` may also run while a prepared step waits for its launch (a decode worker's
+        held launch waits through a prefill step on its GPU, ~25 ms): it must neither free nor
+        take blocks that step writes, nor change its batch. A Reserve qualifies (it takes free
+        blocks only); an abort does not. Commands keep their order: one that may not run in
+        the hold also holds back every command after it."""
         future: Future[T] = Future()
         with self._submit_lock:  # so nothing is queued after the shutdown drain
             if self._stopped.is_set():
                 raise LoopStopped("engine loop is stopped")
-            self._commands.put(_Command(fn, future))
+            self._commands.put(_Command(fn, future, in_hold))
         return future
 
     def abort(self, request_id: str, reason: str = "aborted") -> Future[bool]:
@@ -213,7 +221,13 @@ class EngineLoop:
             self._shutdown()
 
     def _take(self, timeout: float | None) -> list[Any]:
-        """Commands queued now; waits up to `timeout` (None: forever, 0: not at all) for one."""
+        """Commands queued now, after those a held launch deferred; waits up to `timeout` (None:
+        forever, 0: not at all) for one."""
+        items, self._deferred = self._deferred, []
+        return items + self._take_new(0.0 if items else timeout)
+
+    def _take_new(self, timeout: float | None) -> list[Any]:
+        """Commands in the queue now; waits up to `timeout` (None: forever, 0: not at all) for one."""
         items = []
         try:
             items.append(self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait())
@@ -268,10 +282,22 @@ class EngineLoop:
             self._stop_taken = True
         return not self._stop_taken
 
+    def _hold_pause(self, seconds: float) -> bool:
+        """A held launch's wait (`GpuTurn.before_forward`): run the commands submitted
+        `in_hold` meanwhile (a Reserve for the next prompt need not wait for the prefill step);
+        defer the others, and everything after the first of them, to after the step. False
+        (launch now) once the stop came."""
+        for item in self._take_new(seconds):
+            if self._deferred or item is _STOP or not item.in_hold:
+                self._deferred.append(item)
+            else:
+                self._run_commands([item])
+        return not any(item is _STOP for item in self._deferred)
+
     def _hold(self) -> None:
         """Engine.step's hold: the turn's second look, right before the forward is queued. Taken
         while a reservation is held, i.e. while a prefill for this worker is coming or running."""
-        waited = self.turn.before_forward()
+        waited = self.turn.before_forward(self._hold_pause)
         if waited and self._on_turn_wait is not None:
             self._on_turn_wait(waited)
 
@@ -332,6 +358,10 @@ class EngineLoop:
         with self._submit_lock:
             self._stopped.set()
         stopped = LoopStopped("engine loop stopped")
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            if isinstance(item, _Command):
+                item.future.set_exception(stopped)
         while True:
             try:
                 item = self._commands.get_nowait()

@@ -97,10 +97,11 @@ class GpuTurn:
         stopping)."""
         return 0.0
 
-    def before_forward(self) -> float:
+    def before_forward(self, pause: Callable[[float], bool] = _sleep) -> float:
         """Called inside a step, once the device has finished the step before and right before
-        this one's forward is queued (only when `holds_launch`); returns the seconds it waited.
-        It runs no commands: the step's batch is fixed by then."""
+        this one's forward is queued (only when `holds_launch`); returns the seconds it waited,
+        through `pause` as `before_step` (the engine loop's runs only the commands that may run
+        while a step is prepared: its batch is fixed by then)."""
         return 0.0
 
     def after_step(self) -> None:
@@ -167,8 +168,8 @@ class DecodeTurn(GpuTurn):
         self.waited_s += waited
         return waited
 
-    def before_forward(self) -> float:
-        return self.before_step(_sleep) if self.holds_launch else 0.0
+    def before_forward(self, pause: Callable[[float], bool] = _sleep) -> float:
+        return self.before_step(pause) if self.holds_launch else 0.0
 
     def close(self) -> None:
         for mark in self._marks:

@@ -45,9 +45,10 @@ class WorkerRuntime:
         self.in_flight = 0
         self.kv_stats: Callable[[], dict[str, dict[str, float]]] = dict
 
-    async def run(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread and await its result."""
-        return await asyncio.wrap_future(self.loop.submit(fn))
+    async def run(self, fn: Callable[[Engine], T], in_hold: bool = False) -> T:
+        """Run `fn(engine)` on the engine thread and await its result (`in_hold`: see
+        `EngineLoop.submit`)."""
+        return await asyncio.wrap_future(self.loop.submit(fn, in_hold))
 
     @contextlib.contextmanager
     def tracked(self) -> Iterator[None]:
