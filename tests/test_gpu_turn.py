@@ -16,7 +16,7 @@ import pytest
 from gateway.config import GatewayConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, stop_workers, wait_idle
 from tandem import Client, SamplingParams
-from worker.gpu_turn import (HOLD_ENV, DecodeTurn, GpuTurn, PrefillTurn, create_turn_file, make_turn,
+from worker.gpu_turn import (DEFAULT_HOLD, DecodeTurn, GpuTurn, PrefillTurn, create_turn_file, make_turn,
                              turn_paths)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_the_wait_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None
 
 
 def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_turn(
-        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """While a decode step waits for a prefill worker's step (here held for seconds), what is
     submitted to the worker's engine thread (a Reserve, an abort) runs at once and a stop ends
     the wait; only the step waits. (The wait before a step, without the held launch, whose
@@ -106,11 +106,10 @@ def test_the_engine_loop_serves_commands_and_stops_while_a_step_waits_for_its_tu
     from engine import Engine, EngineConfig, SamplingParams
     from worker.engine_loop import EngineLoop
 
-    monkeypatch.setenv(HOLD_ENV, "0")
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)
     prefill = PrefillTurn(str(f))  # stands for the prefill worker: its step runs until after_step
-    turn = DecodeTurn([str(f)], max_wait_s=4.0, stale_s=60.0)
+    turn = DecodeTurn([str(f)], max_wait_s=4.0, stale_s=60.0, hold="off")
     engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu"))
     loop = EngineLoop(engine, turn=turn)
     loop.start()
@@ -160,7 +159,7 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)
     prefill = PrefillTurn(str(f))
-    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0)
+    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0, hold="reserving")
     assert turn.holds_launch
     cfg = EngineConfig(str(tiny_models["llama"]), num_kv_blocks=32, max_running=4, device="cpu",
                        overlap_schedule=overlap)
@@ -224,24 +223,22 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
     assert got == want
 
 
-def test_the_hold_is_on_for_a_decode_turn_unless_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hold_is_on_for_a_decode_turn_unless_turned_off(tmp_path: Path) -> None:
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)
     assert not GpuTurn().holds_launch and GpuTurn().before_forward() == 0.0
     p = PrefillTurn(str(f))
     assert not p.holds_launch
-    monkeypatch.setenv(HOLD_ENV, "0")
-    d = DecodeTurn([str(f)], max_wait_s=5.0)
+    d = DecodeTurn([str(f)], max_wait_s=5.0, hold="off")
     p.before_step()
     t = time.monotonic()
     assert not d.holds_launch and d.before_forward() == 0.0 and time.monotonic() - t < 1.0  # no look, no wait
     assert not d.holds(reserving=True)
-    monkeypatch.setenv(HOLD_ENV, "1")
-    d = DecodeTurn([str(f)], max_wait_s=0.2)
+    d = DecodeTurn([str(f)], max_wait_s=0.2, hold="reserving")
     assert d.holds_launch and d.before_forward() >= 0.2  # a look, bounded as before_step
     assert d.holds(reserving=True) and not d.holds(reserving=False)  # only while a prefill is near
-    monkeypatch.setenv(HOLD_ENV, "always")
-    assert DecodeTurn([str(f)]).holds(reserving=False)
+    assert DEFAULT_HOLD == "always" and DecodeTurn([str(f)]).holds(reserving=False)
+    assert make_turn("decode", str(f), hold="reserving").holds(reserving=False) is False
     assert not GpuTurn().holds(reserving=True)
     p.close()
     d.close()
@@ -274,6 +271,15 @@ def test_bad_values_name_the_field(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="gpu_turn_max_wait_ms"):
             WorkerConfig(role="decode", engine=engine, gpu_turn=str(f), gpu_turn_max_wait_ms=bad)
     assert make_turn("decode", str(f), 0.02).max_wait_s == 0.02
+    for bad in ("1", "Always", ""):
+        with pytest.raises(ValueError, match="gpu_turn_hold"):
+            WorkerConfig(role="decode", engine=engine, gpu_turn=str(f), gpu_turn_hold=bad)
+        with pytest.raises(ValueError, match="gpu_turn_hold"):
+            DecodeTurn([str(f)], hold=bad)
+    assert config_from_args(build_parser("decode").parse_args(
+        ["--model", "m", "--gpu-turn-hold", "reserving"]), "decode").gpu_turn_hold == "reserving"
+    with pytest.raises(SystemExit):
+        build_parser("decode").parse_args(["--model", "m", "--gpu-turn-hold", "sometimes"])
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +344,7 @@ def test_a_decode_worker_waits_for_a_held_turn_then_streams_on(model_dir: Path, 
 
 
 def test_a_reserve_runs_inside_a_held_launch_and_other_commands_keep_their_order(
-        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """A held launch waits through a prefill step on the GPU. A command submitted `in_hold` (the
     decode service's Reserve: the prompt being prefilled needs its answer before its step ends)
     runs during that wait; any other command (an abort, an admit) waits for the step, and so
@@ -348,11 +354,10 @@ def test_a_reserve_runs_inside_a_held_launch_and_other_commands_keep_their_order
     from engine import Engine, EngineConfig, SamplingParams
     from worker.engine_loop import EngineLoop
 
-    monkeypatch.setenv(HOLD_ENV, "always")
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)
     prefill = PrefillTurn(str(f))
-    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0)
+    turn = DecodeTurn([str(f)], max_wait_s=5.0, stale_s=60.0, hold="always")
     engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=64, max_running=4, device="cpu"))
     prepare = engine.runner.prepare
     marked = threading.Event()

@@ -199,21 +199,25 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
         out = {}
         for c in build_children(a, "/models/m", placement=placement_for(a, visible=visible), ready_dir=tmp_path):
             i = c.argv.index("--gpu-turn") if "--gpu-turn" in c.argv else None
-            out[c.name] = c.argv[i:i + 4 if c.role == "decode" else i + 2] if i is not None else []
+            out[c.name] = c.argv[i:i + 6 if c.role == "decode" else i + 2] if i is not None else []
         return out
 
     turn = str(tmp_path / "prefill-0.gpu-turn")
     assert turns() == {"prefill-0": ["--gpu-turn", turn],
-                       "decode-0": ["--gpu-turn", turn, "--gpu-turn-max-wait-ms", f"{MAX_WAIT_S * 1000:g}"],
+                       "decode-0": ["--gpu-turn", turn, "--gpu-turn-max-wait-ms", f"{MAX_WAIT_S * 1000:g}",
+                                    "--gpu-turn-hold", "always"],
                        "gateway": []}
     assert (tmp_path / "prefill-0.gpu-turn").read_bytes() == bytes(8)
-    assert turns("--gpu-turn-max-wait-ms", "20")["decode-0"][-1] == "20"
+    assert turns("--gpu-turn-max-wait-ms", "20")["decode-0"][3] == "20"
+    assert turns("--gpu-turn-hold", "reserving")["decode-0"][-1] == "reserving"
     assert turns("--prefill-workers", "2", visible=1)["decode-0"][1] == f"{turn},{tmp_path / 'prefill-1.gpu-turn'}"
     for argv, visible in ((["--no-gpu-turn"], 1), ([], 2), ([], 0)):
         assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
     for bad in ("0", "-5", "2000"):
         with pytest.raises(SystemExit):
             parse_args(["--gpu-turn-max-wait-ms", bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--gpu-turn-hold", "1"])
 
 
 def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:

@@ -21,8 +21,12 @@ decode worker lets the prompt go first:
   the one before runs, but queued on the device only once that one is done, after a second
   look at the marks. Queued ahead, a decode worker keeps up to two steps on the GPU, and the
   prompt shares the GPU with both; held, with at most the rest of one. Holding costs each step
-  the host's reaction to the one before (the GPU idles meanwhile), so it is only done while a
-  prefill is near. `TANDEM_GPU_TURN_HOLD=0` never holds, `always` holds every step.
+  the host's reaction to the one before (the GPU idles meanwhile). `--gpu-turn-hold` says when
+  to hold (`HOLD_MODES`): `always` (the default: a Reserve reaches the decode worker only ~2 ms
+  before its prompt's forward starts, too late to keep a step from being queued ahead, so only
+  holding every step lets the prompt go first: TTFT -3.5 ms at 2 req/s for +0.3 ms a decode
+  step, BENCHMARKS §21), `reserving` (only while a prefill is known to be near), `off`. Reserve
+  commands run during a held wait (`EngineLoop.submit(in_hold=True)`).
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -35,11 +39,15 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["DecodeTurn", "GpuTurn", "HOLD_ENV", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_max_wait_ms", "create_turn_file",
+__all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_hold", "check_max_wait_ms", "create_turn_file",
            "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
-HOLD_ENV = "TANDEM_GPU_TURN_HOLD"  # "0": a decode worker queues its steps ahead (no hold); "always"
+# When a decode worker holds a step's launch until the step before has finished and the turn is
+# free: every step, only while a prefill for it is near (a reservation held or a Reserve
+# arriving), or never (steps are queued ahead).
+HOLD_MODES = ("always", "reserving", "off")
+DEFAULT_HOLD = "always"
 MAX_WAIT_LIMIT_MS = 1000.0  # the largest --gpu-turn-max-wait-ms accepted
 STALE_S = 2.0  # a mark older than this is a prefill worker that died inside a step
 POLL_S = 0.0002
@@ -49,6 +57,12 @@ _MARK = struct.Struct("<q")
 def _sleep(seconds: float) -> bool:
     time.sleep(seconds)
     return True
+
+
+def check_hold(mode: str, field: str) -> None:
+    """ValueError naming `field` unless `mode` is one of HOLD_MODES."""
+    if mode not in HOLD_MODES:
+        raise ValueError(f"{field}: must be one of {', '.join(HOLD_MODES)}, got {mode!r}")
 
 
 def check_max_wait_ms(ms: float, field: str) -> None:
@@ -135,14 +149,15 @@ class PrefillTurn(GpuTurn):
 class DecodeTurn(GpuTurn):
     """A decode worker's side: waits, before each step, for the prefill workers' marks."""
 
-    def __init__(self, paths: Sequence[str], max_wait_s: float = MAX_WAIT_S, stale_s: float = STALE_S) -> None:
+    def __init__(self, paths: Sequence[str], max_wait_s: float = MAX_WAIT_S, stale_s: float = STALE_S,
+                 hold: str = DEFAULT_HOLD) -> None:
         if not paths:
             raise ValueError("gpu_turn: no turn file given")
+        check_hold(hold, "gpu_turn_hold")
         self.paths = list(paths)
         self._marks = [_map(p) for p in self.paths]
         self.max_wait_s, self.stale_ns = max_wait_s, int(stale_s * 1e9)
-        hold = os.environ.get(HOLD_ENV, "1").strip()
-        self.holds_launch, self.hold_always = hold != "0", hold == "always"
+        self.holds_launch, self.hold_always = hold != "off", hold == "always"
         self.waits = 0  # waits (before a step or its forward)
         self.waited_s = 0.0
 
@@ -192,11 +207,11 @@ def turn_paths(role: str, spec: str | None) -> list[str]:
     return paths
 
 
-def make_turn(role: str, spec: str | None, max_wait_s: float = MAX_WAIT_S) -> GpuTurn:
+def make_turn(role: str, spec: str | None, max_wait_s: float = MAX_WAIT_S, hold: str = DEFAULT_HOLD) -> GpuTurn:
     """The turn of a worker of `role` from its --gpu-turn value: the prefill worker marks its
-    file, a decode worker waits on its files (at most `max_wait_s` a step); None: no shared
-    GPU, nothing to do."""
+    file, a decode worker waits on its files (at most `max_wait_s` a step) and holds its
+    launches as `hold` says; None: no shared GPU, nothing to do."""
     paths = turn_paths(role, spec)
     if not paths:
         return GpuTurn()
-    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths, max_wait_s)
+    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths, max_wait_s, hold=hold)
