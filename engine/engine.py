@@ -22,14 +22,14 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda_graphs import MAX_GRAPH_BATCH
-from engine.prefill_graphs import graph_token_limit
+from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.radix_cache import RadixCache
 from engine.sampler import PendingSamples, Sampler, TokenLogprobs
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import PrefillAlone, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.shard import ModelShard, WholeModel
 from engine.jit_watch import LateCompileWatch
@@ -138,6 +138,8 @@ class Engine:
             self.runner.capture_decode_graphs(min(self.max_running, MAX_GRAPH_BATCH), self.max_model_len)
         if alone and self.runner is not None and config.prefill_graph_tokens and device.type == "cuda":
             self.runner.capture_prefill_graphs(self.prefill_graph_tokens, self.max_model_len)
+            # Prompts that a graph holds get a step of their own beside running decodes.
+            self.prefill_alone = PrefillAlone(self.prefill_graph_tokens, PREFILL_GRAPH_MAX_SEQS)
         overlap = config.overlap_schedule
         if overlap is None:
             overlap = {"1": True, "0": False}.get(os.environ.get(OVERLAP_ENV, ""), device.type == "cuda")
@@ -496,6 +498,16 @@ class Engine:
             self.late_compiles = None
 
     # ---- introspection --------------------------------------------------------------------
+    @property
+    def prefill_alone(self) -> PrefillAlone | None:
+        """When waiting prompts get a step without the running decodes (engine.scheduler's
+        PrefillAlone; set where prefill graphs are captured); None: they join the decodes' step."""
+        return self._scheduler.prefill_alone
+
+    @prefill_alone.setter
+    def prefill_alone(self, rule: PrefillAlone | None) -> None:
+        self._scheduler.prefill_alone = rule
+
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

@@ -42,6 +42,21 @@ class SchedulerConfig:
             raise ValueError(f"max_batched_tokens: must be a positive integer, got {self.max_batched_tokens!r}")
 
 
+@dataclass(frozen=True)
+class PrefillAlone:
+    """When waiting prompts get a step of their own, without the running decodes: when every
+    one of them fits it (`max_tokens` uncached tokens at most, `max_seqs` sequences) and no
+    running sequence is still in its prompt. An engine whose pure prefill steps replay a CUDA
+    graph (engine.prefill_graphs) computes a prompt faster so than in a step mixed with decodes,
+    which runs eagerly and, on a slow host, takes the host's launch time (BENCHMARKS §20): the
+    prompt's first token comes sooner and the decodes wait no longer than a mixed step would
+    have kept them. Never two such steps running, so the decodes move at least every other
+    step; a larger backlog mixes as before (the throughput path)."""
+
+    max_tokens: int
+    max_seqs: int
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -91,6 +106,8 @@ class Scheduler:
         # Finished sequences whose blocks a step still in flight writes: (seq, match, blocks)
         # until that step is done (`release_finished`), so no reservation gets them meanwhile.
         self.unreleased: list[tuple[Sequence, Any, list[int]]] = []
+        self.prefill_alone: PrefillAlone | None = None  # set by an engine with prefill graphs
+        self._alone_last = False  # the last step was a PrefillAlone step
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -215,6 +232,11 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        alone = self._schedule_prefill_alone()
+        self._alone_last = alone is not None
+        if alone is not None:
+            self.stats.num_scheduled_tokens += alone.num_tokens
+            return alone
         out = SchedulerOutput()
         budget = self.config.max_batched_tokens
         self.running.sort(key=lambda s: s.priority_key)
@@ -245,6 +267,22 @@ class Scheduler:
             self._admit(out, budget)
         self.stats.num_scheduled_tokens += out.num_tokens
         return out
+
+    def _schedule_prefill_alone(self) -> SchedulerOutput | None:
+        """The waiting prompts alone, when `prefill_alone` says so (see PrefillAlone); else None."""
+        rule = self.prefill_alone
+        if rule is None or self._alone_last or not self.waiting or not self.running or self.swapped:
+            return None
+        if len(self.waiting) > rule.max_seqs or len(self.running) + len(self.waiting) > self.config.max_running:
+            return None
+        if any(s.num_tokens - s.num_computed_tokens > 1 for s in self.running):
+            return None  # a prompt being computed in chunks: the usual step finishes it
+        budget = min(rule.max_tokens, self.config.max_batched_tokens)
+        if sum(s.num_tokens - s.num_computed_tokens for s in self.waiting) > budget:
+            return None
+        out = SchedulerOutput()
+        self._admit(out, budget)  # a plan whatever it did (a preemption it needed is in it)
+        return None if out.is_empty else out
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         need = seq.blocks_needed(num_tokens, self.config.block_size)

@@ -20,14 +20,18 @@ def warm_up(engine: Engine) -> float:
     a cached prefix, and plain decodes on `engine`. Leaves no request behind. Returns the seconds
     it took. The prefill graphs (compiled when they were captured) are set aside meanwhile, so
     the eager path that steps no graph takes (more tokens, more sequences, mixed steps) compiles
-    too: its token counts are not the graphs' multiples of 16, and Triton specializes on that."""
+    too: its token counts are not the graphs' multiples of 16, and Triton specializes on that.
+    So is the scheduler's PrefillAlone rule, so that prompts and decodes share steps as they do
+    under load."""
     runner = engine.runner
     graphs = runner.prefill_graphs if runner is not None else None
+    alone, engine.prefill_alone = engine.prefill_alone, None  # the mixed steps must run too
     if graphs is not None:
         runner.prefill_graphs = None
     try:
         return _run(engine)
     finally:
+        engine.prefill_alone = alone
         if graphs is not None:
             runner.prefill_graphs = graphs
 

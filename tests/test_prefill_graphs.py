@@ -13,6 +13,7 @@ import torch
 from engine import LLM, EngineConfig
 from engine.attention import AttentionMetadata
 from engine.prefill_graphs import DEFAULT_BUCKETS, MAX_SEQS, PrefillGraphs, buckets_up_to
+from engine.scheduler import PrefillAlone
 from worker.config import PREFILL_GRAPH_TOKENS, build_parser, config_from_args
 
 
@@ -140,7 +141,20 @@ def test_warm_up_compiles_the_eager_path_past_the_graphs(tiny_models: dict[str, 
 
     recorder = Recorder()
     runner.prefill_graphs = recorder
+    rule = PrefillAlone(max_tokens=512, max_seqs=32)  # set with the graphs, as on CUDA
+    llm.engine.prefill_alone = rule
+    mixed: list[bool] = []
+    schedule = llm.engine._schedule
+
+    def spy():
+        out = schedule()
+        mixed.append(any(s.num_new_tokens == 1 for s in out.scheduled) and any(s.num_new_tokens > 1 for s in out.scheduled))
+        return out
+    llm.engine._schedule = spy
     assert llm.engine.warm_up() > 0
+    llm.engine._schedule = schedule
     assert recorder.steps == 0 and runner.prefill_graphs is recorder
+    assert any(mixed)  # prompts beside decodes: the rule was set aside too
+    assert llm.engine.prefill_alone is rule
     llm.generate([[5, 6, 7, 8]], None)
     assert recorder.steps > 0  # outside warm-up, prefill steps offer themselves to the graphs
