@@ -127,10 +127,23 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
                  for p in prompts]
         together = graphed.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         replays = graphed.engine.runner.prefill_graphs.replays
+        # Prompts arriving while the ones before decode: each gets a step of its own, replayed
+        # (engine.scheduler.PrefillAlone).
+        eng, arriving = graphed.engine, {}
+        for i, p in enumerate(prompts):
+            eng.admit(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), f"arriving-{i}")
+            for _ in range(3):
+                for o in eng.step():
+                    arriving.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_unfinished():
+            for o in eng.step():
+                arriving.setdefault(o.request_id, []).extend(o.new_token_ids)
         res[f"{fam}_prefill_graphs_vs_eager"] = (
             f"{sum(a.token_ids == b.token_ids for a, b in zip(alone, outs))}/{len(prompts)} identical alone, "
             f"{sum(a.token_ids == b.token_ids for a, b in zip(together, outs))}/{len(prompts)} together, "
-            f"{replays} graph replays")
+            f"{sum(arriving.get(f'arriving-{i}') == o.token_ids for i, o in enumerate(outs))}/{len(prompts)} "
+            f"arriving beside decodes (prefill alone: {eng.prefill_alone is not None}), "
+            f"{replays} + {eng.runner.prefill_graphs.replays - replays} graph replays")
         del graphed
         torch.cuda.empty_cache()
     return res
