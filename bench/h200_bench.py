@@ -128,7 +128,7 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
         together = graphed.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         replays = graphed.engine.runner.prefill_graphs.replays
         # Prompts arriving while the ones before decode: each gets a step of its own, replayed
-        # (engine.scheduler.PrefillAlone).
+        # (the engine's prefill_alone rule).
         eng, arriving = graphed.engine, {}
         for i, p in enumerate(prompts):
             eng.admit(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), f"arriving-{i}")
