@@ -22,17 +22,17 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cuda_graphs import MAX_GRAPH_BATCH
-from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
+from engine.jit_watch import LateCompileWatch
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
+from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
 from engine.radix_cache import RadixCache
 from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import PrefillAlone, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.shard import ModelShard, WholeModel
-from engine.jit_watch import LateCompileWatch
 from engine.warm_up import warm_up
 from tandem.detokenize import IncrementalDetokenizer
 from tandem.hashing import model_identity, seed_hash

@@ -148,7 +148,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         for f in files:
             if not f.exists():
                 create_turn_file(f)
-        wait = ["--gpu-turn-max-wait-ms", f"{a.gpu_turn_max_wait_ms:g}", "--gpu-turn-hold", a.gpu_turn_hold] if decode else []
+        decode_flags = ["--gpu-turn-max-wait-ms", f"{a.gpu_turn_max_wait_ms:g}", "--gpu-turn-hold", a.gpu_turn_hold]
+        wait = decode_flags if decode else []
         return ["--gpu-turn", ",".join(map(str, files)), *wait]
 
     for w in placement.workers:

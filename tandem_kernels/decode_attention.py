@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, num_sms,
-                                   pdl_begin, pdl_launch, token_place, upcast_dots, widen)
+from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks,
+                                          num_sms, pdl_begin, pdl_launch, token_place, upcast_dots, widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.decode_attention import LOG2E, cache_scales, check_paged_args
-from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks, pdl_begin,
-                                   pdl_launch, upcast_dots, widen)
+from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks,
+                                          pdl_begin, pdl_launch, upcast_dots, widen)
 
 BLOCK_M = 128
 BLOCK_N = 128

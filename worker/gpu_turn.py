@@ -39,8 +39,8 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_hold", "check_max_wait_ms", "create_turn_file",
-           "make_turn", "turn_paths"]
+__all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_hold",
+           "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
 # When a decode worker holds a step's launch until the step before has finished and the turn is
