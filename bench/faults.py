@@ -496,7 +496,11 @@ def frozen_worker(r: Rig, n_streams: int = 32, *, role: str = "decode", max_toke
 
         def freeze() -> None:
             log = gw.call(lambda: list(gw.gateway.dispatcher.log)[mark:])
-            placed = Counter(e.worker for e in log if e.kind == "dispatch")
+            first: dict[str, str] = {}  # a request retried before the freeze counts where it first went
+            for e in log:
+                if e.kind == "dispatch":
+                    first.setdefault(e.request_id, e.worker)
+            placed = Counter(first.values())
             result.extra["split"] = sorted(placed.values(), reverse=True)
             if role == "decode":
                 name = max(("d0", "d1"), key=lambda x: placed.get(r.workers[x].worker_id, 0))
