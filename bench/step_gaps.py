@@ -93,6 +93,7 @@ SHORT = {"tandem_engine_step_seconds": "step", "tandem_prefill_stage_seconds:com
          "tandem_prefill_stage_seconds:handover": "prefill_handover",
          "tandem_prefill_stage_seconds:queue": "prefill_queue",
          "tandem_prefill_stage_seconds:finish": "prefill_finish",
+         "tandem_prefill_stage_seconds:commit": "prefill_commit",
          "tandem_gateway_worker_call_seconds:reserve": "gw_reserve",
          "tandem_gateway_worker_call_seconds:prefill": "gw_prefill",
          "tandem_gateway_worker_call_seconds:first_chunk": "gw_first_chunk"}

@@ -89,6 +89,7 @@ class PrefillJob:
     output: StepOutput | None = None  # the first token, kept while the job awaits its target
     admitted_at: float | None = None  # time.monotonic() when the engine thread queued the prompt
     sampled_at: float | None = None  # ... when the engine thread had its first token
+    committed_at: float | None = None  # ... when it had handed the commit to the transport and finished the job
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -301,6 +302,7 @@ class KvPusher:
             engine.release(job.inp.request_id)  # staged copies were taken in send_layer
         if job.rank_sends is not None:
             send = combine_sends(send, job.rank_sends)
+        job.committed_at = time.monotonic()
         job.finish(PrefillDone(out, job.request.num_cached_tokens, send))
 
     def _fail(self, engine: Engine, job: PrefillJob, failure: PrefillFailed) -> None:

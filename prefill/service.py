@@ -130,6 +130,8 @@ class PrefillService(wire.PrefillWorkerServicer):
                     metrics.observe_prefill("queue", job.admitted_at - arrived)
                 if job.sampled_at is not None:
                     metrics.observe_prefill("finish", computed - job.sampled_at)
+                    if job.committed_at is not None:
+                        metrics.observe_prefill("commit", job.committed_at - job.sampled_at)
             return ad.prefill_response(done.output, len(inp.token_ids), done.cached_tokens, inp.params.logprobs is not None)
 
     async def _await_target(self, context: grpc.aio.ServicerContext, job: PrefillJob, known: asyncio.Event) -> None:

@@ -34,6 +34,7 @@ def test_step_gaps_reports_steps_stages_and_the_offline_reference(tiny_models, t
         # The parts of compute: the hop to the engine thread, and from the first token to the call.
         assert 0 < row["prefill_queue_mean_ms"] < row["prefill_compute_mean_ms"]
         assert 0 < row["prefill_finish_mean_ms"] < row["prefill_compute_mean_ms"]
+        assert 0 < row["prefill_commit_mean_ms"] < row["prefill_finish_mean_ms"]  # the engine thread's part
         assert row["kv_ms_per_request"] > 0  # the KV counters are read under the workers' own label
         assert abs(row["outside_step_ms"] - (row["itl_mean_ms"] - row["decode_step_mean_ms"])) <= 0.002  # rounded
         assert row["decode_turn_wait_ms_per_step"] == 0  # on the CPU no GPU is shared: no turns

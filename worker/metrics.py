@@ -112,7 +112,9 @@ class WorkerMetrics(MetricsEndpoint):
                                   "prompt), handover (first token to the KV commit handed to the transport); "
                                   "and two parts of compute: queue (arrival to the prompt queued on the engine "
                                   "thread, which may be finishing a step), finish (the first token sampled on "
-                                  "the engine thread to the call seeing it, the commit included)",
+                                  "the engine thread to the call seeing it, the commit included); and commit, "
+                                  "finish's part on the engine thread (the first token sampled to the commit "
+                                  "handed to the transport; the rest of finish is the hop to the call)",
                                   [*labels, "stage"], buckets=_STEP_BUCKETS, registry=self.registry)
         self._rpcs = Counter("tandem_worker_rpcs", "Worker RPCs by method and status code",
                              [*labels, "method", "code"], registry=self.registry)
@@ -129,7 +131,7 @@ class WorkerMetrics(MetricsEndpoint):
         self._turn_wait.inc(seconds)
 
     def observe_prefill(self, stage: str, seconds: float) -> None:
-        """A Prefill call's `stage` ("compute", "handover", "queue" or "finish") took `seconds`."""
+        """A Prefill call's `stage` ("compute", "handover", "queue", "finish" or "commit") took `seconds`."""
         self._prefill.labels(**self._labels, stage=stage).observe(seconds)
 
     def count_rpc(self, method: str, code: str) -> None:
