@@ -164,6 +164,15 @@ def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int |
                    max_running=max_running or a.max_running, quantization=quantization)
 
 
+def run_offline_fp8_scaled_gemms(ctx: Context) -> dict:
+    """offline_fp8 with every FP8 projection applying its own scales (row-wise GEMMs): this
+    child's model is built with TANDEM_FP8_DEFERRED_SCALES=0."""
+    from engine.quant.fp8 import DEFERRED_SCALES_ENV
+
+    os.environ[DEFERRED_SCALES_ENV] = "0"
+    return _offline(ctx, "fp8", "fp8")
+
+
 def run_gptfast(ctx: Context) -> dict:
     _need_cuda()
     from bench.gptfast_peer import measure
@@ -419,6 +428,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_no_cublas_workspace", "", 75, 35, "child", run_decode_b1_no_cublas_workspace,
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:0:0 (no split-K GEMMs)"),
+    Section("offline_fp8_scaled_gemms", "", 125, 100, "child", run_offline_fp8_scaled_gemms,
+            "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=0 (row-wise scaled GEMMs, no deferred scales)"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.quant import FP8_MIN_SCALE, block_for, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.quant import FP8_MIN_SCALE, block_for, check_deferred_scales, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.reference import DeferredScales
 from tandem_kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
 
 BLOCK = 2048
@@ -44,40 +45,56 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_row_stride, inter,
-                             BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr):
+    """A row's gate and up at `cols`, in float32; with HAS_X_SCALES the row is an FP8 GEMM's
+    unscaled product, scaled here (row scale xr, column scales at xc_ptr) and rounded to its dtype."""
+    gate = tl.load(base + cols, mask=mask, other=0.0)
+    up = tl.load(base + inter + cols, mask=mask, other=0.0)
+    if HAS_X_SCALES:
+        gate = (gate.to(tl.float32) * xr * tl.load(xc_ptr + cols, mask=mask, other=0.0)).to(base.dtype.element_ty)
+        up = (up.to(tl.float32) * xr * tl.load(xc_ptr + inter + cols, mask=mask, other=0.0)).to(base.dtype.element_ty)
+    return gate.to(tl.float32), up.to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter,
+                             HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                             PDL: tl.constexpr):
     pdl_begin(PDL)
     # One program per row, two passes: the product's largest magnitude, then the quantized
     # stores (the second pass recomputes the product from the row, by then in cache).
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * x_row_stride
+    if HAS_X_SCALES:
+        xr = tl.load(xr_ptr + row)
+    else:
+        xr = 1.0
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(y))
     scale = row_scale(tl.max(amax, axis=0))
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         q = to_e4m3_range(y, scale, SOFT_ROUND)
         tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, 2*I] -> (q [T, I] e4m3, scale [T, 1] float32): silu_and_mul rounded to x.dtype,
     quantized per token in the same kernel (see tandem_kernels.reference.silu_and_mul_fp8)."""
     x = check_rows(x)
     if x.shape[-1] % 2:
         raise ValueError(f"x last dim must be even (gate and up halves), got shape {tuple(x.shape)}")
     rows, inter = x.shape[0], x.shape[1] // 2
+    xr, xc = check_deferred_scales(x_scales, rows, 2 * inter)
     q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0:
@@ -85,6 +102,7 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if inter == 0:
         return q, scale.fill_(FP8_MIN_SCALE)
     block, warps = block_for(inter)
-    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, x.stride(0), inter, BLOCK=block,
+    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, xr if xr is not None else scale, xc if xc is not None else scale,
+                                      x.stride(0), inter, HAS_X_SCALES=xr is not None, BLOCK=block,
                                       SOFT_ROUND=soft_fp8_round(), num_warps=warps, **pdl_launch(x.device))
     return q, scale

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.quant import FP8_MIN_SCALE, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.quant import FP8_MIN_SCALE, check_deferred_scales, check_rows, row_scale, to_e4m3_range
+from tandem_kernels.reference import DeferredScales
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch, soft_fp8_round
 
 MAX_HIDDEN = 65536  # one row is held in registers: beyond this a looped kernel would be needed
@@ -107,19 +108,24 @@ def fused_add_rms_norm(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_fp8_kernel(
-    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, res_out_ptr, xr_ptr, xc_ptr,
     n_rows, x_s0, r_s0, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFT_ROUND: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_X_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     # _rms_norm_kernel on 2-D rows, its output rounded to x.dtype (as the unfused norm stores it)
     # and then quantized per row: the GEMM after it reads e4m3 and one scale per token.
+    # HAS_X_SCALES: x is an FP8 GEMM's unscaled product; its row and column scales apply first.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
     x = tl.load(x_ptr + (rows * x_s0)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_X_SCALES:
+        xr = tl.load(xr_ptr + rows, mask=row_mask, other=0.0)
+        xc = tl.load(xc_ptr + cols, mask=cols < n_cols, other=0.0)
+        x = (x.to(tl.float32) * xr[:, None] * xc[None, :]).to(x_ptr.dtype.element_ty)
     dense = rows[:, None] * n_cols + cols[None, :]
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + (rows * r_s0)[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -136,9 +142,11 @@ def _rms_norm_fp8_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
-def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                x_scales: DeferredScales | None):
     x = check_rows(x)
     n_rows, n_cols = x.shape
+    xr, xc = check_deferred_scales(x_scales, n_rows, n_cols)
     if weight.dim() != 1 or weight.shape[0] != n_cols:
         raise ValueError(f"weight must have shape [{n_cols}], got {tuple(weight.shape)}")
     if n_cols > MAX_HIDDEN:
@@ -160,22 +168,24 @@ def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     num_warps = min(32, max(4, block_n * block_m // ELEMS_PER_WARP))
     rv = residual if residual is not None else x
     _rms_norm_fp8_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, rv, weight, q, scale, res_out if res_out is not None else x,
-        n_rows, x.stride(0), rv.stride(0), n_cols, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, SOFT_ROUND=soft_fp8_round(),
-        num_warps=num_warps, **pdl_launch(x.device),
+        x, rv, weight, q, scale, res_out if res_out is not None else x, xr if xr is not None else scale,
+        xc if xc is not None else scale, n_rows, x.stride(0), rv.stride(0), n_cols, float(eps),
+        HAS_RESIDUAL=residual is not None, HAS_X_SCALES=xr is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        SOFT_ROUND=soft_fp8_round(), num_warps=num_warps, **pdl_launch(x.device),
     )
     return q, scale, res_out
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x_scales: DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (q [T, H] e4m3, scale [T, 1] float32) of rms_norm(x); see tandem_kernels.reference."""
-    q, scale, _ = _launch_fp8(x, None, weight, eps)
+    q, scale, _ = _launch_fp8(x, None, weight, eps, x_scales)
     return q, scale
 
 
 def fused_add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x_scales: DeferredScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, x + residual): fused_add_rms_norm with its output quantized per token, one kernel."""
-    return _launch_fp8(x, residual, weight, eps)
+    return _launch_fp8(x, residual, weight, eps, x_scales)

@@ -182,27 +182,30 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return reference.quantize_fp8_per_token(x)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x_scales: reference.DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See tandem_kernels.reference.rms_norm_fp8."""
     if _use_triton(x):
-        return _triton("norm", "rms_norm_fp8")(x, weight, eps)
-    return reference.rms_norm_fp8(x, weight, eps)
+        return _triton("norm", "rms_norm_fp8")(x, weight, eps, x_scales)
+    return reference.rms_norm_fp8(x, weight, eps, x_scales)
 
 
 def fused_add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x_scales: reference.DeferredScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See tandem_kernels.reference.fused_add_rms_norm_fp8."""
     if _use_triton(x):
-        return _triton("norm", "fused_add_rms_norm_fp8")(x, residual, weight, eps)
-    return reference.fused_add_rms_norm_fp8(x, residual, weight, eps)
+        return _triton("norm", "fused_add_rms_norm_fp8")(x, residual, weight, eps, x_scales)
+    return reference.fused_add_rms_norm_fp8(x, residual, weight, eps, x_scales)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(x: torch.Tensor,
+                     x_scales: reference.DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See tandem_kernels.reference.silu_and_mul_fp8."""
     if _use_triton(x):
-        return _triton("activation", "silu_and_mul_fp8")(x)
-    return reference.silu_and_mul_fp8(x)
+        return _triton("activation", "silu_and_mul_fp8")(x, x_scales)
+    return reference.silu_and_mul_fp8(x, x_scales)
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,3 +245,15 @@ def fp8_linear(
     y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype,
                          use_fast_accum=True)
     return y if bias is None else y.add_(bias)
+
+
+def fp8_product(q: torch.Tensor, weight: torch.Tensor, unit_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """See tandem_kernels.reference.fp8_product. On the GPU: torch._scaled_mm with one scale per
+    tensor, both `unit_scale` (a float32 1.0 on q's device, made before any graph capture), which
+    cuBLASLt runs 1.2-1.5x faster than row-wise scales at M <= 384 (BENCHMARKS.md §15, §22); the
+    reader of the product applies the row and column scales."""
+    if not scaled_mm_applies(q, weight, out_dtype):
+        return reference.fp8_product(q, weight, out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=unit_scale, scale_b=unit_scale, out_dtype=out_dtype,
+                            use_fast_accum=True)

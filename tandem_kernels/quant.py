@@ -63,6 +63,19 @@ def check_rows(x: torch.Tensor, name: str = "x") -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def check_deferred_scales(scales: tuple[torch.Tensor, torch.Tensor] | None, n_rows: int,
+                          n_cols: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(row_scale, col_scale) of an unscaled FP8 product [n_rows, n_cols] as contiguous float32
+    vectors, or (None, None) when `scales` is None; ValueError naming x_scales on a bad shape."""
+    if scales is None:
+        return None, None
+    row, col = scales
+    if row.numel() != n_rows or col.numel() != n_cols:
+        raise ValueError(f"x_scales: expected {n_rows} row scales and {n_cols} column scales, got shapes "
+                         f"{tuple(row.shape)} and {tuple(col.shape)}")
+    return row.reshape(-1).float().contiguous(), col.reshape(-1).float().contiguous()
+
+
 def block_for(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a row loop over n_cols columns."""
     block = min(CHUNK, triton.next_power_of_2(max(n_cols, 16)))

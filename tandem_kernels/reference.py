@@ -219,6 +219,9 @@ def _dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 # s = max(amax(|x|) / 448, FP8_MIN_SCALE); a weight as e4m3 rows with one float32 scale per
 # output channel. The GEMM is y = (q_x @ q_w^T) * s_x * s_w (+ bias), accumulated in float32:
 # products of e4m3 values are exact in float32, so a GPU GEMM differs only in summation order.
+# With deferred scales the GEMM stops at the product p = q_x @ q_w^T (rounded to the output
+# dtype) and the kernel that reads y applies them: y = p * s_x * s_w, rounded to p's dtype, so it
+# reads the value the scaled GEMM would have stored, rounded once more.
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -232,24 +235,40 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+DeferredScales = tuple[torch.Tensor, torch.Tensor]  # (row_scale [T, 1], col_scale [N]) float32
+
+
+def apply_deferred_scales(p: torch.Tensor, scales: DeferredScales | None) -> torch.Tensor:
+    """p [T, N] (an FP8 GEMM's unscaled product) * row_scale * col_scale, in float32, rounded to
+    p.dtype; p itself where `scales` is None."""
+    if scales is None:
+        return p
+    row_scale, col_scale = scales
+    return (p.float() * row_scale * col_scale.float().view(1, -1)).to(p.dtype)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x_scales: DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8_per_token(rms_norm(x)): the norm's output rounded to x.dtype first, as the
-    unfused ops would."""
-    return quantize_fp8_per_token(rms_norm(x, weight, eps))
+    unfused ops would. x_scales: x is an unscaled FP8 product (apply_deferred_scales first)."""
+    return quantize_fp8_per_token(rms_norm(apply_deferred_scales(x, x_scales), weight, eps))
 
 
 def fused_add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x_scales: DeferredScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, x + residual): fused_add_rms_norm with its normalized output quantized per token."""
-    y, summed = fused_add_rms_norm(x, residual, weight, eps)
+    """(q, scale, x + residual): fused_add_rms_norm with its normalized output quantized per token.
+    x_scales: x is an unscaled FP8 product (apply_deferred_scales first)."""
+    y, summed = fused_add_rms_norm(apply_deferred_scales(x, x_scales), residual, weight, eps)
     q, scale = quantize_fp8_per_token(y)
     return q, scale, summed
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8_per_token(silu_and_mul(x)), the product rounded to x.dtype first."""
-    return quantize_fp8_per_token(silu_and_mul(x))
+def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_per_token(silu_and_mul(x)), the product rounded to x.dtype first. x_scales:
+    x [T, 2I] is an unscaled FP8 product, col_scale [2I] (apply_deferred_scales first)."""
+    return quantize_fp8_per_token(silu_and_mul(apply_deferred_scales(x, x_scales)))
 
 
 def fp8_linear(
@@ -262,3 +281,9 @@ def fp8_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def fp8_product(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """p [T, N] = q [T, K] @ weight [N, K]^T in float32, returned in out_dtype: fp8_linear with
+    its scales deferred to the kernel that reads p (apply_deferred_scales)."""
+    return torch.matmul(q.float(), weight.float().t()).to(out_dtype)

@@ -84,6 +84,40 @@ def case_norm() -> None:
             torch.testing.assert_close(summed, rsum, atol=1e-2, rtol=1e-2)
 
 
+def deferred(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """An unscaled FP8 product (large values: sums of e4m3 products) and its row and column scales."""
+    p = (torch.randn(rows, cols) * 300).to(dtype)
+    return p, (torch.rand(rows, 1) * 1e-3 + 1e-5, torch.rand(cols) * 1e-2 + 1e-4)
+
+
+def case_deferred_scales() -> None:
+    """The norm and SiLU-and-multiply kernels apply an FP8 product's deferred scales as they load."""
+    from tandem_kernels import ops, reference as ref
+
+    for dtype in DTYPES:
+        for rows, cols in SHAPES:
+            p, scales = deferred(rows, cols, dtype)
+            r, w = rand(rows, cols, dtype), (torch.rand(cols) + 0.5).to(dtype)
+            q, s, summed = ops.fused_add_rms_norm_fp8(p, r, w, 1e-5, scales)
+            rq, rs, rsum = ref.fused_add_rms_norm_fp8(p, r, w, 1e-5, scales)
+            fp8_close(q, rq, f"fused_add_rms_norm_fp8 deferred {dtype} {p.shape}")
+            scales_close(s, rs, dtype, f"fused_add_rms_norm_fp8 deferred scale {dtype} {p.shape}")
+            torch.testing.assert_close(summed, rsum, atol=1e-2, rtol=1e-2)
+            # The scales were applied: the sum is not the unscaled product's.
+            assert not torch.allclose(summed.float(), (p.float() + r.float()).to(dtype).float(), rtol=0.1)
+            q, s = ops.rms_norm_fp8(p, w, 1e-6, scales)
+            rq, rs = ref.rms_norm_fp8(p, w, 1e-6, scales)
+            fp8_close(q, rq, f"rms_norm_fp8 deferred {dtype} {p.shape}")
+            scales_close(s, rs, dtype, f"rms_norm_fp8 deferred scale {dtype} {p.shape}")
+            p2, scales2 = deferred(rows, 2 * cols, dtype)
+            q, s = ops.silu_and_mul_fp8(p2, scales2)
+            rq, rs = ref.silu_and_mul_fp8(p2, scales2)
+            fp8_close(q, rq, f"silu_and_mul_fp8 deferred {dtype} {p2.shape}")
+            scales_close(s, rs, dtype, f"silu_and_mul_fp8 deferred scale {dtype} {p2.shape}")
+    with pytest.raises(ValueError, match="x_scales"):
+        ops.silu_and_mul_fp8(torch.zeros(2, 8), (torch.ones(2, 1), torch.ones(4)))
+
+
 def case_silu() -> None:
     from tandem_kernels import ops, reference as ref
 
@@ -119,6 +153,22 @@ def test_fp8_kernel_matches_reference(case: str) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"case {case} seed {seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert f"ok {case}" in proc.stdout
+
+
+def test_deferred_scales_reference_is_the_scaled_product() -> None:
+    """fp8_product then apply_deferred_scales is fp8_linear, rounded once more to the output dtype."""
+    from engine.quant.fp8 import quantize_weight_per_channel
+    from tandem_kernels import ops, reference as ref
+
+    x, w = torch.randn(9, 48), torch.randn(40, 48) * 0.3
+    q, s = ref.quantize_fp8_per_token(x)
+    wq, ws = quantize_weight_per_channel(w)
+    one = torch.ones(())
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
+        got = ref.apply_deferred_scales(ops.fp8_product(q, wq, one, dtype), (s, ws))
+        want = ops.fp8_linear(q, s, wq, ws, None, dtype)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=tol)
 
 
 def test_fp8_linear_reference_is_the_dequantized_product() -> None:

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.quant.fp8 import Fp8Linear, Fp8RMSNorm, convert_to_fp8, quantize_weight_per_channel
+from engine.quant.fp8 import (DEFERRED_MAX_ROWS, DEFERRED_SCALES_ENV, Fp8Linear, Fp8Product, Fp8RMSNorm,
+                              convert_to_fp8, quantize_weight_per_channel)
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from tandem_kernels import reference as ref
@@ -96,6 +97,32 @@ def test_fp8_logits_and_greedy_tokens_near_unquantized(family, tiny_models):
     assert same >= FIRST_TOKEN_AGREEMENT * len(ps), f"{same}/{len(ps)} first tokens agree"
     assert len({t for o in got for t in o.token_ids}) > 20  # varied output, not one repeated token
     assert fp8.engine.num_free_blocks_after_reset() == fp8.engine.num_total_blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "glm4"])
+def test_scales_are_deferred_where_our_kernels_read_the_output(family, tiny_models, monkeypatch):
+    """o_proj, gate_up and down_proj hand their unscaled product to the norm / activation after
+    them, which apply the scales; not qkv, not the last down_proj (the final norm is not FP8), not
+    where a sandwich norm (GLM-4) reads the output. The logits are those of the scaled GEMMs."""
+    fp8 = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8")
+    model = fp8.engine.model
+    n = len(model.layers)
+    deferring = {name for name, m in model.named_modules() if isinstance(m, Fp8Linear) and m.defers_scales}
+    readers = ("mlp.gate_up_proj",) if family == "glm4" else ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    assert deferring == {f"layers.{i}.{r}" for i in range(n) for r in readers} - {f"layers.{n - 1}.mlp.down_proj"}
+    products = []
+    for m in projections(model):
+        m.register_forward_hook(lambda _m, _a, out: products.append(isinstance(out, Fp8Product)))
+    monkeypatch.setenv(DEFERRED_SCALES_ENV, "0")
+    scaled = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8")
+    assert not any(m.defers_scales for m in projections(scaled.engine.model))
+    for p in prompts(3, seed=5):
+        got, want = prefill_logits(fp8, p), prefill_logits(scaled, p)
+        assert ((got - want).norm() / want.norm()).item() < EMULATION_REL_TOL
+    assert sum(products) == 3 * len(deferring)  # every deferring projection handed on a product
+    # Above DEFERRED_MAX_ROWS rows the projection applies its own scales.
+    x = torch.randn(DEFERRED_MAX_ROWS + 1, model.layers[0].mlp.gate_up_proj.in_features)
+    assert isinstance(model.layers[0].mlp.gate_up_proj(x), torch.Tensor)
 
 
 def test_quantization_field_and_flag_are_validated(tiny_models):

@@ -14,10 +14,24 @@ The norm and the activation hand the projection an `Fp8Activation` (e4m3 rows + 
 in place of a tensor; the model's forward passes it through untouched. Embeddings, the final
 norm, q/k norms and lm_head stay in the model dtype. Tensor-parallel models are refused: their
 projections are not plain nn.Linear (ValueError naming --quantization).
+
+Deferred scales. cuBLASLt's FP8 GEMM with one scale per tensor is 1.2-1.5x faster than with a
+scale per row and column at up to a few hundred rows (BENCHMARKS.md §15), the decode steps'
+sizes. So where the kernel that reads a projection's output is one of ours, the projection
+stops at the unscaled product and hands on an `Fp8Product`; the reader applies the scales as it
+loads (rounding to the model dtype, so it sees what the scaled GEMM would have stored):
+
+    o_proj -> post_attention_layernorm     Fp8RMSNorm
+    gate_up -> mlp.act                      SiluAndMulFp8
+    down_proj -> next input_layernorm       Fp8RMSNorm (not the last layer's: the final norm is bf16)
+
+Up to DEFERRED_MAX_ROWS rows (above them the row-wise GEMM is as fast); not where a bias is
+added or a sandwich norm (GLM-4) reads the output; TANDEM_FP8_DEFERRED_SCALES=0 turns it off.
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+DEFERRED_SCALES_ENV = "TANDEM_FP8_DEFERRED_SCALES"  # "0": every projection applies its own scales
+DEFERRED_MAX_ROWS = 512  # measured (§15): per-tensor 1.47x row-wise at 64 rows, 1.19x at 384, 0.98x at 1,024
 
 
 class Fp8Activation(NamedTuple):
@@ -39,6 +55,23 @@ class Fp8Activation(NamedTuple):
 
     data: torch.Tensor  # [T, K] float8_e4m3fn
     scale: torch.Tensor  # [T, 1] float32
+
+
+class Fp8Product(NamedTuple):
+    """A projection's output with its scales not yet applied: y ~= data * row_scale * col_scale
+    (tandem_kernels.reference.apply_deferred_scales)."""
+
+    data: torch.Tensor  # [T, N] in the model dtype: the unscaled product
+    row_scale: torch.Tensor  # [T, 1] float32: the input's per-token scales
+    col_scale: torch.Tensor  # [N] float32: the weight's per-channel scales
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_scale, self.col_scale
+
+
+def deferred_scales_enabled() -> bool:
+    return os.environ.get(DEFERRED_SCALES_ENV, "1") != "0"
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +95,9 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=out_dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.defers_scales = False  # set by convert_to_fp8 where the output's reader applies them
+        # The per-tensor GEMM's scales: a buffer, so it exists (filled) before any graph capture.
+        self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -74,12 +110,18 @@ class Fp8Linear(nn.Module):
             layer.bias.data = linear.bias.data
         return layer
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Product:
+        """The output, or an Fp8Product where this projection defers its scales (defers_scales,
+        at most DEFERRED_MAX_ROWS rows)."""
         q, scale = x if isinstance(x, Fp8Activation) else ops.quantize_fp8_per_token(x)
+        if self.defers_scales and q.shape[0] <= DEFERRED_MAX_ROWS:
+            return Fp8Product(ops.fp8_product(q, self.weight, self.unit_scale, self.out_dtype), scale,
+                              self.weight_scale)
         return ops.fp8_linear(q, scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+        deferred = ", scales deferred to the reader" if self.defers_scales else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel{deferred}"
 
 
 class Fp8RMSNorm(RMSNorm):
@@ -92,17 +134,20 @@ class Fp8RMSNorm(RMSNorm):
         layer.weight, layer.eps = norm.weight, norm.eps
         return layer
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | Fp8Product, residual: torch.Tensor | None = None):
+        x, scales = (x.data, x.scales) if isinstance(x, Fp8Product) else (x, None)
         if residual is None:
-            return Fp8Activation(*ops.rms_norm_fp8(x, self.weight, self.eps))
-        q, scale, summed = ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
+            return Fp8Activation(*ops.rms_norm_fp8(x, self.weight, self.eps, scales))
+        q, scale, summed = ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, scales)
         return Fp8Activation(q, scale), summed
 
 
 class SiluAndMulFp8(nn.Module):
     """MLP.act for an Fp8Linear down_proj: [T, 2I] -> Fp8Activation of silu(gate) * up."""
 
-    def forward(self, x: torch.Tensor) -> Fp8Activation:
+    def forward(self, x: torch.Tensor | Fp8Product) -> Fp8Activation:
+        if isinstance(x, Fp8Product):
+            return Fp8Activation(*ops.silu_and_mul_fp8(x.data, x.scales))
         return Fp8Activation(*ops.silu_and_mul_fp8(x))
 
 
@@ -145,7 +190,33 @@ def convert_to_fp8(model: CausalLM, quantize_weights: bool = True, skip: Skip | 
             layer.post_attention_layernorm = Fp8RMSNorm.from_norm(layer.post_attention_layernorm)
         if isinstance(mlp.down_proj, Fp8Linear) and isinstance(mlp, MLP):
             mlp.act = SiluAndMulFp8()
+    defer_scales(model, deferred_scales_enabled())
     return kept
+
+
+def defer_scales(model: CausalLM, enabled: bool = True) -> int:
+    """Set each FP8 projection's defers_scales: on (with `enabled`) where no bias is added and the
+    kernel that reads its output applies scales (the module docstring's three readers). Returns
+    how many defer."""
+    layers = list(model.layers)
+    deferring = 0
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        following = layers[i + 1] if i + 1 < len(layers) else None
+        readers = {
+            attn.o_proj: isinstance(layer.post_attention_layernorm, Fp8RMSNorm)
+            and layer.post_self_attn_layernorm is None,
+            mlp.gate_up_proj: isinstance(getattr(mlp, "act", None), SiluAndMulFp8),
+            mlp.down_proj: following is not None and isinstance(following.input_layernorm, Fp8RMSNorm)
+            and layer.post_mlp_layernorm is None,
+        }
+        for proj, reader_scales in readers.items():
+            if isinstance(proj, Fp8Linear):
+                proj.defers_scales = enabled and reader_scales and proj.bias is None
+                deferring += proj.defers_scales
+        if isinstance(attn.qkv_proj, Fp8Linear):
+            attn.qkv_proj.defers_scales = False  # read by rotary and the q/k norms
+    return deferring
 
 
 def apply_quantization(model: CausalLM, method: str | None) -> CausalLM:
