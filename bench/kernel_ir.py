@@ -183,7 +183,7 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
     _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits,
                                        out, partial, lse)
     consts.update(PDL=pdl, launch_pdl=pdl)
-    return compile_for_hopper(da._decode_stage1, args, consts)
+    return compile_for_hopper(da.stage1_kernel(tuning), args, consts)
 
 
 def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int = 8, d: int = 128,

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks,
-                                          num_sms, pdl_begin, pdl_launch, token_place, upcast_dots, widen)
+from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blocks_at, interpreting, next_pow2,
+                                          next_tile_blocks, next_tile_blocks_at, num_sms, pdl_begin, pdl_launch,
+                                          token_place, upcast_dots, widen)
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
@@ -57,6 +58,12 @@ class DecodeTuning:
     lazy_rescale: move a row's running max, and rescale its accumulator, only when some row's max
       grew by more than LAZY_RESCALE_LOG2 (scores are in log2 units; the unnormalized weights
       then stay below 2**LAZY_RESCALE_LOG2, far inside fp16 and fp32), instead of every tile.
+    warp_split: each warp keeps an online softmax of its own over its share of every tile
+      (block_n / num_warps consecutive tokens: 3-D dots, the warps along their batch dimension),
+      and the warps' states merge once, after the loop (_decode_stage1_warps). The 2-D tile's row
+      max and its P operand cross the warps through shared memory, behind barriers, every tile;
+      here nothing does, at an accumulator per warp in registers. defer_sum and lazy_rescale do
+      not apply.
     """
 
     block_n: int = 64
@@ -69,10 +76,14 @@ class DecodeTuning:
     lazy_rescale: bool = False
     narrow_offsets: bool = False
     unsigned_index: bool = False
+    warp_split: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
+        if self.warp_split and (self.block_n % self.num_warps or self.block_n // self.num_warps < 16):
+            raise ValueError(f"warp_split needs block_n a multiple of 16 * num_warps, got block_n {self.block_n} "
+                             f"and num_warps {self.num_warps}")
 
 
 # Chosen by `python3 bench/kernel_bench.py --decode-sweep` on an H200 (BENCHMARKS.md §2, §14-16):
@@ -220,6 +231,89 @@ def _decode_stage1(
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
 
 
+@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
+def _decode_stage1_warps(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
+    o_s0, o_s1, o_s2, lse_s0, lse_s1,
+    qk_scale, v_scale,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr, WARPS: tl.constexpr,
+):
+    """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
+    each row of it one warp's, with its own running max, sum and accumulator; they merge after
+    the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
+    accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
+    its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
+    (DEFER_SUM and LAZY are not used)."""
+    pdl_begin(PDL)
+    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+    if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
+        TW: tl.constexpr = BLOCK_N // WARPS
+        h = tl.arange(0, BLOCK_H)
+        heads = kvh * GROUP + h
+        d = tl.arange(0, D_PAD)
+        h_mask = h < GROUP
+        d_mask = d < D
+        q_t = tl.load(q_ptr + b * q_s0 + heads[None, :] * q_s1 + d[:, None],
+                      mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [D_PAD, BLOCK_H]
+        if F16:
+            q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q3 = tl.broadcast_to(q_t[None, :, :], (WARPS, D_PAD, BLOCK_H))
+        tok = tl.arange(0, WARPS)[:, None] * TW + tl.arange(0, TW)[None, :]  # [WARPS, TW]: a warp's tokens
+        m_i = tl.full([WARPS, BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([WARPS, BLOCK_H], tl.float32)
+        acc = tl.zeros([WARPS, D_PAD, BLOCK_H], tl.float32)
+        bt_row = bt_ptr + b * bt_s0
+        blk_next = first_tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tok
+            n_mask = offs < end
+            blk, blk_next = next_tile_blocks_at(blk_next, bt_row, n0, tok, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
+                                                UNSIGNED)
+            _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
+            kv_mask = n_mask[:, :, None] & d_mask[None, None, :]
+            if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
+                blk = blk.to(tl.int32)
+            k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, :, None] + d[None, None, :],
+                         q_t.dtype, OPAQUE_K, kv_mask)
+            s = dot(k, q3, PRECISION, UPCAST) * qk_scale  # [WARPS, TW, BLOCK_H]
+            s = tl.where(n_mask[:, :, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A warp whose tokens all lie past the end (so far) has no max yet: subtract 0 instead.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None, :])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, :, None] + d[None, None, :],
+                         q_t.dtype, OPAQUE_V, kv_mask)
+            acc = acc * alpha[:, None, :] + dot(tl.permute(v, (0, 2, 1)), p.to(q_t.dtype), PRECISION, UPCAST)
+        m_all = tl.max(m_i, 0)  # [BLOCK_H]: the warps' states merged
+        weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
+        l_all = tl.sum(l_i * weight, 0)
+        acc_all = tl.sum(acc * weight[:, None, :], 0)  # [D_PAD, BLOCK_H]
+        has = l_all > 0.0
+        out = acc_all * (v_scale / tl.where(has, l_all, 1.0))[None, :]
+        o_mask = d_mask[:, None] & h_mask[None, :]
+        if DIRECT:
+            tl.store(o_ptr + b * o_s0 + heads[None, :] * o_s1 + d[:, None],
+                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptr + b * o_s0 + heads[None, :] * o_s1 + split * o_s2 + d[:, None], out, mask=o_mask)
+            lse = tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))
+            tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
+
+
+def stage1_kernel(tuning: DecodeTuning):
+    """The stage-1 kernel a tuning launches (its arguments are stage1_launch's either way)."""
+    return _decode_stage1_warps if tuning.warp_split else _decode_stage1
+
+
 @triton.jit(do_not_specialize=_STAGE2_PER_STEP)
 def _decode_stage2(
     o_ptr, lse_ptr, ctx_ptr, out_ptr,
@@ -327,7 +421,7 @@ def paged_decode_attention(
         lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     grid, args, consts = stage1_launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
                                        tuning, splits, out, partial, lse)
-    _decode_stage1[grid](*args, **consts)
+    stage1_kernel(tuning)[grid](*args, **consts)
     if splits == 1:
         return out
     _decode_stage2[(bsz, hq)](
@@ -364,7 +458,7 @@ def stage1_launch(
     block_n, stages = tuning.block_n, tuning.num_stages
     if d_pad * q.element_size() > 256:  # wide rows: keep the staged K/V tiles within shared memory
         block_n, stages = 64, min(stages, 2)
-    consts = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
+    consts = dict(GROUP=group, BLOCK_H=max(8 if tuning.warp_split else 16, next_pow2(group)), D=dim, D_PAD=d_pad, BLOCK_N=block_n,
                   MIN_PARTITION=max(tuning.min_partition, block_n), BLOCK_SIZE=block_size,
                   DIRECT=splits == 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16,
@@ -373,6 +467,7 @@ def stage1_launch(
                   BLOCKS_AHEAD=stages > 2, num_warps=tuning.num_warps, num_stages=stages,
                   NARROW=tuning.narrow_offsets and max(_last_offset(k_cache), _last_offset(v_cache)) < 2**31,
                   UNSIGNED=tuning.unsigned_index,
+                  **({"WARPS": tuning.num_warps} if tuning.warp_split else {}),
                   **pdl_launch(q.device))
     kc, vc = k_cache, v_cache
     if splits == 1:

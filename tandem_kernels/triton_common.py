@@ -174,6 +174,34 @@ def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
 
 
 @triton.jit
+def tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE: tl.constexpr, UNSIGNED: tl.constexpr = False):
+    """tile_blocks for the tokens n0 + tok, `tok` any shape of offsets (masked at `end`)."""
+    offs = n0 + tok
+    index, _ = token_place(offs, BLOCK_SIZE, UNSIGNED)
+    return tl.load(bt_row + index, mask=offs < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def first_tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr,
+                         UNSIGNED: tl.constexpr = False):
+    """first_tile_blocks for a tile of offsets `tok` (see tile_blocks_at)."""
+    if AHEAD:
+        return tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE, UNSIGNED)
+    else:
+        return 0
+
+
+@triton.jit
+def next_tile_blocks_at(carried, bt_row, n0, tok, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        AHEAD: tl.constexpr, UNSIGNED: tl.constexpr = False):
+    """next_tile_blocks for a tile of offsets `tok` (see tile_blocks_at)."""
+    if AHEAD:
+        return carried, tile_blocks_at(bt_row, n0 + BLOCK_N, tok, end, BLOCK_SIZE, UNSIGNED)
+    else:
+        return tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE, UNSIGNED), carried
+
+
+@triton.jit
 def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr,
                       UNSIGNED: tl.constexpr = False):
     """What a KV loop from `start` carries into its first `next_tile_blocks`: with AHEAD the first

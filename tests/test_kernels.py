@@ -314,6 +314,44 @@ def case_decode_softmax_variants() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
+def case_decode_warp_split() -> None:
+    """warp_split (each warp's own online softmax over its share of a tile, merged after the loop)
+    gives the reference's result: scores growing along the context (the warps' maxima differ and
+    move), contexts shorter than a tile (warps with no token), an empty one, GQA groups of 1, 4
+    and 8, one split and several, the block table read a tile ahead or not."""
+    from tandem_kernels import decode_attention as da, reference as ref
+
+    for cdt, (block_n, warps), (hq, hk), min_partition in itertools.product(
+            (torch.bfloat16, FP8), ((64, 4), (32, 2)), ((8, 2), (16, 2), (4, 4)), (64, 256)):
+        b, d, bs, width = 4, 32, 16, 12
+        stages = 3 if hq == 8 else 2
+        what = (f"decode warp_split cache={cdt} block_n={block_n} warps={warps} heads={hq}/{hk} "
+                f"min_partition={min_partition} num_stages={stages}")
+        lens = [width * bs - 7, 5, 0, int(torch.randint(bs, width * bs, ()))]
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        grown = kc.float()
+        for row, n in zip(table.tolist(), lens):
+            for j, block in enumerate(row[: -(-n // bs)]):
+                grown[block] *= 1 + 1.5 * j
+        kc = grown.clamp(-400, 400).to(cdt)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        tuning = da.DecodeTuning(block_n=block_n, num_warps=warps, min_partition=min_partition, num_stages=stages,
+                                 opaque_cvt="v" if cdt == FP8 else "", warp_split=True,
+                                 narrow_offsets=cdt == FP8, unsigned_index=cdt == FP8)
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+        assert torch.equal(got[2].float(), torch.zeros_like(got[2].float())), what
+        live = ctx > 0
+        want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, 0.5, 1.5)
+        close(got[live], want, torch.bfloat16, what, scale=2.0)
+    try:
+        da.DecodeTuning(block_n=32, num_warps=4, warp_split=True)
+    except ValueError as exc:
+        assert "warp_split" in str(exc)
+    else:
+        raise AssertionError("a warp's share of a tile below 16 tokens must raise ValueError")
+
+
 def case_gather_ceiling_checksums() -> None:
     """bench/gather_ceiling.py's kernel reads exactly what the decode kernel's programs read:
     the XOR of its programs' words equals that of every K and V row of each sequence's context,
