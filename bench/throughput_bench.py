@@ -173,6 +173,15 @@ def run_offline_fp8_scaled_gemms(ctx: Context) -> dict:
     return _offline(ctx, "fp8", "fp8")
 
 
+def _offline_warp_split(ctx: Context, quantization: str | None) -> dict:
+    """An FP8-KV offline section with the decode kernel's warp_split tuning (this child's
+    TANDEM_DECODE_TUNING)."""
+    from tandem_kernels.decode_attention import TUNING_ENV
+
+    os.environ[TUNING_ENV] = '{"warp_split": true}'
+    return _offline(ctx, "fp8", quantization)
+
+
 def run_gptfast(ctx: Context) -> dict:
     _need_cuda()
     from bench.gptfast_peer import measure
@@ -430,6 +439,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:0:0 (no split-K GEMMs)"),
     Section("offline_fp8_scaled_gemms", "", 125, 100, "child", run_offline_fp8_scaled_gemms,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=0 (row-wise scaled GEMMs, no deferred scales)"),
+    Section("offline_fp8kv_warp_split", "", 140, 110, "child", lambda c: _offline_warp_split(c, None),
+            "offline_fp8kv with the decode kernel's warp_split (TANDEM_DECODE_TUNING)"),
+    Section("offline_fp8_warp_split", "", 125, 100, "child", lambda c: _offline_warp_split(c, "fp8"),
+            "offline_fp8 with the decode kernel's warp_split (TANDEM_DECODE_TUNING)"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 

@@ -16,6 +16,10 @@ Semantics match tandem_kernels.reference.paged_decode_attention; a context_len o
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +30,7 @@ from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blo
                                           next_tile_blocks, next_tile_blocks_at, num_sms, pdl_begin, pdl_launch,
                                           token_place, upcast_dots, widen)
 
+TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
 NUM_WARPS = 4
@@ -390,7 +395,19 @@ def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple
 
 
 def default_tuning(cache_dtype: torch.dtype) -> DecodeTuning:
-    return FP8_TUNING if cache_dtype == torch.float8_e4m3fn else BF16_TUNING
+    """The cache dtype's tuning, with TUNING_ENV's fields over it where that is set."""
+    return _overridden(FP8_TUNING if cache_dtype == torch.float8_e4m3fn else BF16_TUNING,
+                       os.environ.get(TUNING_ENV, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _overridden(base: DecodeTuning, fields: str) -> DecodeTuning:
+    if not fields.strip():
+        return base
+    try:
+        return dataclasses.replace(base, **json.loads(fields))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{TUNING_ENV}: expected a JSON object of DecodeTuning fields, got {fields!r}: {exc}") from None
 
 
 def paged_decode_attention(

@@ -344,6 +344,20 @@ def case_decode_warp_split() -> None:
         live = ctx > 0
         want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, 0.5, 1.5)
         close(got[live], want, torch.bfloat16, what, scale=2.0)
+    # The experiments' override: TANDEM_DECODE_TUNING's fields over the default, bad JSON named.
+    import os
+
+    os.environ[da.TUNING_ENV] = '{"warp_split": true}'
+    assert da.default_tuning(FP8).warp_split and da.default_tuning(FP8).narrow_offsets
+    os.environ[da.TUNING_ENV] = '{"warp_splt": true}'
+    try:
+        da.default_tuning(FP8)
+    except ValueError as exc:
+        assert da.TUNING_ENV in str(exc)
+    else:
+        raise AssertionError("an unknown field in TANDEM_DECODE_TUNING must raise ValueError")
+    del os.environ[da.TUNING_ENV]
+    assert da.default_tuning(FP8) == da.FP8_TUNING
     try:
         da.DecodeTuning(block_n=32, num_warps=4, warp_split=True)
     except ValueError as exc:
