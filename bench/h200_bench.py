@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,48 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
         del graphed
         torch.cuda.empty_cache()
     return res
+
+
+def fp8_parity(tmp: Path) -> dict:
+    """The FP8 paths that only the GPU runs, against the engine without them, greedy tokens of a
+    random tiny Llama in bf16 (CUDA graphs; prompts of 5-77 tokens, and one of 600 so a step
+    passes the deferred scales' row limit): FP8 weights with deferred scales (the default) vs
+    TANDEM_FP8_DEFERRED_SCALES=0, and an FP8 cache with the decode kernel's warp_split vs its
+    default tuning. Differences are summation order and one rounding, so most tokens agree."""
+    from engine import LLM, SamplingParams
+    from engine.demo import make_random_model
+    from engine.quant.fp8 import DEFERRED_SCALES_ENV
+    from tandem_kernels.decode_attention import TUNING_ENV
+
+    d = make_random_model(tmp / "tiny-fp8", "llama", hidden_size=256, intermediate_size=512,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 77, 600)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def tokens(env: dict[str, str], **kw) -> list[list[int]]:
+        os.environ.update(env)
+        try:
+            llm = LLM(str(d), dtype="bfloat16", num_kv_blocks=512, max_running=8, **kw)
+            out = [o.token_ids for o in llm.generate(prompts, params)]
+            del llm
+            torch.cuda.empty_cache()
+            return out
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+
+    def agree(a: list[list[int]], b: list[list[int]]) -> str:
+        same = sum(x == y for x, y in zip(a, b))
+        first = sum(x[0] == y[0] for x, y in zip(a, b))
+        return f"{same}/{len(a)} identical, {first}/{len(a)} first tokens"
+
+    scaled = tokens({DEFERRED_SCALES_ENV: "0"}, quantization="fp8")
+    deferred = tokens({}, quantization="fp8")
+    plain_kv = tokens({}, kv_cache_dtype="fp8")
+    split_kv = tokens({TUNING_ENV: '{"warp_split": true}'}, kv_cache_dtype="fp8")
+    return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_default": agree(split_kv, plain_kv),
+            "varied": len({t for o in deferred for t in o})}
 
 
 def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> dict:
@@ -380,6 +423,7 @@ def main() -> int:
             [sys.executable, str(REPO / "bench/kernel_bench.py")], capture_output=True, text=True,
             timeout=a.kernel_timeout_s).stdout))
         section("gpu_parity", lambda: gpu_parity(tmp, a.parity_families.split(",")))
+        section("fp8_parity", lambda: fp8_parity(tmp))
         section("decode_b1", lambda: decode_b1(model_dir, LLAMA31_8B, ceil))
         section("decode_b1_fused", lambda: decode_b1(model_dir, LLAMA31_8B, ceil, fused=True))
         section("prefill", lambda: prefill(model_dir, LLAMA31_8B, ceil))
