@@ -73,12 +73,12 @@ class SchedulerPhases:
 
 
 def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
-                  kv_cache_dtype: str = "auto", trace_dir: Path | None = None) -> dict:
+                  kv_cache_dtype: str = "auto", trace_dir: Path | None = None, quantization: str | None = None) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
               max_model_len=ctx + _STEPS_RUN * steps + 512, max_batched_tokens=8192, enable_prefix_cache=False,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
@@ -138,7 +138,8 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     stage1 = next((k["us_per_step"] for k in kernels if k.get("name") == "_decode_stage1"), None)
     if running != batch:
         raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
-    return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "overlap": overlap,
+    return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+            "overlap": overlap,
             **timing, "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
             "decode_kv_gb_per_step": round(kv_bytes / 1e9, 2),
             "decode_stage1_tb_per_s": round(kv_bytes / stage1 / 1e6, 2) if stage1 else None,
@@ -318,6 +319,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (decode steps only)")
     p.add_argument("--mixed", default=None, help="decode batches for steps that carry prefill (0: prefill only)")
     p.add_argument("--prefill-tokens", default="1024,8192", help="prefill tokens per step, with --mixed")
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
@@ -338,7 +340,7 @@ def main() -> int:
             for b in map(int, a.batch.split(",")) if a.mixed is None else ():
                 with decode_tuning(tuning):
                     res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None,
-                                             a.kv_cache_dtype, Path(a.trace) if a.trace else None))
+                                             a.kv_cache_dtype, Path(a.trace) if a.trace else None, a.quantization))
                 if tuning is not None:
                     res[-1]["tuning"] = json.loads(tuning)
                 print(json.dumps(res[-1]), flush=True)
