@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tandem_kernels.decode_attention import _program_split  # noqa: E402
+from tandem_kernels.decode_stage1 import _program_split  # noqa: E402
 from tandem_kernels.triton_common import first_tile_blocks, next_tile_blocks  # noqa: E402
 
 LAYOUTS = ("nhd", "hnd")

@@ -1,8 +1,9 @@
 """Triton paged decode attention: split-KV flash-decoding with GQA grouping.
 
-Stage 1: one program per (sequence, KV head, KV split) loads each K/V tile of its split once
-and scores it against all the query heads of that KV head's group with tl.dot, keeping an
-online softmax in fp32; it writes a normalized partial output and its log-sum-exp (log2 domain).
+Stage 1 (its kernels are in tandem_kernels.decode_stage1): one program per (sequence, KV head,
+KV split) loads each K/V tile of its split once and scores it against all the query heads of
+that KV head's group with tl.dot, keeping an online softmax in fp32; it writes a normalized
+partial output and its log-sum-exp (log2 domain).
 Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp.
 With a single split, stage 1 writes the final output directly. An FP8 cache's V tile is widened to
 fp16 where it is loaded (DecodeTuning.opaque_cvt), so it reaches the MMA as fp16 through shared
@@ -26,9 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blocks_at, interpreting, next_pow2,
-                                          next_tile_blocks, next_tile_blocks_at, num_sms, pdl_begin, pdl_launch,
-                                          token_place, upcast_dots, widen)
+from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
+from tandem_kernels.triton_common import interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, upcast_dots
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
@@ -111,207 +111,7 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
-# Integer arguments that change from step to step (block-table width, split count).
-# Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
-# which a server first meets while serving; these stay generic, so the variants are fixed by
-# the model and a warm-up covers them.
-_PER_STEP_ARGS = ["bt_s0", "o_s0", "o_s1", "lse_s0", "lse_s1", "splits"]
-_STAGE1_PER_STEP = _PER_STEP_ARGS[:-1]  # stage 1 reads its split count from its grid
-_STAGE2_PER_STEP = _PER_STEP_ARGS[1:]
-
-
-@triton.jit
-def _seq_partition(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """KV tokens per split for a sequence of `ctx` tokens: its context over `splits`, in whole
-    tiles, at least MIN_PARTITION; splits past the context get none."""
-    part = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(part, MIN_PARTITION)
-
-
-@triton.jit
-def _program_split(ctx_ptr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This stage-1 program's (sequence as int64, KV head, split, context length, and its split's
-    tokens start .. end; start >= end for a split past the context): the grid is (sequences, KV
-    heads, splits)."""
-    b = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
-    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
-    start = split * partition
-    return b, tl.program_id(1), split, ctx, start, tl.minimum(start + partition, ctx)
-
-
-@triton.jit
-def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
-    return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
-
-
-@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
-def _decode_stage1(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
-    o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
-):
-    pdl_begin(PDL)
-    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-    if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
-        h = tl.arange(0, BLOCK_H)
-        heads = kvh * GROUP + h
-        d = tl.arange(0, D_PAD)
-        h_mask = h < GROUP
-        d_mask = d < D
-        q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-        if F16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
-        acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
-        bt_row = bt_ptr + b * bt_s0
-        blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs < end
-            blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
-                                             UNSIGNED=UNSIGNED)
-            _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
-                blk = blk.to(tl.int32)
-            k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
-                         q.dtype, OPAQUE_K, kv_mask)
-            s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_tile = tl.max(s, 1)
-            # The rescale by alpha: lazily (when some row's max grew past LAZY_LOG2, accumulator
-            # included), or every tile (the accumulator's in the same expression as its P·V dot).
-            if LAZY:  # every row has a live key in the tile, so m_tile is finite; the first tile rescales
-                if tl.max(m_tile - m_i, 0) > LAZY_LOG2:
-                    m_new = tl.maximum(m_i, m_tile)
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    if DEFER_SUM:
-                        l_lanes = l_lanes * alpha[:, None]
-                    else:
-                        l_i = l_i * alpha
-                    m_i = m_new
-            else:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
-                if DEFER_SUM:
-                    l_lanes = l_lanes * alpha[:, None]
-                else:
-                    l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            if DEFER_SUM:
-                l_lanes += p
-            else:
-                l_i += tl.sum(p, 1)
-            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                         q.dtype, OPAQUE_V, kv_mask)
-            if LAZY:
-                acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
-            else:
-                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
-        if DEFER_SUM:
-            l_i = tl.sum(l_lanes, 1)
-        has = l_i > 0.0
-        out = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]
-        o_mask = h_mask[:, None] & d_mask[None, :]
-        if DIRECT:
-            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + split * o_s2 + d[None, :], out, mask=o_mask)
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
-
-
-@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
-def _decode_stage1_warps(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
-    o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr, WARPS: tl.constexpr,
-):
-    """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
-    each row of it one warp's, with its own running max, sum and accumulator; they merge after
-    the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
-    accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
-    its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
-    (DEFER_SUM and LAZY are not used)."""
-    pdl_begin(PDL)
-    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-    if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
-        TW: tl.constexpr = BLOCK_N // WARPS
-        h = tl.arange(0, BLOCK_H)
-        heads = kvh * GROUP + h
-        d = tl.arange(0, D_PAD)
-        h_mask = h < GROUP
-        d_mask = d < D
-        q_t = tl.load(q_ptr + b * q_s0 + heads[None, :] * q_s1 + d[:, None],
-                      mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [D_PAD, BLOCK_H]
-        if F16:
-            q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        q3 = tl.broadcast_to(q_t[None, :, :], (WARPS, D_PAD, BLOCK_H))
-        tok = tl.arange(0, WARPS)[:, None] * TW + tl.arange(0, TW)[None, :]  # [WARPS, TW]: a warp's tokens
-        m_i = tl.full([WARPS, BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([WARPS, BLOCK_H], tl.float32)
-        acc = tl.zeros([WARPS, D_PAD, BLOCK_H], tl.float32)
-        bt_row = bt_ptr + b * bt_s0
-        blk_next = first_tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tok
-            n_mask = offs < end
-            blk, blk_next = next_tile_blocks_at(blk_next, bt_row, n0, tok, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
-                                                UNSIGNED)
-            _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
-            kv_mask = n_mask[:, :, None] & d_mask[None, None, :]
-            if NARROW:  # every offset fits in 31 bits (stage1_launch checks)
-                blk = blk.to(tl.int32)
-            k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, :, None] + d[None, None, :],
-                         q_t.dtype, OPAQUE_K, kv_mask)
-            s = dot(k, q3, PRECISION, UPCAST) * qk_scale  # [WARPS, TW, BLOCK_H]
-            s = tl.where(n_mask[:, :, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A warp whose tokens all lie past the end (so far) has no max yet: subtract 0 instead.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None, :])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, :, None] + d[None, None, :],
-                         q_t.dtype, OPAQUE_V, kv_mask)
-            acc = acc * alpha[:, None, :] + dot(tl.permute(v, (0, 2, 1)), p.to(q_t.dtype), PRECISION, UPCAST)
-        m_all = tl.max(m_i, 0)  # [BLOCK_H]: the warps' states merged
-        weight = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
-        l_all = tl.sum(l_i * weight, 0)
-        acc_all = tl.sum(acc * weight[:, None, :], 0)  # [D_PAD, BLOCK_H]
-        has = l_all > 0.0
-        out = acc_all * (v_scale / tl.where(has, l_all, 1.0))[None, :]
-        o_mask = d_mask[:, None] & h_mask[None, :]
-        if DIRECT:
-            tl.store(o_ptr + b * o_s0 + heads[None, :] * o_s1 + d[:, None],
-                     out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(o_ptr + b * o_s0 + heads[None, :] * o_s1 + split * o_s2 + d[:, None], out, mask=o_mask)
-            lse = tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))
-            tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
+_STAGE2_PER_STEP = PER_STEP_ARGS[1:]
 
 
 def stage1_kernel(tuning: DecodeTuning):
