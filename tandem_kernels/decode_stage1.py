@@ -183,7 +183,7 @@ def _decode_stage1_warps(
             offs = n0 + tok
             n_mask = offs < end
             blk, blk_next = next_tile_blocks_at(blk_next, bt_row, n0, tok, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
-                                                UNSIGNED)
+                                                UNSIGNED=UNSIGNED)
             _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
             kv_mask = n_mask[:, :, None] & d_mask[None, None, :]
             if NARROW:  # every offset fits in 31 bits (stage1_launch checks)

@@ -159,13 +159,13 @@ def token_place(offs, BLOCK_SIZE: tl.constexpr, UNSIGNED: tl.constexpr = False):
 
 
 @triton.jit
-def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True,
-                UNSIGNED: tl.constexpr = False):
-    """The paged cache's block of each token of the tile n0 .. n0+BLOCK_N, from one sequence's
-    block-table row (0 for tokens at or past `end`, which are not read). MASKED=False: the
-    caller knows the whole tile lies before `end`, and the load goes unmasked. UNSIGNED: see
+def tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr = True,
+                   UNSIGNED: tl.constexpr = False):
+    """The paged cache's block of each token n0 + tok (`tok` offsets of any shape), from one
+    sequence's block-table row (0 for tokens at or past `end`, which are not read). MASKED=False:
+    the caller knows every token lies before `end`, and the load goes unmasked. UNSIGNED: see
     token_place."""
-    offs = n0 + tl.arange(0, BLOCK_N)
+    offs = n0 + tok
     index, _ = token_place(offs, BLOCK_SIZE, UNSIGNED)
     if MASKED:
         return tl.load(bt_row + index, mask=offs < end, other=0).to(tl.int64)
@@ -174,53 +174,41 @@ def tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
 
 
 @triton.jit
-def tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE: tl.constexpr, UNSIGNED: tl.constexpr = False):
-    """tile_blocks for the tokens n0 + tok, `tok` any shape of offsets (masked at `end`)."""
-    offs = n0 + tok
-    index, _ = token_place(offs, BLOCK_SIZE, UNSIGNED)
-    return tl.load(bt_row + index, mask=offs < end, other=0).to(tl.int64)
-
-
-@triton.jit
 def first_tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr,
                          UNSIGNED: tl.constexpr = False):
-    """first_tile_blocks for a tile of offsets `tok` (see tile_blocks_at)."""
+    """What a KV loop from `start` over tiles of offsets `tok` carries into its first
+    `next_tile_blocks_at`: with AHEAD the first tile's blocks, read before the loop; without,
+    nothing (0)."""
     if AHEAD:
-        return tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE, UNSIGNED)
+        return tile_blocks_at(bt_row, start, tok, end, BLOCK_SIZE, True, UNSIGNED)
     else:
         return 0
 
 
 @triton.jit
 def next_tile_blocks_at(carried, bt_row, n0, tok, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        AHEAD: tl.constexpr, UNSIGNED: tl.constexpr = False):
-    """next_tile_blocks for a tile of offsets `tok` (see tile_blocks_at)."""
+                        AHEAD: tl.constexpr, MASKED: tl.constexpr = True, UNSIGNED: tl.constexpr = False):
+    """(this tile's blocks, what to carry to the next tile) for tiles of offsets `tok`, BLOCK_N
+    tokens apart. AHEAD: `carried` holds this tile's blocks, read with the tile before, and the
+    next tile's are read now in their place, so that a tile's K/V loads depend on nothing loaded
+    in their own iteration and Triton's pipeliner keeps a tile in flight during a tile's math;
+    otherwise the tile reads its own and `carried` passes through."""
     if AHEAD:
-        return carried, tile_blocks_at(bt_row, n0 + BLOCK_N, tok, end, BLOCK_SIZE, UNSIGNED)
+        return carried, tile_blocks_at(bt_row, n0 + BLOCK_N, tok, end, BLOCK_SIZE, True, UNSIGNED)
     else:
-        return tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE, UNSIGNED), carried
+        return tile_blocks_at(bt_row, n0, tok, end, BLOCK_SIZE, MASKED, UNSIGNED), carried
 
 
 @triton.jit
 def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, AHEAD: tl.constexpr,
                       UNSIGNED: tl.constexpr = False):
-    """What a KV loop from `start` carries into its first `next_tile_blocks`: with AHEAD the first
-    tile's blocks, read before the loop; without, nothing (0)."""
-    if AHEAD:
-        return tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, True, UNSIGNED)
-    else:
-        return 0
+    """first_tile_blocks_at for tiles of BLOCK_N consecutive tokens."""
+    return first_tile_blocks_at(bt_row, start, tl.arange(0, BLOCK_N), end, BLOCK_SIZE, AHEAD, UNSIGNED)
 
 
 @triton.jit
 def next_tile_blocks(carried, bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      AHEAD: tl.constexpr, MASKED: tl.constexpr = True, UNSIGNED: tl.constexpr = False):
-    """(this tile's blocks, what to carry to the next tile). AHEAD: `carried` holds this tile's
-    blocks, read with the tile before, and the next tile's are read now in their place, so that a
-    tile's K/V loads depend on nothing loaded in their own iteration and Triton's pipeliner keeps
-    a tile in flight during a tile's math; otherwise the tile reads its own and `carried` passes
-    through."""
-    if AHEAD:
-        return carried, tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE, True, UNSIGNED)
-    else:
-        return tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE, MASKED, UNSIGNED), carried
+    """next_tile_blocks_at for tiles of BLOCK_N consecutive tokens."""
+    return next_tile_blocks_at(carried, bt_row, n0, tl.arange(0, BLOCK_N), end, BLOCK_N, BLOCK_SIZE, AHEAD,
+                               MASKED, UNSIGNED)
