@@ -214,9 +214,7 @@ def defer_scales(model: CausalLM, enabled: bool = True) -> int:
             if isinstance(proj, Fp8Linear):
                 proj.defers_scales = enabled and reader_scales and proj.bias is None
                 deferring += proj.defers_scales
-        if isinstance(attn.qkv_proj, Fp8Linear):
-            attn.qkv_proj.defers_scales = False  # read by rotary and the q/k norms
-    return deferring
+    return deferring  # qkv_proj never defers: rotary and the q/k norms read its output
 
 
 def apply_quantization(model: CausalLM, method: str | None) -> CausalLM:
