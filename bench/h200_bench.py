@@ -153,8 +153,8 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
 def fp8_parity(tmp: Path) -> dict:
     """The FP8 paths that only the GPU runs, against the engine without them, greedy tokens of a
     random tiny Llama in bf16 (CUDA graphs; prompts of 5-77 tokens, and one of 600 so a step
-    passes the deferred scales' row limit): FP8 weights with deferred scales (the default) vs
-    TANDEM_FP8_DEFERRED_SCALES=0, and an FP8 cache with the decode kernel's warp_split vs its
+    passes the deferred scales' row limit): FP8 weights with deferred scales
+    (TANDEM_FP8_DEFERRED_SCALES=1) vs without (the default), and an FP8 cache with the decode kernel's warp_split vs its
     default tuning. Differences are summation order and one rounding, so most tokens agree."""
     from engine import LLM, SamplingParams
     from engine.demo import make_random_model
@@ -184,8 +184,8 @@ def fp8_parity(tmp: Path) -> dict:
         first = sum(x[0] == y[0] for x, y in zip(a, b))
         return f"{same}/{len(a)} identical, {first}/{len(a)} first tokens"
 
-    scaled = tokens({DEFERRED_SCALES_ENV: "0"}, quantization="fp8")
-    deferred = tokens({}, quantization="fp8")
+    scaled = tokens({}, quantization="fp8")
+    deferred = tokens({DEFERRED_SCALES_ENV: "1"}, quantization="fp8")
     plain_kv = tokens({}, kv_cache_dtype="fp8")
     split_kv = tokens({TUNING_ENV: '{"warp_split": true}'}, kv_cache_dtype="fp8")
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_default": agree(split_kv, plain_kv),

@@ -312,18 +312,19 @@ def _decode_grid(cache: torch.dtype, batch: int) -> list:
     return tunings
 
 
-def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[str, ...] = ("bf16", "fp8")) -> dict:
+def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[str, ...] = ("bf16", "fp8"),
+                 shapes: tuple[tuple[int, int], ...] | None = None) -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
     lazy_rescale, narrow_offsets, unsigned_index, GB/s, max error vs reference]. `order`: where
     each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
-    `caches` (DECODE_CACHES names)."""
+    `caches` (DECODE_CACHES names). `shapes`: these (batch, context) pairs instead."""
     from tandem_kernels import decode_attention as da
 
     rows: list[list] = []
-    shapes = ((64, 4096), (384, 1024), (1, 1024)) + (((512, 1536),) if only else ())
+    shapes = shapes or ((64, 4096), (384, 1024), (1, 1024)) + (((512, 1536),) if only else ())
     for (batch, ctx) in shapes:
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
         for cache in [DECODE_CACHES[c] for c in caches]:
@@ -445,6 +446,17 @@ def sweep(s: Shapes) -> dict:
     return found
 
 
+def _decode_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """--decode-shapes: "BxCTX,..." -> ((batch, context), ...), each at least 1."""
+    try:
+        shapes = tuple(tuple(int(n) for n in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT[,...] of positive integers, got {text!r}")
+    return shapes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, on CPU")
@@ -458,6 +470,8 @@ def main() -> int:
     ap.add_argument("--decode-tuning", action="append", default=None, metavar="JSON",
                     help="with --decode-sweep: time these DecodeTuning fields instead of the grid (repeatable)")
     ap.add_argument("--decode-caches", default="bf16,fp8", help="with --decode-sweep: the caches, comma list")
+    ap.add_argument("--decode-shapes", default=None, type=_decode_shapes, metavar="BxCTX,...",
+                    help="with --decode-sweep: these batch x context shapes instead (e.g. 1x1024,16x2048)")
     args = ap.parse_args()
     caches = tuple(args.decode_caches.split(","))
     if not set(caches) <= set(DECODE_CACHES):
@@ -475,7 +489,8 @@ def main() -> int:
             if args.decode_tuning:
                 from tandem_kernels.decode_attention import DecodeTuning
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
-            print(json.dumps({**(decode_sweep(args.block_order, only, caches) if args.decode_sweep else {}),
+            print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes)
+                                 if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {})}))
             return 0

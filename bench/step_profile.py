@@ -297,16 +297,18 @@ def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv
 
 @contextlib.contextmanager
 def decode_tuning(fields: str | None):
-    """The decode kernel's default tunings (both cache dtypes) with `fields` (JSON) replaced, while inside."""
+    """The decode kernel's default tunings (both cache dtypes, every batch) with `fields` (JSON)
+    replaced, while inside."""
     import tandem_kernels.decode_attention as da
 
-    saved = da.FP8_TUNING, da.BF16_TUNING
+    saved = da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING
     if fields is not None:
-        da.FP8_TUNING, da.BF16_TUNING = (dataclasses.replace(t, **json.loads(fields)) for t in saved)
+        da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING = (dataclasses.replace(t, **json.loads(fields))
+                                                             for t in saved)
     try:
         yield
     finally:
-        da.FP8_TUNING, da.BF16_TUNING = saved
+        da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING = saved
 
 
 def main() -> int:

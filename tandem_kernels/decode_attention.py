@@ -108,6 +108,13 @@ class DecodeTuning:
 BF16_TUNING = DecodeTuning(min_partition=64)
 FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True,
                           narrow_offsets=True, unsigned_index=True)
+# FP8 caches where the batch alone fills the GPU (batch x KV heads >= FP8_TUNING.resident programs an
+# SM, so FP8_TUNING would run one split): the warp-split loop (no cross-warp softmax a tile), 32-token
+# tiles of 16 tokens per warp, 8 programs an SM. It reads +4-8% faster at batch 128-512 (3,745 vs
+# 3,459 GB/s at batch 128 / 1,024 tokens, 3,675 vs 3,569 at 512 / 1,536) and offline_fp8kv runs +5%;
+# below that, where splits fill the GPU, its shorter programs lose to FP8_TUNING's (batch 64 / 1,024
+# tokens: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
+FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -194,10 +201,15 @@ def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple
     return 1.0, 1.0
 
 
-def default_tuning(cache_dtype: torch.dtype) -> DecodeTuning:
-    """The cache dtype's tuning, with TUNING_ENV's fields over it where that is set."""
-    return _overridden(FP8_TUNING if cache_dtype == torch.float8_e4m3fn else BF16_TUNING,
-                       os.environ.get(TUNING_ENV, ""))
+def default_tuning(cache_dtype: torch.dtype, programs: int = 0, sms: int = 1) -> DecodeTuning:
+    """The tuning of a launch on a `cache_dtype` cache with `programs` (sequence, KV head) pairs on
+    `sms` SMs, with TUNING_ENV's fields over it where that is set. FP8 caches take FP8_WIDE_TUNING
+    where the pairs alone fill one round of FP8_TUNING's resident programs; 0 pairs: FP8_TUNING."""
+    if cache_dtype != torch.float8_e4m3fn:
+        base = BF16_TUNING
+    else:
+        base = FP8_WIDE_TUNING if programs >= FP8_TUNING.resident * sms else FP8_TUNING
+    return _overridden(base, os.environ.get(TUNING_ENV, ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,8 +242,9 @@ def paged_decode_attention(
     out = torch.empty((bsz, hq, dim), dtype=q.dtype, device=q.device)
     if bsz == 0:
         return out
-    tuning = tuning or default_tuning(k_cache.dtype)
-    splits = choose_splits(bsz, hk, block_tables.shape[1] * block_size, num_sms(q.device), tuning)
+    sms = num_sms(q.device)
+    tuning = tuning or default_tuning(k_cache.dtype, bsz * hk, sms)
+    splits = choose_splits(bsz, hk, block_tables.shape[1] * block_size, sms, tuning)
     partial = lse = None
     if splits > 1:
         partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)

@@ -104,6 +104,7 @@ def test_scales_are_deferred_where_our_kernels_read_the_output(family, tiny_mode
     """o_proj, gate_up and down_proj hand their unscaled product to the norm / activation after
     them, which apply the scales; not qkv, not the last down_proj (the final norm is not FP8), not
     where a sandwich norm (GLM-4) reads the output. The logits are those of the scaled GEMMs."""
+    monkeypatch.setenv(DEFERRED_SCALES_ENV, "1")
     fp8 = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8")
     model = fp8.engine.model
     n = len(model.layers)
@@ -113,7 +114,7 @@ def test_scales_are_deferred_where_our_kernels_read_the_output(family, tiny_mode
     products = []
     for m in projections(model):
         m.register_forward_hook(lambda _m, _a, out: products.append(isinstance(out, Fp8Product)))
-    monkeypatch.setenv(DEFERRED_SCALES_ENV, "0")
+    monkeypatch.delenv(DEFERRED_SCALES_ENV)  # the default: every projection applies its own scales
     scaled = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8")
     assert not any(m.defers_scales for m in projections(scaled.engine.model))
     for p in prompts(3, seed=5):

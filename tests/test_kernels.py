@@ -358,6 +358,11 @@ def case_decode_warp_split() -> None:
         raise AssertionError("an unknown field in TANDEM_DECODE_TUNING must raise ValueError")
     del os.environ[da.TUNING_ENV]
     assert da.default_tuning(FP8) == da.FP8_TUNING
+    # FP8 batches that fill the GPU on their own take the warp-split tuning; bf16 keeps one tuning.
+    full = da.FP8_TUNING.resident * 132
+    assert da.default_tuning(FP8, full - 1, 132) == da.FP8_TUNING
+    assert da.default_tuning(FP8, full, 132) == da.FP8_WIDE_TUNING and da.FP8_WIDE_TUNING.warp_split
+    assert da.default_tuning(torch.bfloat16, 10 * full, 132) == da.BF16_TUNING
     try:
         da.DecodeTuning(block_n=32, num_warps=4, warp_split=True)
     except ValueError as exc:

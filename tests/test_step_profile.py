@@ -48,21 +48,22 @@ def test_decode_tuning_replaces_both_defaults_and_restores_them():
     import tandem_kernels.decode_attention as da
     from bench.step_profile import decode_tuning
 
-    fp8, bf16 = da.FP8_TUNING, da.BF16_TUNING
+    fp8, wide, bf16 = da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING
     with decode_tuning('{"num_stages": 4, "defer_sum": true}'):
         for cache, was in ((torch.float8_e4m3fn, fp8), (torch.bfloat16, bf16)):
             got = da.default_tuning(cache)
             assert (got.num_stages, got.defer_sum) == (4, True)
             assert got.block_n == was.block_n and got.opaque_cvt == was.opaque_cvt  # the rest kept
-    assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)
+        assert da.default_tuning(torch.float8_e4m3fn, 10**6, 1).num_stages == 4  # the wide batches' too
+    assert (da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING) == (fp8, wide, bf16)
     with decode_tuning(None):
-        assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)
+        assert (da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING) == (fp8, wide, bf16)
     try:
         with decode_tuning('{"num_stages": 4}'):
             raise KeyError("inside")
     except KeyError:
         pass
-    assert (da.FP8_TUNING, da.BF16_TUNING) == (fp8, bf16)  # restored on the way out of an error
+    assert (da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING) == (fp8, wide, bf16)  # restored on the way out of an error
 
 
 def test_kv_bytes_per_step_counts_every_running_context(tiny_models):

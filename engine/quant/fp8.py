@@ -26,7 +26,8 @@ loads (rounding to the model dtype, so it sees what the scaled GEMM would have s
     down_proj -> next input_layernorm       Fp8RMSNorm (not the last layer's: the final norm is bf16)
 
 Up to DEFERRED_MAX_ROWS rows (above them the row-wise GEMM is as fast); not where a bias is
-added or a sandwich norm (GLM-4) reads the output; TANDEM_FP8_DEFERRED_SCALES=0 turns it off.
+added or a sandwich norm (GLM-4) reads the output. Off unless TANDEM_FP8_DEFERRED_SCALES=1: on
+the H200 the offline FP8 run was no faster with it (15,111 vs 15,170 out tok/s, BENCHMARKS.md §23).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8",)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-DEFERRED_SCALES_ENV = "TANDEM_FP8_DEFERRED_SCALES"  # "0": every projection applies its own scales
+DEFERRED_SCALES_ENV = "TANDEM_FP8_DEFERRED_SCALES"  # "1": defer where our kernels read the product
 DEFERRED_MAX_ROWS = 512  # measured (§15): per-tensor 1.47x row-wise at 64 rows, 1.19x at 384, 0.98x at 1,024
 
 
@@ -71,7 +72,7 @@ class Fp8Product(NamedTuple):
 
 
 def deferred_scales_enabled() -> bool:
-    return os.environ.get(DEFERRED_SCALES_ENV, "1") != "0"
+    return os.environ.get(DEFERRED_SCALES_ENV, "0") == "1"
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
