@@ -203,6 +203,21 @@ def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int =
     return compile_for_hopper(ea._extend_kernel, args, consts)
 
 
+def silu_and_mul_fp8(rows: int, inter: int, deferred: bool):
+    """The SiLU-and-multiply + FP8 quantize kernel over [rows, 2 * inter] bf16 products, compiled
+    (`deferred`: with an FP8 GEMM's scales to apply as it loads)."""
+    from tandem_kernels import activation as act
+
+    meta = dict(device="meta")
+    x = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, **meta)
+    q = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, **meta)
+    scale = torch.empty(rows, 1, dtype=torch.float32, **meta)
+    xc = torch.empty(2 * inter, dtype=torch.float32, **meta)
+    args = [x, q, scale, scale, xc if deferred else scale, x.stride(0), inter]
+    consts = dict(HAS_X_SCALES=deferred, **act.silu_fp8_shape(inter), SOFT_ROUND=False, PDL=False)
+    return compile_for_hopper(act._silu_and_mul_fp8_kernel, args, consts)
+
+
 def report(compiled, dump: Path | None = None, name: str = "") -> dict:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -247,6 +262,10 @@ def main() -> int:
             finally:
                 ea.BLOCKS_AHEAD = saved
             print(json.dumps(rows[-1]), flush=True)
+    for deferred in (False, True):  # the Llama-3.1-8B MLP's 14,336 outputs a row
+        rows.append({"kernel": "silu_and_mul_fp8", "cache": "", "deferred": deferred,
+                     **report(silu_and_mul_fp8(a.batch, 14336, deferred), dump, f"silu_fp8_{int(deferred)}")})
+        print(json.dumps(rows[-1]), flush=True)
     return 0
 
 

@@ -10,6 +10,10 @@ from tandem_kernels.reference import DeferredScales
 from tandem_kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
 
 BLOCK = 2048
+# silu_and_mul_fp8 holds a whole row in registers (one read of it; the two-pass loop reads it twice,
+# the second time from L2) up to this many columns: 16,384 fp32 values over 32 warps is 16 a lane
+# (sm_90, Triton 3.6: 32 registers, 2 programs an SM; 44 and 1 with deferred scales; no spills).
+ONE_PASS_MAX = 16384
 
 
 @triton.jit
@@ -58,17 +62,28 @@ def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter,
-                             HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                             PDL: tl.constexpr):
+                             HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    # One program per row, two passes: the product's largest magnitude, then the quantized
-    # stores (the second pass recomputes the product from the row, by then in cache).
+    # One program per row. ONE_PASS (BLOCK covers the row): the product stays in registers
+    # between its largest magnitude and the quantized stores. Otherwise two passes, the second
+    # recomputing the product from the row, by then in cache.
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * x_row_stride
     if HAS_X_SCALES:
         xr = tl.load(xr_ptr + row)
     else:
         xr = 1.0
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(y), axis=0))
+        q = to_e4m3_range(y, scale, SOFT_ROUND)
+        tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -101,8 +116,16 @@ def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) ->
         return q, scale
     if inter == 0:
         return q, scale.fill_(FP8_MIN_SCALE)
-    block, warps = block_for(inter)
     _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, xr if xr is not None else scale, xc if xc is not None else scale,
-                                      x.stride(0), inter, HAS_X_SCALES=xr is not None, BLOCK=block,
-                                      SOFT_ROUND=soft_fp8_round(), num_warps=warps, **pdl_launch(x.device))
+                                      x.stride(0), inter, HAS_X_SCALES=xr is not None, **silu_fp8_shape(inter),
+                                      SOFT_ROUND=soft_fp8_round(), **pdl_launch(x.device))
     return q, scale
+
+
+def silu_fp8_shape(inter: int) -> dict:
+    """BLOCK, ONE_PASS and num_warps of _silu_and_mul_fp8_kernel over rows of `inter` outputs."""
+    whole = triton.next_power_of_2(max(inter, 16))
+    if whole <= ONE_PASS_MAX:
+        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)))
+    block, warps = block_for(inter)
+    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps)

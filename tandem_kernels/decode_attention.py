@@ -108,13 +108,15 @@ class DecodeTuning:
 BF16_TUNING = DecodeTuning(min_partition=64)
 FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt="v", defer_sum=True,
                           narrow_offsets=True, unsigned_index=True)
-# FP8 caches where the batch alone fills the GPU (batch x KV heads >= FP8_TUNING.resident programs an
-# SM, so FP8_TUNING would run one split): the warp-split loop (no cross-warp softmax a tile), 32-token
-# tiles of 16 tokens per warp, 8 programs an SM. It reads +4-8% faster at batch 128-512 (3,745 vs
-# 3,459 GB/s at batch 128 / 1,024 tokens, 3,675 vs 3,569 at 512 / 1,536) and offline_fp8kv runs +5%;
-# below that, where splits fill the GPU, its shorter programs lose to FP8_TUNING's (batch 64 / 1,024
-# tokens: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
+# FP8 caches where the batch alone fills most of the GPU (batch x KV heads >= FP8_WIDE_FROM programs
+# an SM): the warp-split loop (no cross-warp softmax a tile), 32-token tiles of 16 tokens per warp,
+# 8 programs an SM. It reads +4-10% faster from batch 96 up (3,184 vs 3,013 GB/s at batch 96 / 1,024
+# tokens, 3,745 vs 3,459 at 128 / 1,024, 3,942 vs 3,573 at 128 / 2,048, 3,675 vs 3,569 at 512 /
+# 1,536) and offline_fp8kv runs +5%; below that its programs fill too little of a round, or its
+# splits are shorter, and FP8_TUNING's read faster (batch 80 / 1,024 tokens: 2,691 vs 2,811; batch
+# 64 / 1,024: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
 FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True)
+FP8_WIDE_FROM = 5.5  # (sequence, KV head) pairs an SM: between batch 80 (4.8, loses) and 96 (5.8, wins)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -204,11 +206,11 @@ def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple
 def default_tuning(cache_dtype: torch.dtype, programs: int = 0, sms: int = 1) -> DecodeTuning:
     """The tuning of a launch on a `cache_dtype` cache with `programs` (sequence, KV head) pairs on
     `sms` SMs, with TUNING_ENV's fields over it where that is set. FP8 caches take FP8_WIDE_TUNING
-    where the pairs alone fill one round of FP8_TUNING's resident programs; 0 pairs: FP8_TUNING."""
+    from FP8_WIDE_FROM pairs an SM; 0 pairs: FP8_TUNING."""
     if cache_dtype != torch.float8_e4m3fn:
         base = BF16_TUNING
     else:
-        base = FP8_WIDE_TUNING if programs >= FP8_TUNING.resident * sms else FP8_TUNING
+        base = FP8_WIDE_TUNING if programs >= FP8_WIDE_FROM * sms else FP8_TUNING
     return _overridden(base, os.environ.get(TUNING_ENV, ""))
 
 

@@ -124,16 +124,30 @@ def case_deferred_scales() -> None:
 
 
 def case_silu() -> None:
-    from tandem_kernels import ops, reference as ref
+    """Both of silu_and_mul_fp8's loops: the row held whole (ONE_PASS), and two passes over it in
+    chunks (forced by a lower ONE_PASS_MAX; the 5,000-column rows take two chunks), with and
+    without deferred scales."""
+    from tandem_kernels import activation as act, ops, reference as ref
 
-    for dtype in DTYPES:
-        for rows, inter in SHAPES:
-            x = rand(rows, 2 * inter, dtype)
-            q, s = ops.silu_and_mul_fp8(x)
-            rq, rs = ref.silu_and_mul_fp8(x)
-            assert q.shape == (rows, inter)
-            fp8_close(q, rq, f"silu_and_mul_fp8 {dtype} {x.shape}")
-            scales_close(s, rs, dtype, f"silu_and_mul_fp8 scale {dtype} {x.shape}")
+    saved = act.ONE_PASS_MAX
+    for one_pass_max in (saved, 16):
+        act.ONE_PASS_MAX = one_pass_max
+        for dtype in DTYPES:
+            for rows, inter in SHAPES:
+                what = f"silu_and_mul_fp8 {dtype} {(rows, inter)} {act.silu_fp8_shape(inter)}"
+                x = rand(rows, 2 * inter, dtype)
+                q, s = ops.silu_and_mul_fp8(x)
+                rq, rs = ref.silu_and_mul_fp8(x)
+                assert q.shape == (rows, inter)
+                fp8_close(q, rq, what)
+                scales_close(s, rs, dtype, f"{what} scale")
+                p, scales = deferred(rows, 2 * inter, dtype)
+                q, s = ops.silu_and_mul_fp8(p, scales)
+                rq, rs = ref.silu_and_mul_fp8(p, scales)
+                fp8_close(q, rq, f"{what} deferred")
+                scales_close(s, rs, dtype, f"{what} deferred scale")
+    act.ONE_PASS_MAX = saved
+    assert act.silu_fp8_shape(14336)["ONE_PASS"] and not act.silu_fp8_shape(2 * saved)["ONE_PASS"]
 
 
 def case_errors() -> None:

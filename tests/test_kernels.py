@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import secrets
 import subprocess
@@ -359,7 +360,7 @@ def case_decode_warp_split() -> None:
     del os.environ[da.TUNING_ENV]
     assert da.default_tuning(FP8) == da.FP8_TUNING
     # FP8 batches that fill the GPU on their own take the warp-split tuning; bf16 keeps one tuning.
-    full = da.FP8_TUNING.resident * 132
+    full = math.ceil(da.FP8_WIDE_FROM * 132)
     assert da.default_tuning(FP8, full - 1, 132) == da.FP8_TUNING
     assert da.default_tuning(FP8, full, 132) == da.FP8_WIDE_TUNING and da.FP8_WIDE_TUNING.warp_split
     assert da.default_tuning(torch.bfloat16, 10 * full, 132) == da.BF16_TUNING
