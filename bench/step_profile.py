@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 
+STAGE1_KERNELS = ("_decode_stage1", "_decode_stage1_warps")  # tandem_kernels.decode_stage1's kernels
 _STEPS_RUN = 2  # the loops of `steps` steps that profile_batch runs (as they run, synced phases)
 
 
@@ -135,7 +136,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         eng.abort(request_id)
     del llm, eng, runner
     torch.cuda.empty_cache()
-    stage1 = next((k["us_per_step"] for k in kernels if k.get("name") == "_decode_stage1"), None)
+    stage1 = next((k["us_per_step"] for k in kernels if k.get("name") in STAGE1_KERNELS), None)
     if running != batch:
         raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
@@ -242,7 +243,7 @@ def idle_ms(spans_us: list[tuple[float, float]], steps: int) -> float | None:
 
 
 def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv_cache_dtype: str = "auto",
-                  repeats: int = 3) -> dict:
+                  repeats: int = 3, quantization: str | None = None) -> dict:
     """Time and profile a step carrying `prefill_tokens` of fresh prompts beside `batch` decodes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -251,7 +252,7 @@ def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv
     prompts_per_step = max(1, -(-prefill_tokens // ctx))
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch + prompts_per_step,
               max_model_len=ctx + 4096, max_batched_tokens=max(8192, prefill_tokens + batch), enable_prefix_cache=False,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     vocab = min(128000, eng.model_config.vocab_size)
@@ -291,7 +292,7 @@ def profile_mixed(model_dir: Path, batch: int, ctx: int, prefill_tokens: int, kv
     del llm, eng
     torch.cuda.empty_cache()
     return {"decode_batch": batch, "ctx": ctx, "prefill_tokens": prefill_tokens, "kv_cache_dtype": kv_cache_dtype,
-            "wall_ms_per_step": round(sorted(walls)[len(walls) // 2] * 1e3, 3), "gpu_ms_per_step": gpu_total,
+            "quantization": quantization, "wall_ms_per_step": round(sorted(walls)[len(walls) // 2] * 1e3, 3), "gpu_ms_per_step": gpu_total,
             "top_kernels": kernels}
 
 
@@ -321,7 +322,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--no-overlap", action="store_true", help="synchronous engine steps")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (decode steps only)")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights")
     p.add_argument("--mixed", default=None, help="decode batches for steps that carry prefill (0: prefill only)")
     p.add_argument("--prefill-tokens", default="1024,8192", help="prefill tokens per step, with --mixed")
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
@@ -336,7 +337,7 @@ def main() -> int:
         if a.mixed is not None:
             for b in map(int, a.mixed.split(",")):
                 for n in map(int, a.prefill_tokens.split(",")):
-                    res.append(profile_mixed(model_dir, b, a.ctx, n, a.kv_cache_dtype))
+                    res.append(profile_mixed(model_dir, b, a.ctx, n, a.kv_cache_dtype, quantization=a.quantization))
                     print(json.dumps(res[-1]), flush=True)
         for tuning in a.tuning or [None]:
             for b in map(int, a.batch.split(",")) if a.mixed is None else ():
