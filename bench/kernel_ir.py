@@ -2,6 +2,9 @@
 
     python bench/kernel_ir.py [--batch 384 --ctx 1024] [--tuning JSON ...] [--dump DIR]
 
+The decode kernel is reported at its cache's default tuning, then at the tuning the engine picks
+for --batch where that differs (FP8 caches' FP8_WIDE_TUNING at full batches), then at each --tuning.
+
 Each kernel is compiled for sm_90 as its launch would specialize it (the launchers'
 `stage1_launch` / `extend_launch` on tensors of the meta device give the arguments and constants),
 and reported: registers and spilled bytes (cuobjdump on the cubin), shared memory, the programs an
@@ -245,7 +248,9 @@ def main() -> int:
     rows = []
     for cache in (torch.bfloat16, torch.float8_e4m3fn):
         label = _DTYPES[cache]
-        for fields in [None, *(a.tuning or [])]:
+        at_batch = da.default_tuning(cache, a.batch * 8, 132)  # the engine's pick at --batch (8 KV heads, H100/H200)
+        extra = [] if at_batch == da.default_tuning(cache) else [json.dumps(dataclasses.asdict(at_batch))]
+        for fields in [None, *extra, *(a.tuning or [])]:
             tuning = da.default_tuning(cache)
             if fields is not None:
                 tuning = dataclasses.replace(tuning, **json.loads(fields))

@@ -40,6 +40,13 @@ def test_fp8_decode_keeps_a_tile_in_flight_by_default(rows):
     fp8 = pick(rows, "decode_stage1", "fp8e4nv", num_stages=3)
     assert fp8["staged_tiles"] == 2 and fp8["groups_in_flight"] == [2], fp8
     assert fp8["spilled_bytes"] == 0 and fp8["registers"] > 0 and fp8["programs_per_sm"] >= 4, fp8
+    # At the full batch the engine picks the warp-split tuning: its tiles stay in flight too, and
+    # an SM holds the programs its split count aims at.
+    from tandem_kernels.decode_attention import FP8_WIDE_TUNING
+
+    wide = pick(rows, "decode_stage1", "fp8e4nv", warp_split=True)
+    assert wide["staged_tiles"] == 2 and wide["groups_in_flight"] == [2], wide
+    assert wide["spilled_bytes"] == 0 and wide["programs_per_sm"] >= FP8_WIDE_TUNING.resident, wide
     two = pick(rows, "decode_stage1", "fp8e4nv", num_stages=2)  # Triton's own staging: nothing in flight
     assert two["staged_tiles"] == 1 and two["groups_in_flight"] == [0], two
     assert two["shared_bytes"] < fp8["shared_bytes"]
