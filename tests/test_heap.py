@@ -19,7 +19,9 @@ def test_freeze_takes_the_live_heap_out_of_collections(monkeypatch) -> None:
     gc.unfreeze()
     kept = [[i] for i in range(1000)]  # alive at start-up
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > len(kept)
+    # The count it returns is the permanent generation's then; frozen objects that die since
+    # leave it (another test's finished thread, say), so the count now may be a few lower.
+    assert frozen >= gc.get_freeze_count() > max(len(kept), frozen - 100)
     scanned = {id(o) for o in gc.get_objects()}
     assert not any(id(x) in scanned for x in kept)  # the collector no longer sees them
     cycle: list = []
