@@ -28,6 +28,7 @@ from engine.memory import check_weights_fit, default_max_running, derive_num_blo
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
+from engine.quant import Fp8Linear
 from engine.radix_cache import RadixCache
 from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import PrefillAlone, Scheduler, SchedulerConfig, SchedulerOutput
@@ -39,6 +40,7 @@ from tandem.hashing import model_identity, seed_hash
 from tandem.rules import STOP_STRING, STOP_TOKEN, Stop, StopChecker, StopText, blocks_needed, check_prompt_ids
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
+from tandem_kernels.ops import require_fp8_device
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,10 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.prefill_graph_tokens = graph_token_limit(config.prefill_graph_tokens, config.max_batched_tokens)
+        if config.kv_cache_dtype == "fp8":
+            require_fp8_device(device, "kv_cache_dtype 'fp8' (--kv-cache-dtype fp8)")
+        if config.quantization == "fp8":
+            require_fp8_device(device, "quantization 'fp8' (--quantization fp8)")
         check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
                           1 if self.shard.runs_alone else _world_size(self.shard))
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
@@ -95,6 +101,8 @@ class Engine:
             from engine.quant import apply_quantization
 
             apply_quantization(self.model, config.quantization)
+        if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
+            require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")
 
         if config.fused_decode_gemv:
             enabled = [layer.enable_fused_decode() for layer in self.model.layers]

@@ -219,6 +219,23 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton's kernels and cuBLASLt's FP8 GEMMs: Ada, Hopper and later
+
+
+def require_fp8_device(device: torch.device, what: str) -> None:
+    """ValueError naming `what` (the flag or field that asked for e4m3) where `device` is a CUDA
+    GPU older than FP8_MIN_CAPABILITY: Triton cannot build kernels that hold e4m3 values there,
+    so the FP8 KV cache and FP8 weights would fail to compile mid-start-up. CPUs run the
+    references and pass."""
+    if device.type != "cuda":
+        return
+    cap = device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(f"{what}: FP8 (e4m3) needs a GPU of compute capability {need} or newer (Ada, Hopper, "
+                         f"Blackwell); {device} is {cap[0]}.{cap[1]}. Serve it in bf16 or fp16 instead")
+
+
 def scaled_mm_applies(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether fp8_linear runs as cuBLASLt's FP8 GEMM (torch._scaled_mm, row-wise scales): CUDA
     tensors on an sm_89+ device, bf16 output, K and N multiples of 16, kernels not forced to

@@ -137,6 +137,22 @@ def test_quantization_field_and_flag_are_validated(tiny_models):
         build_parser("decode").parse_args(["--model", "m", "--quantization", "int8"])
 
 
+def test_fp8_is_refused_naming_the_flag_on_gpus_without_e4m3(monkeypatch):
+    """An A100 (8.0) cannot build the e4m3 kernels: the flag that asked for FP8 is named before
+    anything loads; Ada / Hopper (8.9 / 9.0) and CPUs (the references) pass."""
+    from tandem_kernels import ops
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(ops, "_capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8\): FP8 \(e4m3\) needs .* 8\.9 or newer.* is 8\.0"):
+        ops.require_fp8_device(gpu, "kv_cache_dtype 'fp8' (--kv-cache-dtype fp8)")
+    for cap in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(ops, "_capability", lambda index, cap=cap: cap)
+        ops.require_fp8_device(gpu, "quantization 'fp8' (--quantization fp8)")
+    monkeypatch.setattr(ops, "_capability", lambda index: (7, 5))
+    ops.require_fp8_device(torch.device("cpu"), "quantization 'fp8' (--quantization fp8)")
+
+
 def test_tensor_parallel_projections_are_refused_naming_the_flag(tiny_models):
     from parallel.layers import ColumnParallelLinear
 
