@@ -173,16 +173,15 @@ def run_offline_fp8_deferred_scales(ctx: Context) -> dict:
     return _offline(ctx, "fp8", "fp8")
 
 
-# The warp-split tuning that read fastest at the full batches (BENCHMARKS.md §23).
-WARP_SPLIT_FIELDS = '{"warp_split": true, "block_n": 32, "num_warps": 2, "resident": 8}'
+def _offline_2d_tile(ctx: Context, quantization: str | None) -> dict:
+    """An FP8-KV offline section with FP8_TUNING (the 2-D tile kernel) at every batch, as before
+    the warp-split kernel took the full batches (BENCHMARKS.md §23): this child's
+    TANDEM_DECODE_TUNING holds all of FP8_TUNING's fields."""
+    import dataclasses
 
+    from tandem_kernels.decode_attention import FP8_TUNING, TUNING_ENV
 
-def _offline_warp_split(ctx: Context, quantization: str | None) -> dict:
-    """An FP8-KV offline section with the decode kernel's warp_split tuning (this child's
-    TANDEM_DECODE_TUNING)."""
-    from tandem_kernels.decode_attention import TUNING_ENV
-
-    os.environ[TUNING_ENV] = WARP_SPLIT_FIELDS
+    os.environ[TUNING_ENV] = json.dumps(dataclasses.asdict(FP8_TUNING))
     return _offline(ctx, "fp8", quantization)
 
 
@@ -443,10 +442,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:0:0 (no split-K GEMMs)"),
     Section("offline_fp8_deferred_scales", "", 125, 100, "child", run_offline_fp8_deferred_scales,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
-    Section("offline_fp8kv_warp_split", "", 140, 110, "child", lambda c: _offline_warp_split(c, None),
-            "offline_fp8kv with the decode kernel's warp_split (TANDEM_DECODE_TUNING)"),
-    Section("offline_fp8_warp_split", "", 125, 100, "child", lambda c: _offline_warp_split(c, "fp8"),
-            "offline_fp8 with the decode kernel's warp_split (TANDEM_DECODE_TUNING)"),
+    Section("offline_fp8kv_2d_tile", "", 140, 110, "child", lambda c: _offline_2d_tile(c, None),
+            "offline_fp8kv with FP8_TUNING at every batch (no warp-split kernel; TANDEM_DECODE_TUNING)"),
+    Section("offline_fp8_2d_tile", "", 125, 100, "child", lambda c: _offline_2d_tile(c, "fp8"),
+            "offline_fp8 with FP8_TUNING at every batch (no warp-split kernel; TANDEM_DECODE_TUNING)"),
 ]}
 GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
 
