@@ -15,6 +15,7 @@ gRPC health/reflection wheels on the device: carry `.whl` (see the device notes)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -154,12 +155,13 @@ def fp8_parity(tmp: Path) -> dict:
     """The FP8 paths that only the GPU runs, against the engine without them, greedy tokens of a
     random tiny Llama in bf16 (CUDA graphs; prompts of 5-77 tokens, and one of 600 so a step
     passes the deferred scales' row limit): FP8 weights with deferred scales
-    (TANDEM_FP8_DEFERRED_SCALES=1) vs without (the default), and an FP8 cache with the decode kernel's warp_split vs its
-    default tuning. Differences are summation order and one rounding, so most tokens agree."""
+    (TANDEM_FP8_DEFERRED_SCALES=1) vs without (the default), and an FP8 cache with the decode
+    kernel's two tunings each at every batch (FP8_WIDE_TUNING, the warp-split kernel full batches
+    take, vs FP8_TUNING). Differences are summation order and one rounding, so most tokens agree."""
     from engine import LLM, SamplingParams
     from engine.demo import make_random_model
     from engine.quant.fp8 import DEFERRED_SCALES_ENV
-    from tandem_kernels.decode_attention import TUNING_ENV
+    from tandem_kernels.decode_attention import FP8_TUNING, FP8_WIDE_TUNING, TUNING_ENV
 
     d = make_random_model(tmp / "tiny-fp8", "llama", hidden_size=256, intermediate_size=512,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
@@ -186,9 +188,10 @@ def fp8_parity(tmp: Path) -> dict:
 
     scaled = tokens({}, quantization="fp8")
     deferred = tokens({DEFERRED_SCALES_ENV: "1"}, quantization="fp8")
-    plain_kv = tokens({}, kv_cache_dtype="fp8")
-    split_kv = tokens({TUNING_ENV: '{"warp_split": true}'}, kv_cache_dtype="fp8")
-    return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_default": agree(split_kv, plain_kv),
+    # Each tuning at every batch: the full batches' warp-split kernel against the 2-D tile.
+    plain_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_TUNING))}, kv_cache_dtype="fp8")
+    split_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8")
+    return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
             "varied": len({t for o in deferred for t in o})}
 
 
