@@ -28,7 +28,7 @@ from engine.memory import check_weights_fit, default_max_running, derive_num_blo
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
-from engine.quant import Fp8Linear
+from engine.quant import Fp8Linear, apply_quantization
 from engine.radix_cache import RadixCache
 from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import PrefillAlone, Scheduler, SchedulerConfig, SchedulerOutput
@@ -98,8 +98,6 @@ class Engine:
                           1 if self.shard.runs_alone else _world_size(self.shard))
         self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
         if config.quantization is not None:
-            from engine.quant import apply_quantization
-
             apply_quantization(self.model, config.quantization)
         if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
             require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")

@@ -245,7 +245,7 @@ def scaled_mm_applies(q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
     n, k = weight.shape
     if k % 16 or n % 16:
         return False
-    return hasattr(torch, "_scaled_mm") and device_capability(q.device) >= (8, 9)
+    return hasattr(torch, "_scaled_mm") and device_capability(q.device) >= FP8_MIN_CAPABILITY
 
 
 def fp8_linear(
