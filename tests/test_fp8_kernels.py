@@ -96,7 +96,8 @@ def deferred(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, tu
 
 
 def case_deferred_scales() -> None:
-    """The norm and SiLU-and-multiply kernels apply an FP8 product's deferred scales as they load."""
+    """The norm kernels apply an FP8 product's deferred scales as they load (SiLU-and-multiply's,
+    through both of its loops, are case_silu's); a bad shape of them is named."""
     from tandem_kernels import ops, reference as ref
 
     for dtype in DTYPES:
@@ -114,11 +115,6 @@ def case_deferred_scales() -> None:
             rq, rs = ref.rms_norm_fp8(p, w, 1e-6, scales)
             fp8_close(q, rq, f"rms_norm_fp8 deferred {dtype} {p.shape}")
             scales_close(s, rs, dtype, f"rms_norm_fp8 deferred scale {dtype} {p.shape}")
-            p2, scales2 = deferred(rows, 2 * cols, dtype)
-            q, s = ops.silu_and_mul_fp8(p2, scales2)
-            rq, rs = ref.silu_and_mul_fp8(p2, scales2)
-            fp8_close(q, rq, f"silu_and_mul_fp8 deferred {dtype} {p2.shape}")
-            scales_close(s, rs, dtype, f"silu_and_mul_fp8 deferred scale {dtype} {p2.shape}")
     with pytest.raises(ValueError, match="x_scales"):
         ops.silu_and_mul_fp8(torch.zeros(2, 8), (torch.ones(2, 1), torch.ones(4)))
 
@@ -131,7 +127,7 @@ def case_silu() -> None:
 
     saved = act.ONE_PASS_MAX
     for one_pass_max in (saved, 16):
-        act.ONE_PASS_MAX = one_pass_max
+        act.ONE_PASS_MAX = one_pass_max  # this case runs in a fresh interpreter of its own
         for dtype in DTYPES:
             for rows, inter in SHAPES:
                 what = f"silu_and_mul_fp8 {dtype} {(rows, inter)} {act.silu_fp8_shape(inter)}"
