@@ -207,14 +207,15 @@ def decode_case(s: Shapes, cache_dtype: torch.dtype) -> tuple[callable, int]:
 
 
 def extend_case(s: Shapes, q_len: int, prefix: int,
-                cache_dtype: torch.dtype = torch.bfloat16) -> tuple[callable, float]:
+                cache_dtype: torch.dtype = torch.bfloat16, seqs: int = 1) -> tuple[callable, float]:
+    """`seqs` sequences of q_len new tokens after `prefix` cached ones, packed in one launch."""
     from tandem_kernels import extend_attention
 
-    kc, vc, table, sl = paged_kv([prefix + q_len], s, cache_dtype, "cuda")
-    q = torch.randn(q_len, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    kc, vc, table, sl = paged_kv([prefix + q_len] * seqs, s, cache_dtype, "cuda")
+    q = torch.randn(seqs * q_len, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
     visible = q_len * prefix + q_len * (q_len + 1) // 2  # (query, key) pairs under the causal mask
-    flops = 4.0 * s.hq * s.d * visible
+    flops = 4.0 * s.hq * s.d * visible * seqs
     return (lambda: extend_attention.extend_attention(q, kc, vc, table, qsl, sl, s.d ** -0.5)), flops
 
 
@@ -417,6 +418,35 @@ def extend_sweep(s: Shapes) -> dict:
     return {"extend_blocks_ahead [cache, q_len, prefix, blocks_ahead, TFLOP/s]": rows}
 
 
+# (block_m, block_n, warps, stages) that --extend-tiles times; the first is the module's default.
+EXTEND_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+                (64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 8, 4))
+
+
+def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((8, 1024), (16, 512), (1, 8192))) -> dict:
+    """extend_attention's tiles (EXTEND_TILES) on whole prompts packed as a prefill step packs
+    them (`prompts`: (count, length), the step's tokens split into equal prompts), bf16 and FP8
+    caches: shorter prompts have more of their work on the diagonal and in each tile's setup."""
+    from tandem_kernels import extend_attention as ea
+
+    rows = []
+    saved = (ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES)
+    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+        for seqs, q_len in prompts:
+            fn, flops = extend_case(s, q_len, 0, cache, seqs)
+            for cfg in EXTEND_TILES:
+                ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = cfg
+                try:
+                    tflops = round(flops / bench_ms(fn, reps=30) / 1e9, 1)
+                except Exception as exc:  # a tile that does not compile or fit in shared memory
+                    tflops = repr(exc)[:80]
+                finally:
+                    ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = saved
+                rows.append([str(cache).split(".")[-1], seqs, q_len, *cfg, tflops])
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"extend_tiles [cache, prompts, q_len, block_m, block_n, warps, stages, TFLOP/s]": rows}
+
+
 def sweep(s: Shapes) -> dict:
     """Time the attention kernels over alternative configurations."""
     from tandem_kernels import extend_attention as ea
@@ -465,6 +495,8 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
     ap.add_argument("--extend-sweep", action="store_true",
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
+    ap.add_argument("--extend-tiles", action="store_true",
+                    help="only extend attention's tiles on packed prompts of 512-8,192 tokens (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     ap.add_argument("--decode-tuning", action="append", default=None, metavar="JSON",
@@ -484,7 +516,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        if args.decode_sweep or args.gemv_sweep or args.extend_sweep:
+        if args.decode_sweep or args.gemv_sweep or args.extend_sweep or args.extend_tiles:
             only = None
             if args.decode_tuning:
                 from tandem_kernels.decode_attention import DecodeTuning
@@ -492,7 +524,8 @@ def main() -> int:
             print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes)
                                  if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),
-                              **(extend_sweep(Shapes()) if args.extend_sweep else {})}))
+                              **(extend_sweep(Shapes()) if args.extend_sweep else {}),
+                              **(extend_tiles(Shapes()) if args.extend_tiles else {})}))
             return 0
         s = Shapes()
         result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),

@@ -8,11 +8,25 @@ records, for every engine step, the prefill tokens and the decode sequences it s
 wall time to the next step. With overlapped steps a step's time is the time between two
 schedules, which is what the run spends per step. Decode-only steps are also reported by batch
 size (buckets of 64 sequences), which shows what the waves of equal-length requests cost.
+`end` splits the time after the last step's schedule: the rest of that step (its samples), and
+what `generate` does after the loop (every request's text and outputs), with the functions that
+took the latter (a profile of it alone); `gc` counts the run's garbage collections by generation
+and what they took (a full collection walks the whole heap, stopping the host meanwhile).
+
+    --profile-steps 20:3,1000:3 --profile-dir DIR
+
+profiles those windows of the run's steps in place (worker.step_profiler.StepProfiler: a Chrome
+trace per window, each step a `tandem_step` range that bench/trace_steps.py reads), so the
+overlapped steps' device gaps are seen as the run has them. The profiled steps run slower.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -29,6 +43,7 @@ def main() -> int:
     from bench.h200_bench import LLAMA31_8B, write_model
     from engine import LLM, SamplingParams
     from engine.outputs import StepObserver
+    from worker.step_profiler import StepProfiler, parse_steps
 
     p = argparse.ArgumentParser()
     p.add_argument("--num-prompts", type=int, default=600)
@@ -38,7 +53,11 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights, quantized at load")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile-steps", default=None, metavar="START:COUNT[,START:COUNT]",
+                   help="profile these windows of the run's steps (0 is its first step)")
+    p.add_argument("--profile-dir", default="step_profiles", help="where --profile-steps writes its traces")
     a = p.parse_args()
+    windows = [parse_steps(w) for w in a.profile_steps.split(",")] if a.profile_steps else []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=a.max_running,
@@ -57,11 +76,50 @@ def main() -> int:
             steps.append((time.perf_counter(), plan.num_tokens - decode, decode))
 
     llm.engine.observer = Timeline()
+    step_ends: list[float] = []
+    run_step = llm.engine.step
+    profilers = [StepProfiler(a.profile_dir, "offline", start, count) for start, count in windows]
+
+    def step():
+        for prof in profilers:
+            prof.before_step()
+        try:
+            return run_step()
+        finally:
+            for prof in profilers:
+                prof.after_step()
+            step_ends.append(time.perf_counter())
+
+    llm.engine.step = step
+    after_loop = cProfile.Profile()
+    has_unfinished = llm.engine.has_unfinished
+
+    def unfinished() -> bool:  # the loop's last check starts the profile of what follows it
+        more = has_unfinished()
+        if not more:
+            after_loop.enable()
+        return more
+
+    llm.engine.has_unfinished = unfinished
+    collections: list[tuple[int, float]] = []  # (generation, seconds)
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            on_gc.t = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - on_gc.t))
+
+    gc.callbacks.append(on_gc)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     total = time.perf_counter() - t0
+    after_loop.disable()
+    gc.callbacks.remove(on_gc)
+    llm.engine.step, llm.engine.has_unfinished = run_step, has_unfinished
+    for prof in profilers:
+        prof.close()
     n_out = sum(len(o.token_ids) for o in outs)
     ends = [t for t, _, _ in steps[1:]] + [t0 + total]
     by: dict[str, dict] = defaultdict(lambda: {"steps": 0, "seconds": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
@@ -85,11 +143,32 @@ def main() -> int:
            "max_running": llm.engine.max_running, "kv_blocks": llm.engine.num_total_blocks,
            "seconds": round(total, 2),
            "output_tok_s": round(n_out / total, 1), "before_first_step_s": round(steps[0][0] - t0, 2) if steps else None,
-           "by_step_kind": dict(by), "decode_only_by_batch": dict(sorted(by_batch.items()))}
+           "end": {"last_step_s": round(step_ends[-1] - steps[-1][0], 3) if steps else None,
+                   "after_last_step_s": round(t0 + total - step_ends[-1], 3) if step_ends else None,
+                   "after_loop_profile": _top_functions(after_loop, 12)},
+           "gc": _collections(collections),
+           "by_step_kind": dict(by), "decode_only_by_batch": dict(sorted(by_batch.items())),
+           "profiles": [str(f) for prof in profilers for f in prof.written]}
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def _top_functions(prof: cProfile.Profile, n: int) -> list[str]:
+    """The `n` functions with the most cumulative time in `prof`, as pstats prints them."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(n)
+    return [line.strip() for line in out.getvalue().splitlines() if line.strip()][-n:]
+
+
+def _collections(collections: list[tuple[int, float]]) -> dict:
+    """Per generation: how many collections, their seconds in all and the longest."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for generation, seconds in collections:
+        by[generation].append(seconds)
+    return {f"gen{g}": {"count": len(s), "seconds": round(sum(s), 3), "max_s": round(max(s), 4)}
+            for g, s in sorted(by.items())}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """SiLU-and-multiply + FP8 quantize on the GPU: the row held whole vs two passes over it.
 
     python bench/silu_fp8_bench.py [--rows 384,512] [--inter 14336]
+    python bench/silu_fp8_bench.py --rows 384,8448 --sweep      # launch shapes, no deferred scales
 
 Times tandem_kernels.activation's silu_and_mul_fp8 at the Llama-3.1-8B MLP's width, plain and with
 deferred scales, with ONE_PASS_MAX as it is (one pass) and lowered below the row (two passes), on
 the same inputs; prints one JSON line per case: microseconds per call and GB/s of the bytes a call
-must move (the product read once, the FP8 rows and their scales written).
+must move (the product read once, the FP8 rows and their scales written). `--sweep` times the
+kernel's launch shapes instead (SWEEP: whole rows over 8-32 warps, two passes of 2,048-8,192
+columns), the one `silu_fp8_shape` picks marked, on rows without deferred scales.
 """
 from __future__ import annotations
 
@@ -19,11 +22,41 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+# (BLOCK, ONE_PASS, num_warps) of _silu_and_mul_fp8_kernel that --sweep times; BLOCK 0 is the row's
+# whole width (rounded up to a power of two).
+SWEEP = [(0, True, 32), (0, True, 16), (0, True, 8), (2048, False, 8), (4096, False, 8), (4096, False, 16),
+         (8192, False, 16), (8192, False, 32)]
+
+
+def sweep(act, rows: int, inter: int) -> None:
+    """One JSON line per SWEEP shape at `rows` x `inter`."""
+    import triton
+
+    from bench.kernel_bench import bench_ms
+
+    x = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    moved = x.numel() * x.element_size() + rows * inter + rows * 4
+    chosen = act.silu_fp8_shape(inter)
+    pick = act.silu_fp8_shape
+    for block, one_pass, warps in SWEEP:
+        shape = dict(BLOCK=block or triton.next_power_of_2(inter), ONE_PASS=one_pass, num_warps=warps)
+        act.silu_fp8_shape = lambda _inter, shape=shape: shape
+        try:
+            ms = bench_ms(lambda: act.silu_and_mul_fp8(x))
+        except Exception as exc:  # a shape that does not compile (registers) is reported, not fatal
+            print(json.dumps({"rows": rows, "inter": inter, **shape, "error": str(exc)[:200]}), flush=True)
+            continue
+        finally:
+            act.silu_fp8_shape = pick
+        print(json.dumps({"rows": rows, "inter": inter, **shape, "default": shape == chosen,
+                          "us": round(ms * 1e3, 2), "GBps": round(moved / ms / 1e6)}), flush=True)
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="384,512")
     p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes (SWEEP) instead")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("silu_fp8_bench needs a CUDA device", file=sys.stderr)
@@ -31,6 +64,10 @@ def main() -> int:
     from tandem_kernels import activation as act
     from bench.kernel_bench import bench_ms
 
+    if a.sweep:
+        for rows in (int(r) for r in a.rows.split(",")):
+            sweep(act, rows, a.inter)
+        return 0
     one_pass_max = act.ONE_PASS_MAX
     for rows in (int(r) for r in a.rows.split(",")):
         x = torch.randn(rows, 2 * a.inter, device="cuda", dtype=torch.bfloat16)

@@ -139,6 +139,8 @@ class Engine:
         self.runner: ModelRunner | None = self.shard.make_runner(self.model, self.kv_cache, sampler,
                                                                  self.eos_token_ids, device)
         alone = self.shard.runs_alone
+        if self.runner is not None and device.type == "cuda":
+            self.runner.bucket_logits(self.max_running)  # no sampled row count loads a kernel mid-step
         if alone and self.runner is not None and config.cuda_graphs and device.type == "cuda":
             # Bounded: larger decode batches than the largest graph run eagerly.
             self.runner.capture_decode_graphs(min(self.max_running, MAX_GRAPH_BATCH), self.max_model_len)

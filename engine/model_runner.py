@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, smallest_bucket
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.sampler import PendingSamples, Sampler, SamplerOutput, SamplingRow
@@ -33,7 +34,10 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # packed row index of each sampling sequence's last token
+    # Packed row index of each sampling sequence's last token, in sample_index's order; padded
+    # to a bucket (ModelRunner.bucket_logits) by repeating the last, so the logits of
+    # len(sample_index) rows are the first rows of the LM head's output.
+    sample_rows: torch.Tensor
     sample_index: list[int]  # index into scheduled of each sampled row
 
 
@@ -50,10 +54,21 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.prefill_graphs = None  # engine.prefill_graphs.PrefillGraphs once captured
+        self.logits_buckets: list[int] | None = None  # see bucket_logits
+
+    def bucket_logits(self, max_rows: int) -> list[int]:
+        """Run the LM head on a bucketed number of rows from now on (the decode graphs' batch
+        sizes up to `max_rows`, and `max_rows`), padding the sampled rows by repeating the last.
+
+        cuBLAS picks a kernel for each row count, and CUDA loads a kernel the first time it
+        runs, waiting for the device to drain when it does (lazy loading): an LM head over a
+        row count not seen before stalls the host until the step before has finished, so the
+        next step is not prepared meanwhile. With buckets the row counts are few and warm-up
+        (engine/warm_up.py) runs each. Returns the buckets."""
+        self.logits_buckets = sorted({b for b in DEFAULT_BUCKETS if b <= max_rows} | {max_rows})
+        return self.logits_buckets
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        from engine.cuda_graphs import DecodeGraphs
-
         graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_model_len)
         graphs.capture()
         self.graphs = graphs
@@ -120,6 +135,9 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(qsl[-1] - 1)
                 sample_index.append(i)
+        if sample_rows and self.logits_buckets is not None:
+            padded = smallest_bucket(self.logits_buckets, len(sample_rows)) or len(sample_rows)
+            sample_rows += [sample_rows[-1]] * (padded - len(sample_rows))
         rows, src = (list(x) for x in zip(*from_prev)) if from_prev else ([], [])
         is_decode = len(ids) == len(scheduled)
         num_decode = 0 if is_decode else len(single)
@@ -199,7 +217,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
         if not batch.sample_index:
             return [], None
-        logits = self.model.logits(hidden[batch.sample_rows])
+        logits = self.model.logits(hidden[batch.sample_rows])[: len(batch.sample_index)]
         return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index))
 
     def synchronize(self) -> None:

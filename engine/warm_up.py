@@ -7,6 +7,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+import torch
+
 from tandem.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +59,20 @@ def _run(engine: Engine) -> float:
     engine.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
     while engine.has_unfinished():
         engine.step()
+    _warm_logits(engine)
     seconds = time.perf_counter() - t0
     logger.info("warm-up steps ran in %.1f s", seconds)
     return seconds
+
+
+def _warm_logits(engine: Engine) -> None:
+    """The LM head at each of the runner's bucketed row counts (ModelRunner.bucket_logits), so
+    that every kernel cuBLAS picks for them is loaded before serving, not in a step."""
+    runner = engine.runner
+    if runner is None or not runner.logits_buckets:
+        return
+    embed = runner.model.embed_tokens.weight
+    with torch.inference_mode():
+        hidden = torch.zeros(max(runner.logits_buckets), embed.shape[1], dtype=embed.dtype, device=embed.device)
+        for rows in runner.logits_buckets:
+            runner.model.logits(hidden[:rows])

@@ -212,7 +212,7 @@ class TPModelRunner(ModelRunner):
         logits = run_step(self.model, self.kv_cache, step, after_layer)
         if batch is None or logits is None:
             return [], None
-        samples = self.sample(out, batch.sample_index, logits)
+        samples = self.sample(out, batch.sample_index, logits[: len(batch.sample_index)])  # less the padding rows
         if while_running is not None:
             while_running(lambda: True)
         return batch.sample_index, samples
