@@ -55,18 +55,9 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add newly generated ids; return the text they complete (possibly '')."""
-        pieces = []
-        for token_id in token_ids:
-            token_id = int(token_id)
-            self._output_ids.append(token_id)
-            if token_id >= self._id_limit:
-                # No vocabulary entry: it decodes to nothing, so every window decodes the same
-                # without it and the step would emit nothing. Skipping it keeps a held-back
-                # window from growing across a run of such ids.
-                continue
-            self._ids.append(token_id)
-            pieces.append(self._step(final=False))
-        return "".join(pieces)
+        ids = [int(i) for i in token_ids]
+        self._output_ids.extend(ids)
+        return self._push_decodable(self._decodable(ids))
 
     def flush(self) -> str:
         """Release text still held back at the end of generation (e.g. a dangling partial character)."""
@@ -76,22 +67,35 @@ class IncrementalDetokenizer:
         """`push(token_ids) + flush()` for ids that end the generation: in two decodes when the
         window's text extends to the text with the ids appended and no replacement character is
         involved (an unfinished UTF-8 sequence, which byte-fallback tokens can leave anywhere,
-        decodes differently in one piece than step by step); otherwise by pushing them one by one."""
-        ids = [int(i) for i in token_ids]
+        decodes differently in one piece than step by step); otherwise id by id, over the ids
+        that decode to something (an offline run ends with every request's finish at once)."""
+        all_ids = [int(i) for i in token_ids]
+        ids = self._decodable(all_ids)
+        self._output_ids.extend(all_ids)
         if self._read_offset == len(self._ids):  # no text held back
-            all_ids = ids
-            ids = [i for i in ids if i < self._id_limit]  # the rest decode to nothing (see push)
             window = self._ids[self._prefix_offset:]
             before = self._decode(window)
             after = self._decode(window + ids)
             if after.startswith(before) and _REPLACEMENT_CHAR not in after:
-                self._output_ids.extend(all_ids)
                 self._ids = (window + ids)[-PROMPT_CONTEXT_TOKENS:]
                 self._prefix_offset, self._read_offset = 0, len(self._ids)
                 self._prefix_text = None
                 return after[len(before):]
-            ids = all_ids
-        return self.push(ids) + self.flush()
+        return self._push_decodable(ids) + self.flush()
+
+    def _decodable(self, ids: list[int]) -> list[int]:
+        """`ids` less those with no vocabulary entry: they decode to nothing, so every window
+        decodes the same without them and a step would emit nothing. Leaving them out keeps a
+        held-back window from growing across a run of such ids."""
+        limit = self._id_limit
+        return [i for i in ids if i < limit]
+
+    def _push_decodable(self, ids: list[int]) -> str:
+        pieces = []
+        for token_id in ids:
+            self._ids.append(token_id)
+            pieces.append(self._step(final=False))
+        return "".join(pieces)
 
     def _step(self, final: bool) -> str:
         # The window's left part only changes when the window slides, so while text is held

@@ -7,8 +7,9 @@ short-lived objects of serving (a step's outputs, stream chunks, scheduler recor
 under load, on a worker's engine thread as on any event loop. `freeze_startup_heap` moves them
 out of the collector's reach once the process serves (`gc.freeze`, what vLLM's engine core and
 SGLang's scheduler do after start-up), so a collection scans only what serving allocated.
-`TANDEM_GC_FREEZE=0` leaves the heap as it is. Called by the processes' entry points only (a
-library user's heap is theirs).
+`TANDEM_GC_FREEZE=0` leaves the heap as it is. Called by the processes' entry points and by
+`engine.LLM` on a GPU (an offline run's own entry, as vLLM's worker freezes after warm-up); not
+by the Engine, which workers and tests build.
 """
 from __future__ import annotations
 
