@@ -24,6 +24,10 @@ from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+# Row counts of the LM head past the decode graphs' largest batch are multiples of this
+# (ModelRunner.bucket_logits).
+LOGITS_BUCKET_STEP = 256
+
 # Engine.step's `while_running`, bound to the step: called with a probe that says whether the
 # step's samples are on the host yet.
 WhileRunning = Callable[[Callable[[], bool]], None]
@@ -58,14 +62,16 @@ class ModelRunner:
 
     def bucket_logits(self, max_rows: int) -> list[int]:
         """Run the LM head on a bucketed number of rows from now on (the decode graphs' batch
-        sizes up to `max_rows`, and `max_rows`), padding the sampled rows by repeating the last.
+        sizes up to `max_rows`, then every LOGITS_BUCKET_STEP rows, and `max_rows`), padding the
+        sampled rows by repeating the last.
 
         cuBLAS picks a kernel for each row count, and CUDA loads a kernel the first time it
         runs, waiting for the device to drain when it does (lazy loading): an LM head over a
         row count not seen before stalls the host until the step before has finished, so the
         next step is not prepared meanwhile. With buckets the row counts are few and warm-up
         (engine/warm_up.py) runs each. Returns the buckets."""
-        self.logits_buckets = sorted({b for b in DEFAULT_BUCKETS if b <= max_rows} | {max_rows})
+        past_graphs = range(DEFAULT_BUCKETS[-1] + LOGITS_BUCKET_STEP, max_rows, LOGITS_BUCKET_STEP)
+        self.logits_buckets = sorted({b for b in DEFAULT_BUCKETS if b <= max_rows} | set(past_graphs) | {max_rows})
         return self.logits_buckets
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:

@@ -46,6 +46,8 @@ def test_buckets_are_the_graph_sizes_up_to_max_rows(model_dir):
     assert buckets == sorted(buckets) and buckets[-1] == 419 and buckets[0] == 1
     assert set(buckets[:-1]) == {b for b in DEFAULT_BUCKETS if b < 419}
     assert llm.engine.runner.bucket_logits(512)[-1] == 512 and 419 not in llm.engine.runner.logits_buckets
+    past = llm.engine.runner.bucket_logits(2000)  # past the largest graph: every 256 rows, then the cap
+    assert past[past.index(1024):] == [1024, 1280, 1536, 1792, 2000]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
