@@ -81,6 +81,8 @@ def _rank_main(rank: int, init_method: str, model_dirs: dict[str, str], out: Any
                 if rank == 0:
                     llm = LLM(path, shard=shard_for(tp), **kw)
                     engine = llm.engine
+                    if key == "tokens":  # the LM head on padded rows, as on a GPU (every rank runs them)
+                        engine.runner.bucket_logits(engine.max_running)
                     if max_tokens:
                         result[key] = greedy_tokens(llm, max_tokens)
                         result[f"{key}_swaps"] = engine.stats().num_swaps_out
