@@ -80,11 +80,11 @@ def main() -> int:
     run_step = llm.engine.step
     profilers = [StepProfiler(a.profile_dir, "offline", start, count) for start, count in windows]
 
-    def step():
+    def step(*args, **kwargs):
         for prof in profilers:
             prof.before_step()
         try:
-            return run_step()
+            return run_step(*args, **kwargs)
         finally:
             for prof in profilers:
                 prof.after_step()

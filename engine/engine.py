@@ -347,8 +347,13 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self, on_layer: Callable[[int, StepPlan], None] | None = None,
              hold: Callable[[], None] | None = None,
-             while_running: Callable[[StepPlan, Callable[[], bool]], None] | None = None) -> list[StepOutput]:
+             while_running: Callable[[StepPlan, Callable[[], bool]], None] | None = None,
+             outputs: bool = True) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; returns what each request gained.
+
+        `outputs=False` returns nothing instead, for a caller that reads the requests once they
+        end (`LLM.generate`): a StepOutput and its two lists for every sequence of every step
+        are what most of a large batch's garbage collections collect.
 
         `on_layer(layer, plan)` runs after each layer's K/V are queued into the cache (the prefill
         worker pushes them to the decode worker from there, overlapping the next layer; a step
@@ -367,7 +372,7 @@ class Engine:
             raise RuntimeError(f"step: {self.shard} runs rank 0's steps through follow()")
         if not self.overlap or on_layer is not None or while_running is not None:
             self.settle()
-            results, self._ready = self._ready, []
+            results, self._ready = self._ready if outputs else [], []
             out = self._schedule()
             if out.is_empty:
                 return results
@@ -376,8 +381,8 @@ class Engine:
             running = None if while_running is None else lambda ready: while_running(plan, ready)  # noqa: E731
             sampled_idx, samples = self.runner.execute(out, hook, hold, running)
             self._postprocess(out)
-            return results + self._process_samples(out, sampled_idx, samples)
-        return self._overlapped_step(hold)
+            return results + self._process_samples(out, sampled_idx, samples, outputs)
+        return self._overlapped_step(hold, outputs)
 
     def _schedule(self) -> SchedulerOutput:
         if self.observer is None:
@@ -395,14 +400,14 @@ class Engine:
         self._scheduler.postprocess(out)
         self.observer.on_postprocess(time.perf_counter() - t)
 
-    def _overlapped_step(self, hold: Callable[[], None] | None = None) -> list[StepOutput]:
+    def _overlapped_step(self, hold: Callable[[], None] | None = None, outputs: bool = True) -> list[StepOutput]:
         """Schedule and launch step n+1 while step n may still run on the device, then process
         step n's samples. Sequences sampled in step n carry a pending token (counted by the
         scheduler, read by step n+1 from the device); one that step n ends was scheduled in n+1
         anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
         it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens).
         With `hold` (see `step`) step n+1 is queued only once step n has finished."""
-        results, self._ready = self._ready, []
+        results, self._ready = self._ready if outputs else [], []
         prev, self._inflight = self._inflight, None
         out = self._schedule()
         launched = None
@@ -423,26 +428,26 @@ class Engine:
                 seq.num_pending += 1
                 seq.pending_row = j
         if prev is not None:
-            results += self._resolve(prev)
+            results += self._resolve(prev, outputs)
         if launched is not None:
             self._postprocess(out)
             if all(_overlap_safe(out.scheduled[i].seq) for i in launched.sample_index):
                 self._inflight = launched
             else:
-                results += self._resolve(launched)
+                results += self._resolve(launched, outputs)
         return results
 
-    def _resolve(self, step: _InFlight) -> list[StepOutput]:
-        """Wait for a launched step's samples and process them."""
+    def _resolve(self, step: _InFlight, outputs: bool = True) -> list[StepOutput]:
+        """Wait for a launched step's samples and process them (see `step` for `outputs`)."""
         samples = step.samples.result() if step.samples is not None else None
         for i in step.sample_index:
             seq = step.out.scheduled[i].seq
             seq.num_pending -= 1
             if not seq.num_pending and seq.status is SeqStatus.FINISHED:
                 self._scheduler.release_finished(seq)  # ended by the step before this one
-        return self._process_samples(step.out, step.sample_index, samples)
+        return self._process_samples(step.out, step.sample_index, samples, outputs)
 
-    def _process_samples(self, out: SchedulerOutput, idx: list[int], samples) -> list[StepOutput]:
+    def _process_samples(self, out: SchedulerOutput, idx: list[int], samples, outputs: bool = True) -> list[StepOutput]:
         results = []
         for j, i in enumerate(idx):
             seq = out.scheduled[i].seq
@@ -462,7 +467,8 @@ class Engine:
                     self._scheduler.finish(seq, reason)
                 seq.stop_reason = stop_reason
                 seq.finish_reason = reason
-            results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason))
+            if outputs:
+                results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason))
         return results
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, str | int | None]:

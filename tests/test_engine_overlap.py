@@ -201,3 +201,27 @@ def test_a_reservation_never_gets_blocks_a_step_in_flight_writes(model_dir, pref
     assert not e._scheduler.unreleased
     assert e.release("b")
     assert e.num_free_blocks_after_reset() == e.num_total_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_without_outputs_leave_the_requests_as_with_them(model_dir, overlap):
+    """`step(outputs=False)` (LLM.generate's loop) returns nothing and changes nothing else: the
+    requests end with the tokens, logprobs, texts and reasons that stepping with outputs gives,
+    stop strings and seeds included."""
+    ps = prompts(9, (3, 17, 40, 9))
+    params = [SamplingParams(max_tokens=2 + i, temperature=0 if i % 2 else 0.9, seed=None if i % 2 else i,
+                             logprobs=1 if i % 3 == 0 else None, stop=["e"] if i == 4 else None, ignore_eos=True)
+              for i in range(len(ps))]
+    ends = []
+    for outputs in (True, False):
+        llm = LLM(model_dir, num_kv_blocks=96, max_running=4, max_batched_tokens=32, overlap_schedule=overlap)
+        e = llm.engine
+        reqs = [e.admit(p, sp) for p, sp in zip(ps, params)]
+        returned = []
+        while e.has_unfinished():
+            returned += e.step(outputs=outputs)
+        assert bool(returned) == outputs
+        ends.append([(r.output_token_ids, e.output_text(r), r.finish_reason, r.stop_reason,
+                      [(lp.token_id, round(lp.logprob, 4)) if lp else None for lp in r.output_logprobs]) for r in reqs])
+        assert_clean(llm)
+    assert ends[0] == ends[1]
