@@ -423,18 +423,20 @@ EXTEND_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 
                 (64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 8, 4))
 
 
-def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((8, 1024), (16, 512), (1, 8192))) -> dict:
-    """extend_attention's tiles (EXTEND_TILES) on whole prompts packed as a prefill step packs
-    them (`prompts`: (count, length), the step's tokens split into equal prompts), bf16 and FP8
-    caches: shorter prompts have more of their work on the diagonal and in each tile's setup."""
+def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((8, 1024), (16, 512), (1, 8192)),
+                 caches: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float8_e4m3fn),
+                 tiles: tuple[tuple[int, int, int, int], ...] = EXTEND_TILES) -> dict:
+    """extend_attention's `tiles` on whole prompts packed as a prefill step packs them
+    (`prompts`: (count, length), the step's tokens split into equal prompts), on `caches`:
+    shorter prompts have more of their work on the diagonal and in each tile's setup."""
     from tandem_kernels import extend_attention as ea
 
     rows = []
     saved = (ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES)
-    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+    for cache in caches:
         for seqs, q_len in prompts:
             fn, flops = extend_case(s, q_len, 0, cache, seqs)
-            for cfg in EXTEND_TILES:
+            for cfg in tiles:
                 ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = cfg
                 try:
                     tflops = round(flops / bench_ms(fn, reps=30) / 1e9, 1)
@@ -457,14 +459,8 @@ def sweep(s: Shapes) -> dict:
         except Exception as exc:  # a configuration that does not compile or fit
             return repr(exc)[:80]
 
-    found: dict[str, list] = {"extend [block_m, block_n, warps, stages, TFLOP/s]": [],
-                              "extend_fp8 [opaque_cvt, TFLOP/s]": []}
-    saved = (ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES)
-    fn, flops = extend_case(s, s.tokens, 0)
-    for cfg in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)):
-        ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = cfg
-        found["extend [block_m, block_n, warps, stages, TFLOP/s]"].append([*cfg, run(fn, flops / 1e3)])
-    ea.BLOCK_M, ea.BLOCK_N, ea.NUM_WARPS, ea.NUM_STAGES = saved
+    found: dict[str, list] = extend_tiles(s, ((1, s.tokens),), (torch.bfloat16,), EXTEND_TILES[:4])
+    found["extend_fp8 [opaque_cvt, TFLOP/s]"] = []
     saved_cvt = ea.FP8_OPAQUE_CVT
     fn, flops = extend_case(s, s.tokens, 0, torch.float8_e4m3fn)
     for cvt in ("", "v", "kv"):
