@@ -351,9 +351,10 @@ class Engine:
              outputs: bool = True) -> list[StepOutput]:
         """Schedule, run and postprocess one batch; returns what each request gained.
 
-        `outputs=False` returns nothing instead, for a caller that reads the requests once they
-        end (`LLM.generate`): a StepOutput and its two lists for every sequence of every step
-        are what most of a large batch's garbage collections collect.
+        `outputs=False` returns only the outputs that end a request (a few a step), for a
+        caller that reads the requests once they end (`LLM.generate`): a StepOutput and its two
+        lists for every sequence of every step are what most of a large batch's garbage
+        collections collect.
 
         `on_layer(layer, plan)` runs after each layer's K/V are queued into the cache (the prefill
         worker pushes them to the decode worker from there, overlapping the next layer; a step
@@ -372,7 +373,7 @@ class Engine:
             raise RuntimeError(f"step: {self.shard} runs rank 0's steps through follow()")
         if not self.overlap or on_layer is not None or while_running is not None:
             self.settle()
-            results, self._ready = self._ready if outputs else [], []
+            results, self._ready = _returned(self._ready, outputs), []
             out = self._schedule()
             if out.is_empty:
                 return results
@@ -407,7 +408,7 @@ class Engine:
         anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
         it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens).
         With `hold` (see `step`) step n+1 is queued only once step n has finished."""
-        results, self._ready = self._ready if outputs else [], []
+        results, self._ready = _returned(self._ready, outputs), []
         prev, self._inflight = self._inflight, None
         out = self._schedule()
         launched = None
@@ -467,7 +468,7 @@ class Engine:
                     self._scheduler.finish(seq, reason)
                 seq.stop_reason = stop_reason
                 seq.finish_reason = reason
-            if outputs:
+            if outputs or reason is not None:
                 results.append(StepOutput(seq.request_id, [token], [lp], reason is not None, reason, stop_reason))
         return results
 
@@ -558,6 +559,11 @@ class _InFlight:
     out: SchedulerOutput
     sample_index: list[int]
     samples: PendingSamples | None
+
+
+def _returned(ready: list[StepOutput], outputs: bool) -> list[StepOutput]:
+    """What `step` returns of the outputs resolved before it (see `step` for `outputs`)."""
+    return ready if outputs else [o for o in ready if o.finished]
 
 
 def _overlap_safe(seq: Sequence) -> bool:

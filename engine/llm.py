@@ -37,10 +37,14 @@ class LLM:
     a full collection of that heap stops the host for ~150 ms, long enough to starve the
     device of steps (an offline run of 1,000 requests made 14 of them). `TANDEM_GC_FREEZE=0`
     leaves the heap as it is.
+
+    The prefix cache's KV events (what a worker publishes to the global index) are not
+    recorded: nothing here drains them.
     """
 
     def __init__(self, model_path: str, *, shard: ModelShard | None = None, **kwargs) -> None:
         self.engine = Engine(EngineConfig(model_path=str(model_path), **kwargs), shard)
+        self.engine.cache.record_events = False
         self.tokenizer = self.engine.tokenizer
         if self.engine.device.type == "cuda":
             freeze_startup_heap()
@@ -68,11 +72,16 @@ class LLM:
         tiers = list(tier) if isinstance(tier, (list, tuple)) else [tier] * len(prompts)
         engine = self.engine
         requests = []
+        texts: dict[str, str] = {}
         try:
             for p, sp, t in zip(prompts, plist, tiers):
                 requests.append(engine.admit(p, sp, tier=t))
+            by_id = {r.request_id: r for r in requests}
             while engine.has_unfinished():
-                engine.step(outputs=False)  # the requests hold what the outputs below need
+                # The requests hold what the outputs below need; a request's text is decoded
+                # when it ends, while the device runs the step queued after it.
+                for out in engine.step(outputs=False):
+                    texts[out.request_id] = engine.output_text(by_id[out.request_id])
         except BaseException:
             for r in requests:
                 engine.abort(r.request_id)
@@ -80,7 +89,7 @@ class LLM:
         return [
             CompletionOutput(
                 request_id=r.request_id,
-                text=engine.output_text(r),
+                text=texts[r.request_id] if r.request_id in texts else engine.output_text(r),
                 token_ids=r.output_token_ids,
                 finish_reason=r.finish_reason.value,
                 prompt_tokens=r.num_prompt_tokens,

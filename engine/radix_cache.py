@@ -105,6 +105,11 @@ class RadixCache:
 
     Hit statistics count locked lookups (`lock`), so a request retried by the scheduler before
     it is admitted is counted once.
+
+    `record_events`: whether blocks stored and removed are recorded for `drain_events` (the
+    worker's KV-event publisher drains them after every step). An owner that never drains them
+    (`engine.LLM`) sets it False: otherwise they grow by one per prompt and per output block for
+    as long as the cache lives.
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, hash_seed: int, enabled: bool = True) -> None:
@@ -122,6 +127,7 @@ class RadixCache:
         self._clock = self._serial = self._num_unlocked = 0
         self._hit_tokens = self._query_tokens = 0
         self._events: list[KvEvent] = []
+        self._record_events = True
 
     # ----------------------------------------------------------------- lookups
     @property
@@ -141,6 +147,17 @@ class RadixCache:
     def stats(self) -> CacheStats:
         hit, q = self._hit_tokens, self._query_tokens
         return CacheStats(hit, q, hit / q if q else 0.0, len(self._by_block), self._num_unlocked)
+
+    @property
+    def record_events(self) -> bool:
+        return self._record_events
+
+    @record_events.setter
+    def record_events(self, on: bool) -> None:
+        """Turning recording off drops the events not yet drained."""
+        self._record_events = bool(on)
+        if not on:
+            self._events.clear()
 
     def drain_events(self) -> list[KvEvent]:
         """Return the pending BlockStored / BlockRemoved events, oldest first, and clear them."""
@@ -253,7 +270,7 @@ class RadixCache:
             freed += self._remove(node, removed)
             self._maybe_push(parent)
         if removed:
-            self._events.append(BlockRemoved(removed))
+            self._record(BlockRemoved(removed))
             logger.debug("evicted %d cached blocks, %d freed", len(removed), freed)
         return freed
 
@@ -268,7 +285,7 @@ class RadixCache:
                 freed += self._remove(node, removed)
         self._heap.clear()  # every remaining node is locked
         if removed:
-            self._events.append(BlockRemoved(removed))
+            self._record(BlockRemoved(removed))
         return freed
 
     # ----------------------------------------------------------------- internals
@@ -310,8 +327,13 @@ class RadixCache:
                 hashes.append(child.hash)
                 ids.append(child.block_id)
                 node = child
-            self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n * bs]), bs))
+            if self._record_events:
+                self._events.append(BlockStored(hashes, parent_hash, list(token_ids[i * bs : n * bs]), bs))
         return node, ids
+
+    def _record(self, event: KvEvent) -> None:
+        if self._record_events:
+            self._events.append(event)
 
     def _remove(self, node: _Node, removed: list[int]) -> int:
         """Detach `node` (its children are detached by the caller), drop the tree's reference;

@@ -205,8 +205,8 @@ def test_a_reservation_never_gets_blocks_a_step_in_flight_writes(model_dir, pref
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_steps_without_outputs_leave_the_requests_as_with_them(model_dir, overlap):
-    """`step(outputs=False)` (LLM.generate's loop) returns nothing and changes nothing else: the
-    requests end with the tokens, logprobs, texts and reasons that stepping with outputs gives,
+    """`step(outputs=False)` (LLM.generate's loop) returns only the outputs that end a request and
+    changes nothing else: the requests end with the tokens, logprobs, texts and reasons that stepping with outputs gives,
     stop strings and seeds included."""
     ps = prompts(9, (3, 17, 40, 9))
     params = [SamplingParams(max_tokens=2 + i, temperature=0 if i % 2 else 0.9, seed=None if i % 2 else i,
@@ -220,8 +220,20 @@ def test_steps_without_outputs_leave_the_requests_as_with_them(model_dir, overla
         returned = []
         while e.has_unfinished():
             returned += e.step(outputs=outputs)
-        assert bool(returned) == outputs
+        # Without outputs a step returns only those that end a request: one each.
+        ended = [o for o in returned if o.finished]
+        assert sorted(o.request_id for o in ended) == sorted(r.request_id for r in reqs)
+        assert (len(returned) > len(ended)) == outputs
         ends.append([(r.output_token_ids, e.output_text(r), r.finish_reason, r.stop_reason,
                       [(lp.token_id, round(lp.logprob, 4)) if lp else None for lp in r.output_logprobs]) for r in reqs])
         assert_clean(llm)
     assert ends[0] == ends[1]
+
+
+def test_llm_keeps_no_kv_events(model_dir):
+    """The prefix cache's events are for a worker's publisher; `LLM` has none, so it records
+    none (they would grow by one per block for as long as the LLM lives)."""
+    llm = LLM(model_dir, num_kv_blocks=96, max_running=4)
+    llm.generate(prompts(6, (40, 17)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert llm.engine.cache.cached_blocks > 0
+    assert llm.engine.cache.drain_events() == []

@@ -1,17 +1,20 @@
-"""tandem.heap: the start-up heap leaves the cyclic collector's scans, unless turned off."""
+"""tandem.heap: the start-up heap leaves the cyclic collector's scans and the youngest generation's
+threshold is raised, unless turned off."""
 from __future__ import annotations
 
 import gc
 
 import pytest
 
-from tandem.heap import GC_FREEZE_ENV, freeze_startup_heap
+from tandem.heap import GC_FREEZE_ENV, GC_THRESHOLD_ENV, YOUNG_THRESHOLD, freeze_startup_heap
 
 
 @pytest.fixture(autouse=True)
 def _unfreeze():
+    threshold = gc.get_threshold()
     yield
     gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 def test_freeze_takes_the_live_heap_out_of_collections(monkeypatch) -> None:
@@ -33,4 +36,29 @@ def test_freeze_takes_the_live_heap_out_of_collections(monkeypatch) -> None:
 def test_freeze_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv(GC_FREEZE_ENV, "0")
     gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
     assert freeze_startup_heap() == 0 and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+@pytest.mark.parametrize("value, young", [(None, YOUNG_THRESHOLD), ("700", 700), (" 12345 ", 12345)])
+def test_the_youngest_threshold_is_raised(monkeypatch, value, young) -> None:
+    """The older generations' thresholds stay; TANDEM_GC_THRESHOLD names the youngest's."""
+    monkeypatch.delenv(GC_FREEZE_ENV, raising=False)
+    if value is None:
+        monkeypatch.delenv(GC_THRESHOLD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GC_THRESHOLD_ENV, value)
+    gc.set_threshold(700, 11, 12)
+    freeze_startup_heap()
+    assert gc.get_threshold() == (young, 11, 12)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many", "1.5"])
+def test_a_bad_threshold_names_the_variable(monkeypatch, value) -> None:
+    monkeypatch.delenv(GC_FREEZE_ENV, raising=False)
+    monkeypatch.setenv(GC_THRESHOLD_ENV, value)
+    gc.set_threshold(700, 10, 10)
+    with pytest.raises(ValueError, match=GC_THRESHOLD_ENV):
+        freeze_startup_heap()
+    assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0

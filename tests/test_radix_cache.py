@@ -204,6 +204,32 @@ def test_events_match_tandem_hashing() -> None:
     assert sorted(removed.block_hashes) == sorted(expected[:3])
 
 
+def test_events_are_not_recorded_for_an_owner_that_never_drains_them() -> None:
+    """With `record_events` off the tree changes as with it on, but no event is kept; turning it
+    off drops the events not yet drained, and turning it back on records again."""
+    rng = random.Random(11)
+    tokens = [rng.randrange(1000) for _ in range(4 * BS)]
+    trees = []
+    for record in (True, False):
+        alloc, cache = make(64)
+        cache.insert(tokens[:BS], alloc.allocate(1))
+        cache.record_events = record
+        assert cache.record_events is record
+        m = cache.match_prefix(tokens)
+        cache.lock(m)
+        table = alloc.allocate(4)
+        m = _insert(cache, m, tokens, table)
+        cache.unlock(m, table)
+        assert cache.evict(1) == 1
+        trees.append((cache.cached_blocks, sorted(cache.cached_block_ids())))
+        assert (cache.drain_events() != []) is record
+    assert trees[0] == trees[1]
+    cache.record_events = True
+    cache.reset()
+    (removed,) = cache.drain_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes
+
+
 def test_extend_leaves_what_insert_and_relock_leave() -> None:
     """A decoding sequence's path grown block by block with `extend` (from its locked match, the
     new tokens only) ends as the whole-path `insert` + `relock` leaves it: the same cached blocks
