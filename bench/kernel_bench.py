@@ -313,15 +313,29 @@ def _decode_grid(cache: torch.dtype, batch: int) -> list:
     return tunings
 
 
+def spread_lens(ctx: int, batch: int, spread: float) -> list[int]:
+    """`batch` context lengths from ctx * (1 + spread) down to ctx * (1 - spread), evenly (mean
+    ctx): an engine's running batch, oldest sequence first, as requests admitted one after another
+    hold it (the offline FP8 run's full batch: 1,024 to 2,048 tokens, spread 1/3 around 1,536).
+    spread 0: every length is ctx."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
+    if batch == 1 or not spread:
+        return [ctx] * batch
+    hi, lo = ctx * (1 + spread), ctx * (1 - spread)
+    return [max(1, round(hi - (hi - lo) * i / (batch - 1))) for i in range(batch)]
+
+
 def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[str, ...] = ("bf16", "fp8"),
-                 shapes: tuple[tuple[int, int], ...] | None = None) -> dict:
+                 shapes: tuple[tuple[int, int], ...] | None = None, spread: float = 0.0) -> dict:
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
     lazy_rescale, narrow_offsets, unsigned_index, GB/s, max error vs reference]. `order`: where
     each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
-    `caches` (DECODE_CACHES names). `shapes`: these (batch, context) pairs instead."""
+    `caches` (DECODE_CACHES names). `shapes`: these (batch, context) pairs instead. `spread`: the
+    contexts of a batch vary around its ctx (spread_lens); GB/s counts the bytes of each."""
     from tandem_kernels import decode_attention as da
 
     rows: list[list] = []
@@ -329,9 +343,10 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     for (batch, ctx) in shapes:
         s = Shapes(decode_batch=batch, decode_ctx=ctx)
         for cache in [DECODE_CACHES[c] for c in caches]:
-            kc, vc, table, cl = paged_kv([ctx] * batch, s, cache, "cuda", order=order)
+            lens = spread_lens(ctx, batch, spread)
+            kc, vc, table, cl = paged_kv(lens, s, cache, "cuda", order=order)
             q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
-            moved = 2 * batch * ctx * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
+            moved = 2 * sum(lens) * s.hk * s.d * kc.element_size() + 2 * q.numel() * q.element_size()
             check = min(batch, 4)
             want = ref.paged_decode_attention(q[:check], kc, vc, table[:check], cl[:check], s.d ** -0.5, 0.5, 1.5)
             tunings = list(only) if only else _decode_grid(cache, batch)
@@ -500,8 +515,13 @@ def main() -> int:
     ap.add_argument("--decode-caches", default="bf16,fp8", help="with --decode-sweep: the caches, comma list")
     ap.add_argument("--decode-shapes", default=None, type=_decode_shapes, metavar="BxCTX,...",
                     help="with --decode-sweep: these batch x context shapes instead (e.g. 1x1024,16x2048)")
+    ap.add_argument("--decode-spread", default=0.0, type=float, metavar="F",
+                    help="with --decode-sweep: a batch's contexts run evenly from CTX*(1+F) down to CTX*(1-F) "
+                         "(the offline FP8 run's full batch: 512x1536 with F 0.333); 0: all CTX")
     args = ap.parse_args()
     caches = tuple(args.decode_caches.split(","))
+    if not 0 <= args.decode_spread < 1:
+        ap.error(f"--decode-spread must be in [0, 1), got {args.decode_spread}")
     if not set(caches) <= set(DECODE_CACHES):
         ap.error(f"--decode-caches takes {', '.join(DECODE_CACHES)}, got {args.decode_caches!r}")
     if args.cpu_smoke:
@@ -517,7 +537,7 @@ def main() -> int:
             if args.decode_tuning:
                 from tandem_kernels.decode_attention import DecodeTuning
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
-            print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes)
+            print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes, args.decode_spread)
                                  if args.decode_sweep else {}),
                               **(gemv_sweep() if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {}),

@@ -1,12 +1,13 @@
 """bench/kernel_bench.py's paged KV fixture (the sweeps themselves need a GPU): both block orders
 give each sequence distinct blocks of its own covering its tokens; sequential order lays each
-sequence's blocks side by side, random order scatters them; an unknown order names the argument."""
+sequence's blocks side by side, random order scatters them; an unknown order names the argument.
+And the decode sweep's spread contexts (a running batch, oldest first)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.kernel_bench import Shapes, paged_kv
+from bench.kernel_bench import Shapes, paged_kv, spread_lens
 
 
 @pytest.mark.parametrize("order", ["random", "sequential"])
@@ -31,3 +32,19 @@ def test_each_sequence_gets_its_own_blocks(order):
 def test_unknown_order_names_the_argument():
     with pytest.raises(ValueError, match="order"):
         paged_kv([4], Shapes(), torch.float32, "cpu", order="striped")
+
+
+@pytest.mark.parametrize("ctx, batch, spread", [(1536, 512, 1 / 3), (1000, 7, 0.5), (64, 2, 0.9)])
+def test_spread_contexts_fall_evenly_around_the_mean(ctx, batch, spread):
+    lens = spread_lens(ctx, batch, spread)
+    assert len(lens) == batch and lens == sorted(lens, reverse=True)
+    assert lens[0] == round(ctx * (1 + spread)) and lens[-1] == max(1, round(ctx * (1 - spread)))
+    assert abs(sum(lens) / batch - ctx) <= 1
+    steps = {a - b for a, b in zip(lens, lens[1:])}
+    assert max(steps) - min(steps) <= 1  # evenly spaced, up to rounding
+
+
+def test_no_spread_and_a_bad_spread():
+    assert spread_lens(1024, 5, 0.0) == [1024] * 5 and spread_lens(1024, 1, 0.5) == [1024]
+    with pytest.raises(ValueError, match="spread"):
+        spread_lens(1024, 4, 1.0)
