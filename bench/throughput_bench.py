@@ -146,17 +146,17 @@ def run_decode_b1_no_pdl(ctx: Context) -> dict:
     return run_decode_b1(ctx)
 
 
-NO_CUBLAS_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+CUBLAS_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # torch's own on Hopper: 32 MiB
 
 
-def _no_cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
-    """`run` with no cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:0:0, set before this child's
-    first GEMM): cuBLAS then cannot choose its split-K kernels, which need one (BENCHMARKS.md
-    §17, §24: batch-1 decode 1.3-1.4% faster; every GEMM of the process is affected, prefill's
-    too, hence the offline sections beside it). For a cluster section, run the whole bench with
-    the variable set: the workers inherit it."""
+def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """`run` with torch's cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set before this
+    child's first GEMM), where an engine's process has none by default (engine/cublas.py): cuBLAS
+    may then choose its split-K kernels again (BENCHMARKS.md §17, §24-25: batch-1 decode 1.3-1.4%
+    slower with them). For a cluster section, run the whole bench with the variable set: the
+    workers inherit it."""
     def section(ctx: Context) -> dict:
-        os.environ.update(NO_CUBLAS_WORKSPACE)
+        os.environ.update(CUBLAS_WORKSPACE)
         return run(ctx)
 
     return section
@@ -446,12 +446,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     # Experiments beside the table's rows (BENCHMARKS.md §15-17), each against its row in the same run:
     Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
-    Section("decode_b1_no_cublas_workspace", "", 75, 35, "child", _no_cublas_workspace(run_decode_b1),
-            "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:0:0 (no split-K GEMMs)"),
-    Section("offline_bf16_no_cublas_workspace", "", 150, 120, "child",
-            _no_cublas_workspace(lambda c: _offline(c, "auto", None)), "offline_bf16 with CUBLAS_WORKSPACE_CONFIG=:0:0"),
-    Section("offline_fp8_no_cublas_workspace", "", 125, 100, "child",
-            _no_cublas_workspace(lambda c: _offline(c, "fp8", "fp8")), "offline_fp8 with CUBLAS_WORKSPACE_CONFIG=:0:0"),
+    Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),
+            "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch's workspace: split-K GEMMs allowed)"),
     Section("offline_fp8_deferred_scales", "", 125, 100, "child", run_offline_fp8_deferred_scales,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
     Section("offline_fp8kv_2d_tile", "", 140, 110, "child", lambda c: _offline_2d_tile(c, None),

@@ -21,6 +21,7 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.cublas import default_no_workspace
 from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.jit_watch import LateCompileWatch
 from engine.kv_cache import KVCache
@@ -85,6 +86,8 @@ class Engine:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = parse_dtype(config.dtype) or (self.model_config.torch_dtype if device.type == "cuda" else torch.float32)
         self.device, self.dtype = device, dtype
+        if device.type == "cuda":
+            default_no_workspace()  # before this process's first GEMM (engine/cublas.py)
         self.tokenizer = Tokenizer.from_dir(path)
         self.identity = model_identity(path, config.load_format)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,

@@ -178,15 +178,14 @@ def test_the_cluster_sections_run_end_to_end_on_a_tiny_model(tiny_models, tmp_pa
     assert res["sections"]["max_rate"]["reused"]  # one disaggregated cluster served three sections
 
 
-def test_no_cublas_workspace_sections_set_the_variable_before_their_run(monkeypatch) -> None:
-    """The *_no_cublas_workspace sections run their row's function with CUBLAS_WORKSPACE_CONFIG
-    set first (cuBLAS reads it at its first GEMM in the child)."""
+def test_cublas_workspace_section_sets_the_variable_before_its_run(monkeypatch) -> None:
+    """decode_b1_cublas_workspace runs its row's function with CUBLAS_WORKSPACE_CONFIG set first
+    (cuBLAS reads it at its first GEMM in the child; the engine leaves a set value alone)."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     seen = []
-    section = tb._no_cublas_workspace(
+    section = tb._cublas_workspace(
         lambda ctx: seen.append((ctx, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or {"ok": 1})
-    assert section("ctx") == {"ok": 1} and seen == [("ctx", ":0:0")]
-    names = {n for n in tb.SECTIONS if n.endswith("_no_cublas_workspace")}
-    assert names == {"decode_b1_no_cublas_workspace", "offline_bf16_no_cublas_workspace",
-                     "offline_fp8_no_cublas_workspace"}
+    assert section("ctx") == {"ok": 1} and seen == [("ctx", ":4096:8")]
+    names = {n for n in tb.SECTIONS if "cublas_workspace" in n}
+    assert names == {"decode_b1_cublas_workspace"}
     assert all(tb.SECTIONS[n].where == "child" for n in names)  # never the bench's own process
