@@ -35,8 +35,10 @@ class LLM:
     On a GPU the process's heap as it stands once the engine is built and warm is frozen out of
     the garbage collector's scans (tandem.heap, as a worker does and vLLM's does after warm-up):
     a full collection of that heap stops the host for ~150 ms, long enough to starve the
-    device of steps (an offline run of 1,000 requests made 14 of them). `TANDEM_GC_FREEZE=0`
-    leaves the heap as it is.
+    device of steps (an offline run of 1,000 requests made 14 of them). The collector's youngest
+    threshold is raised too, so that what the run keeps (the prefix cache's nodes, the requests)
+    seldom brings on a full pass (none in that run since). `TANDEM_GC_FREEZE=0` leaves both as
+    they are.
 
     The prefix cache's KV events (what a worker publishes to the global index) are not
     recorded: nothing here drains them.
