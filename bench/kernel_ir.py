@@ -206,9 +206,10 @@ def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int =
     return compile_for_hopper(ea._extend_kernel, args, consts)
 
 
-def silu_and_mul_fp8(rows: int, inter: int, deferred: bool):
+def silu_and_mul_fp8(rows: int, inter: int, deferred: bool, persist: int = 0):
     """The SiLU-and-multiply + FP8 quantize kernel over [rows, 2 * inter] bf16 products, compiled
-    (`deferred`: with an FP8 GEMM's scales to apply as it loads)."""
+    (`deferred`: with an FP8 GEMM's scales to apply as it loads; `persist` > 0: the persistent
+    loop, see silu_fp8_shape)."""
     from tandem_kernels import activation as act
 
     meta = dict(device="meta")
@@ -216,8 +217,10 @@ def silu_and_mul_fp8(rows: int, inter: int, deferred: bool):
     q = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, **meta)
     scale = torch.empty(rows, 1, dtype=torch.float32, **meta)
     xc = torch.empty(2 * inter, dtype=torch.float32, **meta)
-    args = [x, q, scale, scale, xc if deferred else scale, x.stride(0), inter]
-    consts = dict(HAS_X_SCALES=deferred, **act.silu_fp8_shape(inter), SOFT_ROUND=False, PDL=False)
+    args = [x, q, scale, scale, xc if deferred else scale, x.stride(0), inter, rows]
+    shape = {k: v for k, v in act.silu_fp8_shape(inter).items() if k != "PERSIST"}
+    consts = dict(HAS_X_SCALES=deferred, **shape, PERSISTENT=bool(persist) and not deferred, SOFT_ROUND=False,
+                  PDL=False)
     return compile_for_hopper(act._silu_and_mul_fp8_kernel, args, consts)
 
 
@@ -267,9 +270,10 @@ def main() -> int:
             finally:
                 ea.BLOCKS_AHEAD = saved
             print(json.dumps(rows[-1]), flush=True)
-    for deferred in (False, True):  # the Llama-3.1-8B MLP's 14,336 outputs a row
-        rows.append({"kernel": "silu_and_mul_fp8", "cache": "", "deferred": deferred,
-                     **report(silu_and_mul_fp8(a.batch, 14336, deferred), dump, f"silu_fp8_{int(deferred)}")})
+    for deferred, persist in ((False, 0), (True, 0), (False, 1)):  # the Llama-3.1-8B MLP's 14,336 outputs a row
+        rows.append({"kernel": "silu_and_mul_fp8", "cache": "", "deferred": deferred, "persistent": bool(persist),
+                     **report(silu_and_mul_fp8(a.batch, 14336, deferred, persist), dump,
+                              f"silu_fp8_{int(deferred)}_{persist}")})
         print(json.dumps(rows[-1]), flush=True)
     return 0
 

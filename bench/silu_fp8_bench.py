@@ -7,8 +7,9 @@ Times tandem_kernels.activation's silu_and_mul_fp8 at the Llama-3.1-8B MLP's wid
 deferred scales, with ONE_PASS_MAX as it is (one pass) and lowered below the row (two passes), on
 the same inputs; prints one JSON line per case: microseconds per call and GB/s of the bytes a call
 must move (the product read once, the FP8 rows and their scales written). `--sweep` times the
-kernel's launch shapes instead (SWEEP: whole rows over 8-32 warps, two passes of 2,048-8,192
-columns), the one `silu_fp8_shape` picks marked, on rows without deferred scales.
+kernel's launch shapes instead (SWEEP: whole rows over 8-32 warps, a program a row or one an SM
+looping over rows, two passes of 2,048-8,192 columns), the one `silu_fp8_shape` picks marked, on
+rows without deferred scales.
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-# (BLOCK, ONE_PASS, num_warps) of _silu_and_mul_fp8_kernel that --sweep times; BLOCK 0 is the row's
-# whole width (rounded up to a power of two).
-SWEEP = [(0, True, 32), (0, True, 16), (0, True, 8), (2048, False, 8), (4096, False, 8), (4096, False, 16),
-         (8192, False, 16), (8192, False, 32)]
+# (BLOCK, ONE_PASS, num_warps, PERSIST) of _silu_and_mul_fp8_kernel that --sweep times; BLOCK 0 is the
+# row's whole width (rounded up to a power of two); PERSIST 1: one program an SM looping over rows,
+# the next row's loads in flight while it finishes one (Triton 3.9 for sm_90: 57 registers at 32
+# warps, 98 at 16, no spills).
+SWEEP = [(0, True, 32, 0), (0, True, 16, 0), (0, True, 8, 0), (0, True, 32, 1), (0, True, 16, 1),
+         (2048, False, 8, 0), (4096, False, 8, 0), (4096, False, 16, 0), (8192, False, 16, 0), (8192, False, 32, 0)]
 
 
 def sweep(act, rows: int, inter: int) -> None:
@@ -38,8 +41,9 @@ def sweep(act, rows: int, inter: int) -> None:
     moved = x.numel() * x.element_size() + rows * inter + rows * 4
     chosen = act.silu_fp8_shape(inter)
     pick = act.silu_fp8_shape
-    for block, one_pass, warps in SWEEP:
-        shape = dict(BLOCK=block or triton.next_power_of_2(inter), ONE_PASS=one_pass, num_warps=warps)
+    for block, one_pass, warps, persist in SWEEP:
+        shape = dict(BLOCK=block or triton.next_power_of_2(inter), ONE_PASS=one_pass, num_warps=warps,
+                     PERSIST=persist)
         act.silu_fp8_shape = lambda _inter, shape=shape: shape
         try:
             ms = bench_ms(lambda: act.silu_and_mul_fp8(x))

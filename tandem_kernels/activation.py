@@ -7,7 +7,7 @@ import triton.language as tl
 
 from tandem_kernels.quant import FP8_MIN_SCALE, block_for, check_deferred_scales, check_rows, row_scale, to_e4m3_range
 from tandem_kernels.reference import DeferredScales
-from tandem_kernels.triton_common import pdl_begin, pdl_launch, soft_fp8_round
+from tandem_kernels.triton_common import num_sms, pdl_begin, pdl_launch, soft_fp8_round
 
 BLOCK = 2048
 # silu_and_mul_fp8 holds a whole row in registers (one read of it; the two-pass loop reads it twice,
@@ -61,10 +61,40 @@ def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter,
+def _silu_fp8_row(gate, up, q_ptr, scale_ptr, row, cols, mask, inter, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Quantize one whole row's product (gate, up in float32) and store it and its scale."""
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(y), axis=0))
+    q = to_e4m3_range(y, scale, SOFT_ROUND)
+    tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit(do_not_specialize=["rows"])  # a step's row count: no variant for each value class of it
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter, rows,
                              HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+                             PERSISTENT: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
+    if PERSISTENT:  # ONE_PASS, no x scales: rows pid, pid + programs, ...; the next row's loads
+        # are issued before this row's product, maximum and stores, so they are in flight while
+        # this program (not only another one on its SM) works on the row it holds.
+        first = tl.program_id(0).to(tl.int64)
+        step = tl.num_programs(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < inter
+        base = x_ptr + first * x_row_stride
+        gate = tl.load(base + cols, mask=mask, other=0.0)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0)
+        for row in tl.range(first, rows, step, num_stages=1):
+            nxt = row + step
+            more = cols < tl.where(nxt < rows, inter, 0)  # the row past the last loads nothing
+            base = x_ptr + nxt * x_row_stride
+            gate_next = tl.load(base + cols, mask=more, other=0.0)
+            up_next = tl.load(base + inter + cols, mask=more, other=0.0)
+            _silu_fp8_row(gate.to(tl.float32), up.to(tl.float32), q_ptr, scale_ptr, row, cols, mask, inter,
+                          x_ptr.dtype.element_ty, SOFT_ROUND)
+            gate, up = gate_next, up_next
+        return
     # One program per row. ONE_PASS (BLOCK covers the row): the product stays in registers
     # between its largest magnitude and the quantized stores. Otherwise two passes, the second
     # recomputing the product from the row, by then in cache.
@@ -78,11 +108,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stri
         cols = tl.arange(0, BLOCK)
         mask = cols < inter
         gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
-        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(y), axis=0))
-        q = to_e4m3_range(y, scale, SOFT_ROUND)
-        tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row, scale)
+        _silu_fp8_row(gate, up, q_ptr, scale_ptr, row, cols, mask, inter, x_ptr.dtype.element_ty, SOFT_ROUND)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, inter, BLOCK):
@@ -116,16 +142,25 @@ def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) ->
         return q, scale
     if inter == 0:
         return q, scale.fill_(FP8_MIN_SCALE)
-    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, xr if xr is not None else scale, xc if xc is not None else scale,
-                                      x.stride(0), inter, HAS_X_SCALES=xr is not None, **silu_fp8_shape(inter),
-                                      SOFT_ROUND=soft_fp8_round(), **pdl_launch(x.device))
+    shape = dict(silu_fp8_shape(inter))
+    per_sm = shape.pop("PERSIST")
+    persistent = bool(per_sm) and shape["ONE_PASS"] and xr is None
+    programs = min(rows, per_sm * num_sms(x.device)) if persistent else rows
+    _silu_and_mul_fp8_kernel[(programs,)](x, q, scale, xr if xr is not None else scale,
+                                          xc if xc is not None else scale, x.stride(0), inter, rows,
+                                          HAS_X_SCALES=xr is not None, **shape, PERSISTENT=persistent,
+                                          SOFT_ROUND=soft_fp8_round(), **pdl_launch(x.device))
     return q, scale
 
 
 def silu_fp8_shape(inter: int) -> dict:
-    """BLOCK, ONE_PASS and num_warps of _silu_and_mul_fp8_kernel over rows of `inter` outputs."""
+    """BLOCK, ONE_PASS, num_warps and PERSIST of _silu_and_mul_fp8_kernel over rows of `inter`
+    outputs. PERSIST > 0 (whole rows without deferred scales only): that many programs an SM,
+    each taking every so-many-th row and loading its next row while it finishes one; 0: one
+    program per row. PERSIST is 0 here: `bench/silu_fp8_bench.py --sweep` times the alternative
+    (BENCHMARKS.md §25)."""
     whole = triton.next_power_of_2(max(inter, 16))
     if whole <= ONE_PASS_MAX:
-        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)))
+        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0)
     block, warps = block_for(inter)
-    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps)
+    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps, PERSIST=0)

@@ -146,6 +146,32 @@ def case_silu() -> None:
     assert act.silu_fp8_shape(14336)["ONE_PASS"] and not act.silu_fp8_shape(2 * saved)["ONE_PASS"]
 
 
+def case_silu_persistent() -> None:
+    """silu_and_mul_fp8's persistent loop (PERSIST > 0): few programs, each taking every so-many-th
+    row and loading the next while it finishes one, give the one-program-a-row results; rows
+    fewer than programs, one program for every row, and rows not a multiple of the programs.
+    Deferred scales keep a program a row."""
+    from tandem_kernels import activation as act, ops, reference as ref
+
+    pick = act.silu_fp8_shape
+    act.silu_fp8_shape = lambda inter: {**pick(inter), "PERSIST": 1}  # this case runs in an interpreter of its own
+    for sms in (1, 2, 3):
+        act.num_sms = lambda device, sms=sms: sms
+        for dtype in DTYPES:
+            for rows, inter in ((1, 64), (2, 100), (7, 257), (10, 96)):
+                what = f"persistent silu_and_mul_fp8 {dtype} {(rows, inter)} over {sms} programs"
+                x = rand(rows, 2 * inter, dtype)
+                q, s = ops.silu_and_mul_fp8(x)
+                rq, rs = ref.silu_and_mul_fp8(x)
+                fp8_close(q, rq, what)
+                scales_close(s, rs, dtype, f"{what} scale")
+        p, scales = deferred(5, 2 * 64, torch.float32)
+        q, s = ops.silu_and_mul_fp8(p, scales)
+        rq, rs = ref.silu_and_mul_fp8(p, scales)
+        fp8_close(q, rq, "persistent shape, deferred scales")
+    assert pick(14336)["PERSIST"] == 0  # the default launches a program a row
+
+
 def case_errors() -> None:
     from tandem_kernels import ops
 
