@@ -140,9 +140,13 @@ class OpenAIBackend:
                 extra_body=extra, extra_headers={"X-Request-Id": request_id}, timeout=timeout)
         except self._openai.APIError as exc:
             raise BackendError(_status(exc), _detail(exc)) from None
+        chunks = _translate_openai(events, self._openai)
         try:
-            yield _translate_openai(events, self._openai)
+            yield chunks
         finally:
+            # Our generator first (a reader may stop before its end), so that no suspended
+            # iteration over the event stream is left for the collector to finalize.
+            await chunks.aclose()
             await events.close()
 
 

@@ -394,3 +394,23 @@ def _status(url: str) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+def test_openai_backend_closes_a_stream_left_early(gateway: GatewayThread) -> None:
+    """A reader that leaves `OpenAIBackend.stream` before the last chunk leaves no suspended
+    iteration behind: the chunk generator is closed with the context, not by the collector."""
+    import asyncio
+
+    from loadgen.backends import OpenAIBackend
+
+    async def first_chunk_then_leave():
+        async with OpenAIBackend(base_url(gateway) + "/v1") as backend:
+            await backend.info(timeout=30)
+            async with backend.stream("hello there", max_tokens=16, temperature=0.0, ignore_eos=True, seed=None,
+                                      tier=Tier.STANDARD, request_id="leave-early", timeout=30) as chunks:
+                first = await anext(chunks)
+            return first, chunks.ag_frame is None  # before the loop's shutdown closes what is left
+
+    first, closed = asyncio.run(first_chunk_then_leave())
+    assert first.text or first.finish_reason
+    assert closed  # closed with the context: nothing left for the collector to finalize
