@@ -17,6 +17,7 @@ from gateway.modelinfo import load_served_model
 from gateway.routing import POLICIES, RoutingConfig
 from gateway.server import serve
 from tandem import security
+from tandem.grpc_logs import quiet_caller_gone
 from tandem.hub import resolve_model
 from tandem.types import Tier
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_caller_gone()  # gRPC's ERROR for a unary answer its caller no longer waits for
     try:
         if args.model is not None:  # a directory or a Hugging Face repo id
             args.model = resolve_model(args.model)

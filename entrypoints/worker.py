@@ -15,6 +15,7 @@ import grpc
 
 from entrypoints import aio
 from tandem import security, wire
+from tandem.grpc_logs import quiet_caller_gone
 from tandem.hub import resolve_model
 from tandem.netaddr import advertised_endpoint
 from worker.config import WorkerConfig, build_parser, config_from_args
@@ -85,6 +86,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def setup_logging(level: str, role: str) -> None:
     logging.basicConfig(level=level.upper(),
                         format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s")
+    quiet_caller_gone()  # gRPC's ERROR for a unary answer its caller no longer waits for
 
 
 def run(config: WorkerConfig) -> int:
