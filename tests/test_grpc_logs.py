@@ -21,13 +21,15 @@ class _Seen(logging.Handler):
 @pytest.fixture
 def core():
     logger = logging.getLogger(GRPC_CORE_LOGGER)
-    seen, level, filters = _Seen(), logger.level, list(logger.filters)
+    seen, level, filters, propagate = _Seen(), logger.level, list(logger.filters), logger.propagate
     logger.addHandler(seen)
+    logger.propagate = False  # this test's ERRORs reach its own handler only, not the process's
     quiet_caller_gone()
     quiet_caller_gone()  # once is enough: a second call adds nothing
     assert sum(isinstance(f, CallerGone) for f in logger.filters) == 1
     yield logger, seen.records
     logger.removeHandler(seen)
+    logger.propagate = propagate
     logger.setLevel(level)
     logger.filters[:] = filters
 
