@@ -218,9 +218,8 @@ def silu_and_mul_fp8(rows: int, inter: int, deferred: bool, persist: int = 0):
     scale = torch.empty(rows, 1, dtype=torch.float32, **meta)
     xc = torch.empty(2 * inter, dtype=torch.float32, **meta)
     args = [x, q, scale, scale, xc if deferred else scale, x.stride(0), inter, rows]
-    shape = {k: v for k, v in act.silu_fp8_shape(inter).items() if k != "PERSIST"}
-    consts = dict(HAS_X_SCALES=deferred, **shape, PERSISTENT=bool(persist) and not deferred, SOFT_ROUND=False,
-                  PDL=False)
+    consts, _ = act.silu_fp8_consts({**act.silu_fp8_shape(inter), "PERSIST": persist}, deferred)
+    consts.update(SOFT_ROUND=False, PDL=False)
     return compile_for_hopper(act._silu_and_mul_fp8_kernel, args, consts)
 
 

@@ -142,15 +142,22 @@ def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) ->
         return q, scale
     if inter == 0:
         return q, scale.fill_(FP8_MIN_SCALE)
-    shape = dict(silu_fp8_shape(inter))
-    per_sm = shape.pop("PERSIST")
-    persistent = bool(per_sm) and shape["ONE_PASS"] and xr is None
-    programs = min(rows, per_sm * num_sms(x.device)) if persistent else rows
+    consts, per_sm = silu_fp8_consts(silu_fp8_shape(inter), deferred=xr is not None)
+    programs = min(rows, per_sm * num_sms(x.device)) if per_sm else rows
     _silu_and_mul_fp8_kernel[(programs,)](x, q, scale, xr if xr is not None else scale,
-                                          xc if xc is not None else scale, x.stride(0), inter, rows,
-                                          HAS_X_SCALES=xr is not None, **shape, PERSISTENT=persistent,
+                                          xc if xc is not None else scale, x.stride(0), inter, rows, **consts,
                                           SOFT_ROUND=soft_fp8_round(), **pdl_launch(x.device))
     return q, scale
+
+
+def silu_fp8_consts(shape: dict, deferred: bool) -> tuple[dict, int]:
+    """(_silu_and_mul_fp8_kernel's shape constants, with HAS_X_SCALES and PERSISTENT; programs an
+    SM, 0 for a program a row) for a `silu_fp8_shape` and rows with or without deferred scales:
+    the persistent loop only for whole rows without them."""
+    consts = dict(shape)
+    per_sm = consts.pop("PERSIST")
+    persistent = bool(per_sm) and consts["ONE_PASS"] and not deferred
+    return {**consts, "HAS_X_SCALES": deferred, "PERSISTENT": persistent}, per_sm if persistent else 0
 
 
 def silu_fp8_shape(inter: int) -> dict:
