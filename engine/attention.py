@@ -39,7 +39,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     """Attention of the batch's packed queries q [T, Hq, D] over the paged cache (their own K/V
     already stored). One-token sequences go through the decode kernel (a KV head's query group
     shares each K/V tile), the rest through extend attention (tiles of query rows): a decode in a
-    mixed batch would otherwise fill a whole tile of query rows by itself."""
+    mixed batch would otherwise fill a whole tile of query rows by itself. Each kernel writes its
+    rows of one output (no concatenation: at an 8k-token prefill step a copy of the output per layer
+    was ~1.1 ms of the step)."""
     if meta.is_decode:
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           meta.k_scale, meta.v_scale)
@@ -47,8 +49,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
     if n == 0:
         return ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                     scale, meta.k_scale, meta.v_scale)
-    head = ops.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
-                                      meta.k_scale, meta.v_scale)
-    tail = ops.extend_attention(q[n:], k_cache, v_cache, meta.block_tables[n:], meta.tail_query_start_loc,
-                                meta.seq_lens[n:], scale, meta.k_scale, meta.v_scale)
-    return torch.cat([head, tail])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ops.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
+                               meta.k_scale, meta.v_scale, out=out[:n])
+    ops.extend_attention(q[n:], k_cache, v_cache, meta.block_tables[n:], meta.tail_query_start_loc,
+                         meta.seq_lens[n:], scale, meta.k_scale, meta.v_scale, out=out[n:])
+    return out

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.reference import attention_output
 from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
 from tandem_kernels.triton_common import interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, upcast_dots
 
@@ -227,9 +228,10 @@ def _overridden(base: DecodeTuning, fields: str) -> DecodeTuning:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-    tuning: DecodeTuning | None = None,
+    tuning: DecodeTuning | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends to its first context_lens[b] cached tokens; returns [B, Hq, D] in q.dtype.
+    """q [B, Hq, D] attends to its first context_lens[b] cached tokens; returns [B, Hq, D] in q.dtype,
+    written into `out` when given (reference.attention_output: a slice of a mixed batch's output).
 
     tuning: the launch shape (None: the default for the cache dtype); results agree across tunings
     to rounding.
@@ -241,7 +243,7 @@ def paged_decode_attention(
         raise ValueError("block_tables and context_lens need a row per sequence in q")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty((bsz, hq, dim), dtype=q.dtype, device=q.device)
+    out = attention_output(q, out)
     if bsz == 0:
         return out
     sms = num_sms(q.device)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.decode_attention import LOG2E, cache_scales, check_paged_args
+from tandem_kernels.reference import attention_output
 from tandem_kernels.triton_common import (dot, first_tile_blocks, interpreting, next_pow2, next_tile_blocks,
                                           pdl_begin, pdl_launch, upcast_dots, widen)
 
@@ -149,12 +150,13 @@ def _extend_kernel(
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens q [T, Hq, D] over their paged context (see module doc).
 
     query_start_loc: int32 [B+1]; seq_lens: [B] context lengths including the new tokens;
-    block_tables: int32 [B, max_blocks]. Returns a new [T, Hq, D] tensor in q.dtype.
+    block_tables: int32 [B, max_blocks]. Returns [T, Hq, D] in q.dtype: `out` when given
+    (reference.attention_output), else a new tensor.
     """
     check_paged_args(q, k_cache, v_cache, block_tables)
     num_seqs = query_start_loc.shape[0] - 1
@@ -162,7 +164,7 @@ def extend_attention(
         raise ValueError("query_start_loc must be [B+1] with seq_lens and block_tables rows for each B")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = attention_output(q, out)
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     grid, args, consts = extend_launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,

@@ -153,24 +153,25 @@ def rotary_and_store_kv(
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See tandem_kernels.reference.extend_attention."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
     if _use_triton(q):
-        return _triton("extend_attention", "extend_attention")(*args)
-    return reference.extend_attention(*args)
+        return _triton("extend_attention", "extend_attention")(*args, out=out)
+    return reference.extend_attention(*args, out=out)
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See tandem_kernels.reference.paged_decode_attention."""
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if _use_triton(q):
-        return _triton("decode_attention", "paged_decode_attention")(*args)
-    return reference.paged_decode_attention(*args)
+        return _triton("decode_attention", "paged_decode_attention")(*args, out=out)
+    return reference.paged_decode_attention(*args, out=out)
 
 
 # ---- FP8 weights: activation quantization fused into the ops before each GEMM, and the GEMM ----

@@ -132,6 +132,19 @@ def gather_kv(
     return _dequantize(out, scale)
 
 
+def attention_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where an attention kernel writes its [T, Hq, D] result: `out` when given (checked: q's shape,
+    dtype and device, a contiguous last dim; a slice of a larger output is fine), else a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} like q, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.dim() and out.stride(-1) != 1:
+        raise ValueError("out must have a contiguous last dim")
+    return out
+
+
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -142,15 +155,17 @@ def extend_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a paged context that already holds them.
 
     q: [T, Hq, D], the queries of every sequence packed; sequence i owns rows
     query_start_loc[i]:query_start_loc[i+1] (int32, [B+1]); its context is its first seq_lens[i]
     cached tokens, the new ones last (its queries sit at positions seq_lens[i] - q_len .. seq_lens[i]-1).
-    Decode is the case q_len == 1. Returns [T, Hq, D] in q.dtype.
+    Decode is the case q_len == 1. Returns [T, Hq, D] in q.dtype, written into `out` when given
+    (attention_output).
     """
-    out = torch.empty_like(q)
+    out = attention_output(q, out)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
@@ -182,12 +197,17 @@ def paged_decode_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence: q [B, Hq, D] attends to its first context_lens[b] cached tokens.
+    """One query per sequence: q [B, Hq, D] attends to its first context_lens[b] cached tokens;
+    written into `out` when given (attention_output).
 
     Vectorized over the batch (one gather of every sequence's blocks, padded to the longest).
     """
+    out = attention_output(q, out)
     b, hq, d = q.shape
+    if b == 0:
+        return out
     block_size, hk = k_cache.shape[1], k_cache.shape[2]
     max_len = int(context_lens.max())
     nb = -(-max_len // block_size)
@@ -199,7 +219,8 @@ def paged_decode_attention(
     pad = torch.arange(nb * block_size, device=q.device)[None, :] >= context_lens[:, None].long()
     scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty context attends to nothing: zeros
-    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d).to(q.dtype)
+    out.copy_(torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d))
+    return out
 
 
 def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

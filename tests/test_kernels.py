@@ -537,6 +537,49 @@ def case_extend_blocks_ahead() -> None:
         ea.BLOCKS_AHEAD = saved
 
 
+def case_attention_into_one_output() -> None:
+    """engine.attention.attend on a mixed batch: the decode kernel (one split and several) and the
+    extend kernel each write their rows of one output (out=), leaving the other rows as they were;
+    the result is the one the kernels give on their own. A wrong out is named."""
+    from engine.attention import AttentionMetadata, attend
+    from tandem_kernels import ops
+
+    hq, hk, d, bs = 4, 2, 32, 16
+    for cdt, decode_lens in ((torch.bfloat16, [5, 600]), (FP8, [33, 17, 1])):  # 600: several splits
+        prompts = [(20, 0), (9, 40)]  # (new tokens, cached prefix)
+        lens = decode_lens + [n + p for n, p in prompts]
+        kc, vc, table = paged(lens, bs, hk, d, cdt)
+        n = len(decode_lens)
+        tail_qsl = torch.tensor([0] + list(itertools.accumulate(q for q, _ in prompts)), dtype=torch.int32)
+        q = rand(n + int(tail_qsl[-1]), hq, d, dtype=torch.bfloat16)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        scales = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=table,
+                                 query_start_loc=torch.cat([torch.arange(n, dtype=torch.int32), tail_qsl + n]),
+                                 seq_lens=sl, is_decode=False, k_scale=scales[0], v_scale=scales[1],
+                                 num_decode_seqs=n, tail_query_start_loc=tail_qsl)
+        got = attend(q, kc, vc, meta, d ** -0.5)
+        head = ops.paged_decode_attention(q[:n], kc, vc, table[:n], sl[:n], d ** -0.5, *scales)
+        tail = ops.extend_attention(q[n:], kc, vc, table[n:], tail_qsl, sl[n:], d ** -0.5, *scales)
+        what = f"attend into one output, cache={cdt}"
+        assert torch.equal(got, torch.cat([head, tail])), what
+        marked = torch.full((n + 2, hq, d), 7.0, dtype=torch.bfloat16)
+        ops.paged_decode_attention(q[:n], kc, vc, table[:n], sl[:n], d ** -0.5, *scales, out=marked[1:n + 1])
+        assert torch.equal(marked[1:n + 1], head), what
+        assert (marked[0] == 7).all() and (marked[n + 1] == 7).all(), f"{what}: rows outside out were written"
+    for bad, named in ((torch.empty(n, hq, d, dtype=torch.float32), "out must be"),
+                       (torch.empty(n, d, hq, dtype=torch.bfloat16).transpose(1, 2), "contiguous last dim")):
+        for call in (ops.paged_decode_attention, ops.extend_attention):
+            args = (table[:n], sl[:n]) if call is ops.paged_decode_attention else (
+                table[:n], torch.arange(n + 1, dtype=torch.int32), sl[:n])
+            try:
+                call(q[:n], kc, vc, *args, d ** -0.5, out=bad)
+            except ValueError as exc:
+                assert named in str(exc), exc
+            else:
+                raise AssertionError(f"{call.__name__} took a bad out")
+
+
 def case_dispatch() -> None:
     """Runs without TRITON_INTERPRET and with triton made unimportable."""
     sys.modules["triton"] = None  # `import triton` now raises ImportError
