@@ -49,14 +49,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr):
+def _load_l1(ptrs, mask, KEEP: tl.constexpr):
+    """Load as L1 should treat it: KEEP, lines to keep (a deferred GEMM's column scales, which every
+    row reads again); otherwise lines to drop first (a row, read once)."""
+    if KEEP:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr, SCALES_L1: tl.constexpr):
     """A row's gate and up at `cols`, in float32; with HAS_X_SCALES the row is an FP8 GEMM's
-    unscaled product, scaled here (row scale xr, column scales at xc_ptr) and rounded to its dtype."""
-    gate = tl.load(base + cols, mask=mask, other=0.0)
-    up = tl.load(base + inter + cols, mask=mask, other=0.0)
+    unscaled product, scaled here (row scale xr, column scales at xc_ptr) and rounded to its dtype.
+    SCALES_L1 (with HAS_X_SCALES): the column scales stay in L1 for the next row the SM takes, and
+    the row's own lines leave first."""
+    if SCALES_L1:
+        gate = _load_l1(base + cols, mask, False)
+        up = _load_l1(base + inter + cols, mask, False)
+        gate_scale = _load_l1(xc_ptr + cols, mask, True)
+        up_scale = _load_l1(xc_ptr + inter + cols, mask, True)
+    else:
+        gate = tl.load(base + cols, mask=mask, other=0.0)
+        up = tl.load(base + inter + cols, mask=mask, other=0.0)
+        if HAS_X_SCALES:
+            gate_scale = tl.load(xc_ptr + cols, mask=mask, other=0.0)
+            up_scale = tl.load(xc_ptr + inter + cols, mask=mask, other=0.0)
     if HAS_X_SCALES:
-        gate = (gate.to(tl.float32) * xr * tl.load(xc_ptr + cols, mask=mask, other=0.0)).to(base.dtype.element_ty)
-        up = (up.to(tl.float32) * xr * tl.load(xc_ptr + inter + cols, mask=mask, other=0.0)).to(base.dtype.element_ty)
+        gate = (gate.to(tl.float32) * xr * gate_scale).to(base.dtype.element_ty)
+        up = (up.to(tl.float32) * xr * up_scale).to(base.dtype.element_ty)
     return gate.to(tl.float32), up.to(tl.float32)
 
 
@@ -73,7 +93,7 @@ def _silu_fp8_row(gate, up, q_ptr, scale_ptr, row, cols, mask, inter, DTYPE: tl.
 @triton.jit(do_not_specialize=["rows"])  # a step's row count: no variant for each value class of it
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter, rows,
                              HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             PERSISTENT: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+                             PERSISTENT: tl.constexpr, SCALES_L1: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     if PERSISTENT:  # ONE_PASS, no x scales: rows pid, pid + programs, ...; the next row's loads
         # are issued before this row's product, maximum and stores, so they are in flight while
@@ -107,21 +127,21 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stri
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < inter
-        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES, SCALES_L1)
         _silu_fp8_row(gate, up, q_ptr, scale_ptr, row, cols, mask, inter, x_ptr.dtype.element_ty, SOFT_ROUND)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES, SCALES_L1)
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(y))
     scale = row_scale(tl.max(amax, axis=0))
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES)
+        gate, up = _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES, SCALES_L1)
         y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         q = to_e4m3_range(y, scale, SOFT_ROUND)
         tl.store(q_ptr + row * inter + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -153,21 +173,25 @@ def silu_and_mul_fp8(x: torch.Tensor, x_scales: DeferredScales | None = None) ->
 def silu_fp8_consts(shape: dict, deferred: bool) -> tuple[dict, int]:
     """(_silu_and_mul_fp8_kernel's shape constants, with HAS_X_SCALES and PERSISTENT; programs an
     SM, 0 for a program a row) for a `silu_fp8_shape` and rows with or without deferred scales:
-    the persistent loop only for whole rows without them."""
+    the persistent loop only for whole rows without them, L1 hints only with them."""
     consts = dict(shape)
     per_sm = consts.pop("PERSIST")
     persistent = bool(per_sm) and consts["ONE_PASS"] and not deferred
+    consts["SCALES_L1"] = consts["SCALES_L1"] and deferred
     return {**consts, "HAS_X_SCALES": deferred, "PERSISTENT": persistent}, per_sm if persistent else 0
 
 
 def silu_fp8_shape(inter: int) -> dict:
-    """BLOCK, ONE_PASS, num_warps and PERSIST of _silu_and_mul_fp8_kernel over rows of `inter`
-    outputs. PERSIST > 0 (whole rows without deferred scales only): that many programs an SM,
-    each taking every so-many-th row and loading its next row while it finishes one; 0: one
+    """BLOCK, ONE_PASS, num_warps, PERSIST and SCALES_L1 of _silu_and_mul_fp8_kernel over rows of
+    `inter` outputs. PERSIST > 0 (whole rows without deferred scales only): that many programs an
+    SM, each taking every so-many-th row and loading its next row while it finishes one; 0: one
     program per row. PERSIST is 0 here: `bench/silu_fp8_bench.py --sweep` times the alternative
-    (BENCHMARKS.md §25)."""
+    (BENCHMARKS.md §25). SCALES_L1 (rows with deferred scales only): their column scales, twice a
+    row's bytes and the same for every row, are loaded to stay in L1 and the row to leave it first
+    (§23: read from L2 for every row, they cost the readers half of what deferring gained);
+    `--sweep-deferred` times both."""
     whole = triton.next_power_of_2(max(inter, 16))
     if whole <= ONE_PASS_MAX:
-        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0)
+        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0, SCALES_L1=True)
     block, warps = block_for(inter)
-    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps, PERSIST=0)
+    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps, PERSIST=0, SCALES_L1=True)

@@ -122,10 +122,11 @@ def case_deferred_scales() -> None:
 def case_silu() -> None:
     """Both of silu_and_mul_fp8's loops: the row held whole (ONE_PASS), and two passes over it in
     chunks (forced by a lower ONE_PASS_MAX; the 5,000-column rows take two chunks), with and
-    without deferred scales."""
+    without deferred scales; deferred ones with their column scales loaded to stay in L1
+    (SCALES_L1, the default) and without."""
     from tandem_kernels import activation as act, ops, reference as ref
 
-    saved = act.ONE_PASS_MAX
+    saved, pick = act.ONE_PASS_MAX, act.silu_fp8_shape
     for one_pass_max in (saved, 16):
         act.ONE_PASS_MAX = one_pass_max  # this case runs in a fresh interpreter of its own
         for dtype in DTYPES:
@@ -138,11 +139,15 @@ def case_silu() -> None:
                 fp8_close(q, rq, what)
                 scales_close(s, rs, dtype, f"{what} scale")
                 p, scales = deferred(rows, 2 * inter, dtype)
-                q, s = ops.silu_and_mul_fp8(p, scales)
                 rq, rs = ref.silu_and_mul_fp8(p, scales)
-                fp8_close(q, rq, f"{what} deferred")
-                scales_close(s, rs, dtype, f"{what} deferred scale")
+                for keep in (True, False):
+                    act.silu_fp8_shape = lambda n, keep=keep: {**pick(n), "SCALES_L1": keep}
+                    q, s = ops.silu_and_mul_fp8(p, scales)
+                    act.silu_fp8_shape = pick
+                    fp8_close(q, rq, f"{what} deferred, scales_l1={keep}")
+                    scales_close(s, rs, dtype, f"{what} deferred scale, scales_l1={keep}")
     act.ONE_PASS_MAX = saved
+    assert pick(14336)["SCALES_L1"]
     assert act.silu_fp8_shape(14336)["ONE_PASS"] and not act.silu_fp8_shape(2 * saved)["ONE_PASS"]
 
 
