@@ -281,7 +281,11 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
            "preemptions": llm.engine.stats().num_preemptions, "pilot_tok_s": pilot,
-           "overlap": llm.engine.overlap}
+           "overlap": llm.engine.overlap, "max_running": llm.engine.max_running}
+    graphs = llm.engine.runner.graphs if llm.engine.runner is not None else None
+    if graphs is not None:  # the decode graphs kept, and each captured one's replay time (engine/cuda_graphs.py)
+        res["decode_graph_buckets"] = graphs.buckets
+        res["decode_graph_replay_ms"] = {str(b): round(t, 3) for b, t in sorted(graphs.replay_ms.items())}
     del llm
     torch.cuda.empty_cache()
     return res

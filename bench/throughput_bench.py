@@ -181,6 +181,15 @@ def run_offline_fp8_deferred_scales(ctx: Context) -> dict:
     return _offline(ctx, "fp8", "fp8")
 
 
+def run_offline_bf16_untimed_buckets(ctx: Context) -> dict:
+    """offline_bf16 with every decode graph up to the batch cap kept, untimed, as before timed
+    buckets (engine/cuda_graphs.py): this child sees TANDEM_TIMED_BUCKETS=0."""
+    from engine.cuda_graphs import TIMED_BUCKETS_ENV
+
+    os.environ[TIMED_BUCKETS_ENV] = "0"
+    return _offline(ctx, "auto", None)
+
+
 def _offline_2d_tile(ctx: Context, quantization: str | None) -> dict:
     """An FP8-KV offline section with FP8_TUNING (the 2-D tile kernel) at every batch, as before
     the warp-split kernel took the full batches (BENCHMARKS.md §23): this child's
@@ -450,6 +459,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch's workspace: split-K GEMMs allowed)"),
     Section("offline_fp8_deferred_scales", "", 125, 100, "child", run_offline_fp8_deferred_scales,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
+    Section("offline_bf16_untimed_buckets", "", 150, 120, "child", run_offline_bf16_untimed_buckets,
+            "offline_bf16 with TANDEM_TIMED_BUCKETS=0 (every decode graph up to max_running, none timed)"),
     Section("offline_fp8kv_2d_tile", "", 140, 110, "child", lambda c: _offline_2d_tile(c, None),
             "offline_fp8kv with FP8_TUNING at every batch (no warp-split kernel; TANDEM_DECODE_TUNING)"),
     Section("offline_fp8_2d_tile", "", 125, 100, "child", lambda c: _offline_2d_tile(c, "fp8"),

@@ -2,11 +2,21 @@
 
 An eager decode step of a large model is bound by host launch overhead on the H200; a graph
 replays every kernel of the step with one launch. Inputs live in static buffers; a batch of n
-sequences runs the smallest captured bucket >= n, its padding rows writing to no cache slot.
+sequences runs the smallest kept bucket >= n, its padding rows writing to no cache slot.
+
+Which buckets are kept is measured: cuBLAS's GEMMs run far slower at some row counts than at a
+larger one (bf16, a layer's four GEMMs on the H200: 712 TFLOP/s at 384 rows, 486 at 448, 760
+at 512; BENCHMARKS.md §17), and a padding row costs a decode step little besides its GEMM rows
+(its attention reads one token). So after capture every bucket is replayed and timed, with the
+buckets above the batch cap up to the next power of two as candidates (`spare_buckets`), and a
+bucket that is not faster than some larger one is dropped (`fastest_buckets`): its batches run
+the larger graph. TANDEM_TIMED_BUCKETS=0 keeps every bucket up to the cap, untimed.
 """
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +34,41 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 # (engine.memory.MAX_RUNNING_CEILING_CUDA); a larger explicit one (an FP8 KV pool holds twice the
 # sequences) runs its decode steps from graphs up to here, eagerly beyond.
 MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]
+TIMED_BUCKETS_ENV = "TANDEM_TIMED_BUCKETS"  # "0": no timing, no spare buckets
+BUCKET_MARGIN = 0.02  # a bucket is dropped only if a larger one replays this much faster
+TIMING_ROUNDS, TIMING_REPLAYS = 2, 5  # each bucket's time: the best round's mean of its replays
+
+
+def timed_buckets_enabled() -> bool:
+    value = os.environ.get(TIMED_BUCKETS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{TIMED_BUCKETS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def spare_buckets(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> list[int]:
+    """The buckets above `max_batch` captured as candidates for its largest batches: those up to
+    the next power of two (and MAX_GRAPH_BATCH)."""
+    limit = min(1 << max(0, max_batch - 1).bit_length(), MAX_GRAPH_BATCH)
+    return [b for b in buckets if max_batch < b <= limit]
+
+
+def fastest_buckets(times: dict[int, float], max_batch: int, margin: float = BUCKET_MARGIN) -> list[int]:
+    """The buckets worth replaying, from each captured bucket's replay time: a bucket is dropped
+    if a larger one is faster by `margin` (a difference within it is taken for noise, and the
+    smaller bucket stays), so the smallest kept bucket holding a batch is the fastest that holds
+    it, to the margin. Kept buckets above the one that holds `max_batch` (the largest batch) are
+    dropped. `times` must hold a bucket >= max_batch."""
+    kept, best_above = [], math.inf
+    for bucket in sorted(times, reverse=True):
+        if best_above >= times[bucket] * (1 - margin):
+            kept.append(bucket)
+        best_above = min(best_above, times[bucket])
+    kept.sort()
+    top = smallest_bucket(kept, max_batch)
+    if top is None:
+        raise ValueError(f"no timed bucket holds the largest batch {max_batch}: {sorted(times)}")
+    return [b for b in kept if b <= top]
 
 
 def smallest_bucket(buckets: list[int], n: int) -> int | None:
@@ -51,8 +96,12 @@ class DecodeGraphs:
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         self.model, self.kv_cache = model, kv_cache
         dev = kv_cache.layers[0][0].device
-        self.buckets = sorted({b for b in buckets if b <= max_batch} | {max_batch})
-        self.max_batch = self.buckets[-1]
+        self.timed = timed_buckets_enabled()
+        self.max_running = max_batch
+        spares = spare_buckets(max_batch, buckets) if self.timed else []
+        self.buckets = sorted({b for b in buckets if b <= max_batch} | {max_batch} | set(spares))
+        self.max_batch = self.buckets[-1]  # the static buffers' rows
+        self.replay_ms: dict[int, float] = {}  # each captured bucket's replay time, when timed
         self.max_blocks = -(-max_model_len // kv_cache.block_size)
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -85,6 +134,40 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s", self.buckets)
+        if self.timed:
+            self.keep_fastest()
+
+    def time_replays(self) -> dict[int, float]:
+        """Each captured bucket's replay time in ms (TIMING_ROUNDS rounds over every bucket, the
+        best round's mean of TIMING_REPLAYS replays after one unmeasured), on the static inputs
+        as capture left them: every row a padding row, so attention reads one token a row and the
+        times differ by what the bucket's row count costs the rest of the step."""
+        best: dict[int, float] = {}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(TIMING_ROUNDS):
+            for bs in self.buckets:
+                graph = self.graphs[bs]
+                graph.replay()
+                start.record()
+                for _ in range(TIMING_REPLAYS):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                best[bs] = min(best.get(bs, math.inf), start.elapsed_time(end) / TIMING_REPLAYS)
+        return best
+
+    def keep_fastest(self) -> None:
+        """Time every captured bucket and keep only `fastest_buckets` (the others' graphs are
+        released; their batches replay a larger graph)."""
+        self.replay_ms = self.time_replays()
+        kept = fastest_buckets(self.replay_ms, self.max_running)
+        dropped = [b for b in self.buckets if b not in kept]
+        for bs in dropped:
+            del self.graphs[bs], self.outputs[bs]
+        self.buckets = kept
+        if dropped:
+            logger.info("decode graphs kept %s; dropped %s, each slower than a larger one (ms a replay: %s)",
+                        kept, dropped, {b: round(t, 3) for b, t in sorted(self.replay_ms.items())})
 
     def bucket(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)

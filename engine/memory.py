@@ -32,7 +32,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH
+from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH, spare_buckets, timed_buckets_enabled
 from engine.kv_cache import KVCache
 from engine.prefill_graphs import buckets_up_to, graph_token_limit
 
@@ -168,15 +168,18 @@ def prefill_graph_bytes(step_activations: int, num_tokens: int, prefill_graph_to
 
 
 def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
-            graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0) -> MemoryPlan:
+            graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0,
+            graph_rows: int | None = None) -> MemoryPlan:
     """The budget of an engine on `device` whose weights are loaded: `step_activations` from
     `profile_step` (or `estimate_step`) for a step of `num_tokens`; `max_batch` the largest
     decode batch (sampler rows, and the largest CUDA graph when `graph_batches` > 0 graphs are
-    captured); `prefill_graph_tokens` the largest prefill graph (engine/prefill_graphs.py, whose
-    pool holds a step of that many tokens' activations), 0 for none."""
+    captured, unless `graph_rows` names the largest graph's rows); `prefill_graph_tokens` the
+    largest prefill graph (engine/prefill_graphs.py, whose pool holds a step of that many tokens'
+    activations), 0 for none."""
     total = torch.cuda.get_device_properties(device).total_memory
     per_token = step_activations / max(1, num_tokens)
-    graphs = int(per_token * max_batch * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
+    rows = graph_rows or max_batch
+    graphs = int(per_token * rows * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
     graphs += prefill_graph_bytes(step_activations, num_tokens, prefill_graph_tokens)
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
                       activations=step_activations, graphs=graphs,
@@ -203,11 +206,13 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
         else:
             step = estimate_step(model_config, dtype, num_tokens, rows, world_size)
         graph_batch = min(max_batch, MAX_GRAPH_BATCH)
-        graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 if alone and config.cuda_graphs else 0
+        # Buckets up to the cap, the cap, and the timed spares above it (engine/cuda_graphs.py).
+        spares = spare_buckets(graph_batch) if timed_buckets_enabled() else []
+        graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares) if alone and config.cuda_graphs else 0
         prefill_tokens = config.prefill_graph_tokens if alone else 0
         plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
                        num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
-                       vocab_size=model_config.vocab_size, prefill_graph_tokens=prefill_tokens)
+                       graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size, prefill_graph_tokens=prefill_tokens)
         blocks = max(0, plan.kv) // block_bytes
         logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
         if blocks < per_request:

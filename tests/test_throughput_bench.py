@@ -181,7 +181,7 @@ def test_the_cluster_sections_run_end_to_end_on_a_tiny_model(tiny_models, tmp_pa
 def test_cublas_workspace_section_sets_the_variable_before_its_run(monkeypatch) -> None:
     """decode_b1_cublas_workspace runs its row's function with CUBLAS_WORKSPACE_CONFIG set first
     (cuBLAS reads it at its first GEMM in the child; the engine leaves a set value alone)."""
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the section's value is undone after
     seen = []
     section = tb._cublas_workspace(
         lambda ctx: seen.append((ctx, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or {"ok": 1})
@@ -189,3 +189,17 @@ def test_cublas_workspace_section_sets_the_variable_before_its_run(monkeypatch) 
     names = {n for n in tb.SECTIONS if "cublas_workspace" in n}
     assert names == {"decode_b1_cublas_workspace"}
     assert all(tb.SECTIONS[n].where == "child" for n in names)  # never the bench's own process
+
+
+def test_untimed_buckets_section_turns_timing_off_before_its_run(monkeypatch) -> None:
+    """offline_bf16_untimed_buckets builds its engine with TANDEM_TIMED_BUCKETS=0 (every decode
+    graph up to the cap, as before timed buckets), in a child of its own."""
+    from engine.cuda_graphs import TIMED_BUCKETS_ENV, timed_buckets_enabled
+
+    monkeypatch.setenv(TIMED_BUCKETS_ENV, "1")  # recorded, so the section's value is undone after
+    seen = []
+    monkeypatch.setattr(tb, "_offline", lambda ctx, kv, quantization: seen.append(
+        (kv, quantization, timed_buckets_enabled())) or {"ok": 1})
+    assert tb.run_offline_bf16_untimed_buckets("ctx") == {"ok": 1}
+    assert seen == [("auto", None, False)]
+    assert tb.SECTIONS["offline_bf16_untimed_buckets"].where == "child"
