@@ -286,6 +286,8 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     if graphs is not None:  # the decode graphs kept, and each captured one's replay time (engine/cuda_graphs.py)
         res["decode_graph_buckets"] = graphs.buckets
         res["decode_graph_replay_ms"] = {str(b): round(t, 3) for b, t in sorted(graphs.replay_ms.items())}
+    if llm.engine.runner is not None and llm.engine.runner.logits_buckets:
+        res["logits_buckets"] = llm.engine.runner.logits_buckets
     del llm
     torch.cuda.empty_cache()
     return res

@@ -79,6 +79,24 @@ def smallest_bucket(buckets: list[int], n: int) -> int | None:
     return None
 
 
+def time_each(runs: dict[int, Callable[[], Any]]) -> dict[int, float]:
+    """The ms each of `runs` takes on the current CUDA stream: TIMING_ROUNDS rounds over all of
+    them (so that a clock change falls on every one), in each the mean of TIMING_REPLAYS calls
+    after one unmeasured; the best round counts."""
+    best: dict[int, float] = {}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(TIMING_ROUNDS):
+        for key, run in runs.items():
+            run()
+            start.record()
+            for _ in range(TIMING_REPLAYS):
+                run()
+            end.record()
+            end.synchronize()
+            best[key] = min(best.get(key, math.inf), start.elapsed_time(end) / TIMING_REPLAYS)
+    return best
+
+
 def capture_graph(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`forward` run twice (Triton compiles and autotunes outside the capture), then captured
     into a graph drawing on `pool` (None: a new one); returns the graph and its output."""
@@ -138,23 +156,10 @@ class DecodeGraphs:
             self.keep_fastest()
 
     def time_replays(self) -> dict[int, float]:
-        """Each captured bucket's replay time in ms (TIMING_ROUNDS rounds over every bucket, the
-        best round's mean of TIMING_REPLAYS replays after one unmeasured), on the static inputs
-        as capture left them: every row a padding row, so attention reads one token a row and the
-        times differ by what the bucket's row count costs the rest of the step."""
-        best: dict[int, float] = {}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(TIMING_ROUNDS):
-            for bs in self.buckets:
-                graph = self.graphs[bs]
-                graph.replay()
-                start.record()
-                for _ in range(TIMING_REPLAYS):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                best[bs] = min(best.get(bs, math.inf), start.elapsed_time(end) / TIMING_REPLAYS)
-        return best
+        """Each captured bucket's replay time in ms (`time_each`), on the static inputs as capture
+        left them: every row a padding row, so attention reads one token a row and the times
+        differ by what the bucket's row count costs the rest of the step."""
+        return time_each({bs: self.graphs[bs].replay for bs in self.buckets})
 
     def keep_fastest(self) -> None:
         """Time every captured bucket and keep only `fastest_buckets` (the others' graphs are

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs, smallest_bucket
+from engine.cuda_graphs import (DEFAULT_BUCKETS, DecodeGraphs, fastest_buckets, smallest_bucket, spare_buckets,
+                                timed_buckets_enabled)
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.sampler import PendingSamples, Sampler, SamplerOutput, SamplingRow
@@ -59,6 +60,7 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.prefill_graphs = None  # engine.prefill_graphs.PrefillGraphs once captured
         self.logits_buckets: list[int] | None = None  # see bucket_logits
+        self.logits_max_rows = 0  # the most rows a step samples, once bucket_logits has run
 
     def bucket_logits(self, max_rows: int) -> list[int]:
         """Run the LM head on a bucketed number of rows from now on (the decode graphs' batch
@@ -69,9 +71,20 @@ class ModelRunner:
         runs, waiting for the device to drain when it does (lazy loading): an LM head over a
         row count not seen before stalls the host until the step before has finished, so the
         next step is not prepared meanwhile. With buckets the row counts are few and warm-up
-        (engine/warm_up.py) runs each. Returns the buckets."""
+        (engine/warm_up.py) runs each, and where buckets are timed (TANDEM_TIMED_BUCKETS, as
+        the decode graphs' are) it times them, the spare buckets above `max_rows` among them,
+        and keeps the fastest (`keep_fastest_logits`). Returns the buckets."""
         past_graphs = range(DEFAULT_BUCKETS[-1] + LOGITS_BUCKET_STEP, max_rows, LOGITS_BUCKET_STEP)
-        self.logits_buckets = sorted({b for b in DEFAULT_BUCKETS if b <= max_rows} | set(past_graphs) | {max_rows})
+        spares = spare_buckets(max_rows) if timed_buckets_enabled() else []
+        self.logits_buckets = sorted({b for b in DEFAULT_BUCKETS if b <= max_rows} | set(past_graphs) | {max_rows}
+                                     | set(spares))
+        self.logits_max_rows = max_rows
+        return self.logits_buckets
+
+    def keep_fastest_logits(self, times: dict[int, float]) -> list[int]:
+        """Keep the logits buckets `fastest_buckets` picks from each one's measured LM-head time
+        (ms; engine/warm_up.py measures them). Returns the buckets kept."""
+        self.logits_buckets = fastest_buckets(times, self.logits_max_rows)
         return self.logits_buckets
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:

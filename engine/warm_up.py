@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cuda_graphs import time_each, timed_buckets_enabled
 from tandem.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def _run(engine: Engine) -> float:
 
 def _warm_logits(engine: Engine) -> None:
     """The LM head at each of the runner's bucketed row counts (ModelRunner.bucket_logits), so
-    that every kernel cuBLAS picks for them is loaded before serving, not in a step."""
+    that every kernel cuBLAS picks for them is loaded before serving, not in a step; where
+    buckets are timed, each is timed and the fastest kept (ModelRunner.keep_fastest_logits)."""
     runner = engine.runner
     if runner is None or not runner.logits_buckets:
         return
@@ -76,3 +78,10 @@ def _warm_logits(engine: Engine) -> None:
         hidden = torch.zeros(max(runner.logits_buckets), embed.shape[1], dtype=embed.dtype, device=embed.device)
         for rows in runner.logits_buckets:
             runner.model.logits(hidden[:rows])
+        if embed.device.type == "cuda" and timed_buckets_enabled():
+            before = list(runner.logits_buckets)
+            times = time_each({rows: (lambda rows=rows: runner.model.logits(hidden[:rows])) for rows in before})
+            kept = runner.keep_fastest_logits(times)
+            if kept != before:
+                logger.info("LM head row buckets kept %s of %s (ms: %s)", kept, before,
+                            {b: round(t, 3) for b, t in sorted(times.items())})

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DEFAULT_BUCKETS
+from engine.cuda_graphs import DEFAULT_BUCKETS, TIMED_BUCKETS_ENV
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +39,25 @@ def record_rows(llm: LLM) -> list[tuple[int, int]]:
     return seen
 
 
-def test_buckets_are_the_graph_sizes_up_to_max_rows(model_dir):
+def test_buckets_are_the_graph_sizes_up_to_max_rows(model_dir, monkeypatch):
     llm = LLM(model_dir, num_kv_blocks=64)
-    assert llm.engine.runner.logits_buckets is None  # a CPU engine runs the LM head on what it samples
-    buckets = llm.engine.runner.bucket_logits(419)
+    runner = llm.engine.runner
+    assert runner.logits_buckets is None  # a CPU engine runs the LM head on what it samples
+    monkeypatch.setenv(TIMED_BUCKETS_ENV, "0")
+    buckets = runner.bucket_logits(419)
     assert buckets == sorted(buckets) and buckets[-1] == 419 and buckets[0] == 1
     assert set(buckets[:-1]) == {b for b in DEFAULT_BUCKETS if b < 419}
-    assert llm.engine.runner.bucket_logits(512)[-1] == 512 and 419 not in llm.engine.runner.logits_buckets
-    past = llm.engine.runner.bucket_logits(2000)  # past the largest graph: every 256 rows, then the cap
+    assert runner.bucket_logits(512)[-1] == 512 and 419 not in runner.logits_buckets
+    past = runner.bucket_logits(2000)  # past the largest graph: every 256 rows, then the cap
     assert past[past.index(1024):] == [1024, 1280, 1536, 1792, 2000]
+    # Timed (the default), the spare buckets above the cap are candidates too; warm-up times
+    # them all on a GPU and keeps the fastest (ModelRunner.keep_fastest_logits).
+    monkeypatch.setenv(TIMED_BUCKETS_ENV, "1")
+    assert runner.bucket_logits(419) == buckets + [448, 512]
+    times = {b: 1.0 + b / 1000 for b in runner.logits_buckets}
+    times[419], times[448] = 3.0, 3.0  # 419 rows slower than 512
+    kept = runner.keep_fastest_logits(times)
+    assert kept == runner.logits_buckets and kept[-2:] == [384, 512]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -67,7 +77,7 @@ def test_padded_rows_change_no_output(model_dir, overlap):
     for a, b in zip(got, want):
         assert [lp.token_id for lp in a.logprobs] == [lp.token_id for lp in b.logprobs]
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
-    assert buckets == [1, 2, 4, 7]
+    assert buckets == [1, 2, 4, 7, 8]  # 8: a spare above the cap, timed on a GPU (no batch needs it)
     assert all(padded == min(b for b in buckets if b >= n) for n, padded in rows if n)
     assert {n for n, padded in rows if padded > n}  # some steps ran padded (5 or 6 rows as 7, 3 as 4)
 
@@ -83,4 +93,4 @@ def test_warm_up_runs_the_lm_head_at_every_bucket(model_dir):
     assert seen == []
     buckets = runner.bucket_logits(llm.engine.max_running)
     _warm_logits(llm.engine)
-    assert seen == buckets == [1, 2, 4, 8, 16, 24]
+    assert seen == buckets == [1, 2, 4, 8, 16, 24, 32]
