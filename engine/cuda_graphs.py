@@ -36,7 +36,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]
 TIMED_BUCKETS_ENV = "TANDEM_TIMED_BUCKETS"  # "0": no timing, no spare buckets
 BUCKET_MARGIN = 0.02  # a bucket is dropped only if a larger one replays this much faster
-TIMING_ROUNDS, TIMING_REPLAYS = 2, 5  # each bucket's time: the best round's mean of its replays
+TIMING_ROUNDS, TIMING_REPLAYS = 3, 5  # each bucket's time: the best round's mean of its replays
 
 
 def timed_buckets_enabled() -> bool:
@@ -81,12 +81,14 @@ def smallest_bucket(buckets: list[int], n: int) -> int | None:
 
 def time_each(runs: dict[int, Callable[[], Any]]) -> dict[int, float]:
     """The ms each of `runs` takes on the current CUDA stream: TIMING_ROUNDS rounds over all of
-    them (so that a clock change falls on every one), in each the mean of TIMING_REPLAYS calls
-    after one unmeasured; the best round counts."""
+    them, in turn forwards and backwards (so that a clock change, or another process's work on a
+    shared GPU, falls on no one of them alone), in each the mean of TIMING_REPLAYS calls after
+    one unmeasured; the best round counts."""
     best: dict[int, float] = {}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(TIMING_ROUNDS):
-        for key, run in runs.items():
+    order = list(runs.items())
+    for round_ in range(TIMING_ROUNDS):
+        for key, run in (order if round_ % 2 == 0 else order[::-1]):
             run()
             start.record()
             for _ in range(TIMING_REPLAYS):
