@@ -438,7 +438,8 @@ EXTEND_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 
                 (64, 64, 4, 4), (128, 128, 8, 2), (128, 64, 8, 4))
 
 
-def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((8, 1024), (16, 512), (1, 8192)),
+def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((32, 256), (16, 512), (8, 1024), (4, 2048),
+                                                                    (1, 8192)),
                  caches: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float8_e4m3fn),
                  tiles: tuple[tuple[int, int, int, int], ...] = EXTEND_TILES) -> dict:
     """extend_attention's `tiles` on whole prompts packed as a prefill step packs them
@@ -507,7 +508,7 @@ def main() -> int:
     ap.add_argument("--extend-sweep", action="store_true",
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
     ap.add_argument("--extend-tiles", action="store_true",
-                    help="only extend attention's tiles on packed prompts of 512-8,192 tokens (GPU)")
+                    help="only extend attention's tiles on packed prompts of 256-8,192 tokens (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     ap.add_argument("--decode-tuning", action="append", default=None, metavar="JSON",
