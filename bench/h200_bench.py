@@ -252,14 +252,15 @@ def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
 
 def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: str = "auto",
             max_running: int = 384, budget_s: float | None = None, overlap: bool | None = None,
-            quantization: str | None = None) -> dict:
+            quantization: str | None = None, kv_layout: str = "nhd") -> dict:
     """Offline throughput. With `budget_s`, a pilot of 64 prompts first estimates the rate and the
     prompt count is cut (never raised) so the main run fits the budget; the count used is reported."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=max_running,
               max_model_len=in_len + out_len + 16, max_batched_tokens=8192, kv_cache_dtype=kv,
-              enable_prefix_cache=False, overlap_schedule=overlap, quantization=quantization)
+              enable_prefix_cache=False, overlap_schedule=overlap, quantization=quantization,
+              kv_cache_layout=kv_layout)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 128000, (num_prompts, in_len), generator=g).tolist()
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
@@ -281,7 +282,7 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
     res = {"prompts": num_prompts, "input_len": in_len, "output_len": out_len, "seconds": round(dt, 2),
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
            "preemptions": llm.engine.stats().num_preemptions, "pilot_tok_s": pilot,
-           "overlap": llm.engine.overlap, "max_running": llm.engine.max_running}
+           "overlap": llm.engine.overlap, "max_running": llm.engine.max_running, "kv_cache_layout": kv_layout}
     graphs = llm.engine.runner.graphs if llm.engine.runner is not None else None
     if graphs is not None:  # the decode graphs kept, and each captured one's replay time (engine/cuda_graphs.py)
         res["decode_graph_buckets"] = graphs.buckets

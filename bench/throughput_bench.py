@@ -162,14 +162,16 @@ def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dic
     return section
 
 
-def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None) -> dict:
-    """The offline workload; `max_running` (else --max-running, else derived) caps the batch."""
+def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
+             kv_layout: str = "nhd") -> dict:
+    """The offline workload; `max_running` (else --max-running, else derived) caps the batch;
+    `kv_layout` is the KV cache's (EngineConfig.kv_cache_layout)."""
     _need_cuda()
     from bench.h200_bench import offline
 
     a = ctx.args
     return offline(ctx.model_dir, a.offline_prompts, a.input_len, a.output_len, kv=kv,
-                   max_running=max_running or a.max_running, quantization=quantization)
+                   max_running=max_running or a.max_running, quantization=quantization, kv_layout=kv_layout)
 
 
 def run_offline_fp8_deferred_scales(ctx: Context) -> dict:
@@ -461,6 +463,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
     Section("offline_bf16_untimed_buckets", "", 150, 120, "child", run_offline_bf16_untimed_buckets,
             "offline_bf16 with TANDEM_TIMED_BUCKETS=0 (every decode graph up to max_running, none timed)"),
+    Section("offline_fp8kv_hnd", "", 140, 110, "child", lambda c: _offline(c, "fp8", None, kv_layout="hnd"),
+            "offline_fp8kv on a head-major KV cache (kv_cache_layout hnd: each head's slots of a block together)"),
+    Section("offline_fp8_hnd", "", 125, 100, "child", lambda c: _offline(c, "fp8", "fp8", kv_layout="hnd"),
+            "offline_fp8 on a head-major KV cache (kv_cache_layout hnd)"),
     Section("offline_fp8kv_2d_tile", "", 140, 110, "child", lambda c: _offline_2d_tile(c, None),
             "offline_fp8kv with FP8_TUNING at every batch (no warp-split kernel; TANDEM_DECODE_TUNING)"),
     Section("offline_fp8_2d_tile", "", 125, 100, "child", lambda c: _offline_2d_tile(c, "fp8"),

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_LAYOUTS = ("nhd", "hnd")  # engine/kv_cache.py
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)  # engine/quant
 MAX_PREFILL_GRAPH_TOKENS = 8192  # the largest prefill_graph_tokens (its graphs' activations stay in their pool)
@@ -65,6 +66,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     swap_space_gb: float = 1.0  # host memory for preempted requests' KV
     kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8" (e4m3)
+    # How a block is stored: "nhd" (its slots in order, each slot's KV heads together) or "hnd"
+    # (each KV head's slots together); indexed as [blocks, block_size, kv_heads, head_dim]
+    # either way (engine/kv_cache.py).
+    kv_cache_layout: str = "nhd"
     gpu_memory_fraction: float = 0.90
     cpu_kv_cache_gb: float = 1.0
     seed: int | None = None
@@ -109,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kv_cache_layout: must be one of {KV_CACHE_LAYOUTS}, got {self.kv_cache_layout!r}")
         if not (_is_number(self.gpu_memory_fraction) and 0 < self.gpu_memory_fraction <= 1):
             raise ValueError(f"gpu_memory_fraction: must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if not (_is_number(self.swap_space_gb) and self.swap_space_gb >= 0):

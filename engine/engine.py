@@ -128,7 +128,8 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         try:
-            self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host)
+            self.kv_cache = KVCache(kv_config, num_blocks, config.block_size, kv_dtype, device, num_host,
+                                    layout=config.kv_cache_layout)
         except torch.cuda.OutOfMemoryError:
             raise ValueError(f"gpu_memory_fraction: {num_blocks} KV blocks do not fit next to what else uses "
                              f"{device} now; lower --gpu-memory-fraction (or --num-kv-blocks)") from None

@@ -13,9 +13,13 @@ logger = logging.getLogger(__name__)
 class KVCache:
     """K and V of shape [num_blocks, block_size, num_kv_heads, head_dim] per layer.
 
-    All of it is one allocation, `stacked` [num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]; `layers[i]` is (stacked[i, 0], stacked[i, 1]), each contiguous, so a block of
-    every layer moves in one op (swapping to and from the host pool).
+    All of it is one allocation, `stacked` [num_layers, 2, num_blocks, *block], so a block of
+    every layer moves in one op (swapping to and from the host pool). A block is stored as
+    `layout` says: "nhd", [block_size, num_kv_heads, head_dim] (each slot's heads together), or
+    "hnd", [num_kv_heads, block_size, head_dim] (each head's slots together: a decode kernel's
+    tile of one head is one run of memory; bench/gather_ceiling.py). `layers[i]` is
+    (stacked[i, 0], stacked[i, 1]) viewed as [num_blocks, block_size, num_kv_heads, head_dim]
+    either way (contiguous for nhd), which is how every kernel and transfer indexes it.
     `dtype` may be torch.float8_e4m3fn (values stored divided by k_scale / v_scale).
     Host swap space is a pinned (on CUDA) pool with the same layout, `num_host_blocks` deep.
     """
@@ -30,16 +34,27 @@ class KVCache:
         num_host_blocks: int = 0,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        layout: str = "nhd",
     ) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_blocks, self.block_size, self.dtype, self.layout = num_blocks, block_size, dtype, layout
         self.k_scale, self.v_scale = k_scale, v_scale
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.stacked = torch.zeros((config.num_layers, 2, *shape), dtype=dtype, device=device)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(kv[0], kv[1]) for kv in self.stacked]
+        if layout == "nhd":
+            block = (block_size, config.num_kv_heads, config.head_dim)
+        elif layout == "hnd":
+            block = (config.num_kv_heads, block_size, config.head_dim)
+        else:
+            raise ValueError(f"kv_cache_layout: must be 'nhd' or 'hnd', got {layout!r}")
+        self.stacked = torch.zeros((config.num_layers, 2, num_blocks, *block), dtype=dtype, device=device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self._indexed(kv[0]), self._indexed(kv[1])) for kv in self.stacked]
         self.num_host_blocks = num_host_blocks
         pin = device.type == "cuda"
-        host_shape = (config.num_layers, 2, num_host_blocks, *shape[1:])
+        host_shape = (config.num_layers, 2, num_host_blocks, *block)
         self.host = torch.zeros(host_shape, dtype=dtype, pin_memory=pin) if num_host_blocks else None
+
+    def _indexed(self, pool: torch.Tensor) -> torch.Tensor:
+        """A layer's K or V pool as [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return pool.transpose(1, 2) if self.layout == "hnd" else pool
 
     @staticmethod
     def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -72,15 +72,15 @@ class TensorKVSink:
             self._pool.run(put, (k_cache, k), (v_cache, v), nbytes)
             return
         dev = k_cache.device
-        if k.device.type == "cpu":
+        if k.device.type == "cpu" and dev.type == "cuda":
             if self._upload_stream is None:
                 self._upload_stream = torch.cuda.Stream(dev)
             with torch.cuda.stream(self._upload_stream):  # index, uploads and writes on one stream
                 self._index_copy(k_cache, v_cache, dst_block_ids, _pinned_copy(k), _pinned_copy(v))
             return
-        # Device sources: both copies on the caller's stream, where the index is made too. (A
-        # helper thread would run on another stream and could read the index, or reuse its
-        # memory, before this stream wrote it.)
+        # Device sources (or a host cache not stored in index order, e.g. head-major): both copies
+        # on the caller's stream, where the index is made too. (A helper thread would run on
+        # another stream and could read the index, or reuse its memory, before this stream wrote it.)
         self._index_copy(k_cache, v_cache, dst_block_ids, k, v)
 
     @staticmethod

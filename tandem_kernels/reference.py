@@ -90,14 +90,14 @@ def store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Write k, v: [T, Hk, D] into the paged caches at `slot_mapping`: [T] (int64). Slots < 0 are skipped."""
-    num_blocks, block_size = k_cache.shape[:2]
+    """Write k, v: [T, Hk, D] into the paged caches at `slot_mapping`: [T] (int64). Slots < 0 are
+    skipped. The caches may be any strided view of [blocks, block_size, Hk, D] (a head-major one)."""
+    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kf = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    vf = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    kf[slots] = _quantize(k[keep], k_cache.dtype, k_scale)
-    vf[slots] = _quantize(v[keep], v_cache.dtype, v_scale)
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = _quantize(k[keep], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = _quantize(v[keep], v_cache.dtype, v_scale)
 
 
 def rotary_and_store_kv(

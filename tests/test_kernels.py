@@ -440,6 +440,66 @@ def case_decode_cache_strides() -> None:
             raise AssertionError(f"a {name} without a contiguous last dim must be refused")
 
 
+def case_head_major_cache() -> None:
+    """A KV cache stored head-major (KVCache layout "hnd": [blocks, kv_heads, block_size, head_dim],
+    viewed as [blocks, block_size, kv_heads, head_dim]): rotary + store writes the values it
+    writes into the engine's layout, extend attention reads them to the same result, bf16 and
+    FP8; and an engine with it gives the default layout's greedy tokens, every kernel in Triton
+    (interpreted), with a prefix-cache hit."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.gather_ceiling import as_layout
+    from engine import LLM, SamplingParams
+    from engine.demo import make_random_model
+    from tandem_kernels import ops, reference as ref
+
+    hq, hk, d, bs, rot = 4, 2, 32, 16, 32
+    for cdt in (torch.bfloat16, FP8):
+        seqs = [(37, 0), (5, 20)]  # (new tokens, cached prefix)
+        lens = [n + p for n, p in seqs]
+        kc, vc, table = paged(lens, bs, hk, d, cdt)
+        head_k, head_v = as_layout(kc, "hnd"), as_layout(vc, "hnd")
+        t = sum(n for n, _ in seqs)
+        qkv = rand(t, (hq + 2 * hk) * d, dtype=torch.bfloat16, scale=2.0)
+        q, k, v = (y.view(t, -1, d) for y in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+        cos_sin = ref.rope_cos_sin_cache(512, rot, inv)
+        pos = torch.cat([torch.arange(p, p + n) for n, p in seqs])
+        slots = torch.cat([table[i, pos_i // bs].long() * bs + pos_i % bs
+                           for i, pos_i in enumerate(torch.arange(p, p + n) for n, p in seqs)])
+        q1, _ = ops.rotary_and_store_kv(q, k, v, pos, cos_sin, kc, vc, slots, rot, True, 0.5, 1.5)
+        q2, _ = ops.rotary_and_store_kv(q, k, v, pos, cos_sin, head_k, head_v, slots, rot, True, 0.5, 1.5)
+        what = f"head-major cache={cdt}"
+        assert torch.equal(q1, q2), what
+        for engine_order, head_major in ((kc, head_k), (vc, head_v)):
+            assert not head_major.is_contiguous() and head_major.stride(2) == d * bs, what
+            assert torch.equal(engine_order.view(torch.uint8), head_major.view(torch.uint8)), f"{what}: stores differ"
+        flat_k, flat_v = kc.clone(), vc.clone()  # the reference's store takes any strides too
+        strided_k, strided_v = as_layout(flat_k, "hnd"), as_layout(flat_v, "hnd")
+        ref.store_kv(k, v, flat_k, flat_v, slots, 0.5, 1.5)
+        ref.store_kv(k, v, strided_k, strided_v, slots, 0.5, 1.5)
+        assert torch.equal(flat_k.view(torch.uint8), strided_k.view(torch.uint8)), what
+        assert torch.equal(flat_v.view(torch.uint8), strided_v.view(torch.uint8)), what
+        qsl = torch.tensor([0] + list(itertools.accumulate(n for n, _ in seqs)), dtype=torch.int32)
+        sl = torch.tensor(lens, dtype=torch.int32)
+        got = ops.extend_attention(q1, head_k, head_v, table, qsl, sl, d ** -0.5, 0.5, 1.5)
+        want = ops.extend_attention(q1, kc, vc, table, qsl, sl, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, f"extend {what}", scale=2.0)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    shared = torch.randint(0, 256, (40,)).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,)).tolist() for n in (3, 9)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_random_model(Path(tmp) / "llama", "llama", seed=1)
+        plain = LLM(path, num_kv_blocks=32)
+        want = [plain.generate([p], params)[0].token_ids for p in prompts]  # one after the other: a hit
+        head_major = LLM(path, num_kv_blocks=32, kv_cache_layout="hnd")
+        assert head_major.engine.kv_cache.layout == "hnd"
+        got = [head_major.generate([p], params)[0].token_ids for p in prompts]
+        assert got == want, f"head-major {got} != {want}"
+        assert head_major.engine.cache.stats().hit_tokens >= 32, "the second prompt should reuse the first's blocks"
+
+
 def case_decode_wide_table() -> None:
     """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
     context has them: the split count comes from the width, and each sequence divides its own
