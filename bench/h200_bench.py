@@ -157,8 +157,11 @@ def fp8_parity(tmp: Path) -> dict:
     passes the deferred scales' row limit): FP8 weights with deferred scales
     (TANDEM_FP8_DEFERRED_SCALES=1) vs without (the default), and an FP8 cache with the decode
     kernel's two tunings each at every batch (FP8_WIDE_TUNING, the warp-split kernel full batches
-    take, vs FP8_TUNING). Differences are summation order and one rounding, so most tokens agree."""
+    take, vs FP8_TUNING). Differences are summation order and one rounding, so most tokens agree.
+    And two that should change nothing: that cache stored head-major (kv_cache_layout "hnd"), and
+    every decode graph kept untimed (TANDEM_TIMED_BUCKETS=0) against the timed buckets."""
     from engine import LLM, SamplingParams
+    from engine.cuda_graphs import TIMED_BUCKETS_ENV
     from engine.demo import make_random_model
     from engine.quant.fp8 import DEFERRED_SCALES_ENV
     from tandem_kernels.decode_attention import FP8_TUNING, FP8_WIDE_TUNING, TUNING_ENV
@@ -191,7 +194,15 @@ def fp8_parity(tmp: Path) -> dict:
     # Each tuning at every batch: the full batches' warp-split kernel against the 2-D tile.
     plain_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_TUNING))}, kv_cache_dtype="fp8")
     split_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8")
+    # The same kernels on a head-major cache read the same values: identical tokens expected.
+    head_major = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8",
+                        kv_cache_layout="hnd")
+    # Every decode graph kept, untimed, against the timed buckets (a batch may replay a larger graph).
+    untimed = tokens({TIMED_BUCKETS_ENV: "0", TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))},
+                     kv_cache_dtype="fp8")
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
+            "fp8kv_head_major_vs_default": agree(head_major, split_kv),
+            "fp8kv_untimed_vs_timed_buckets": agree(untimed, split_kv),
             "varied": len({t for o in deferred for t in o})}
 
 
