@@ -158,8 +158,10 @@ def fp8_parity(tmp: Path) -> dict:
     (TANDEM_FP8_DEFERRED_SCALES=1) vs without (the default), and an FP8 cache with the decode
     kernel's two tunings each at every batch (FP8_WIDE_TUNING, the warp-split kernel full batches
     take, vs FP8_TUNING). Differences are summation order and one rounding, so most tokens agree.
-    And two that should change nothing: that cache stored head-major (kv_cache_layout "hnd"), and
-    every decode graph kept untimed (TANDEM_TIMED_BUCKETS=0) against the timed buckets."""
+    And that cache stored head-major (kv_cache_layout "hnd": the same kernels on the same values,
+    identical tokens expected), and every decode graph kept untimed (TANDEM_TIMED_BUCKETS=0)
+    against the timed buckets (a batch that replays a larger graph may meet another GEMM kernel:
+    rounding)."""
     from engine import LLM, SamplingParams
     from engine.cuda_graphs import TIMED_BUCKETS_ENV
     from engine.demo import make_random_model
@@ -197,7 +199,8 @@ def fp8_parity(tmp: Path) -> dict:
     # The same kernels on a head-major cache read the same values: identical tokens expected.
     head_major = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8",
                         kv_cache_layout="hnd")
-    # Every decode graph kept, untimed, against the timed buckets (a batch may replay a larger graph).
+    # Every decode graph kept, untimed, against the timed buckets (a batch may replay a larger graph,
+    # whose GEMMs may round differently).
     untimed = tokens({TIMED_BUCKETS_ENV: "0", TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))},
                      kv_cache_dtype="fp8")
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
