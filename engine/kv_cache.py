@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import KV_CACHE_LAYOUTS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,10 @@ class KVCache:
     ) -> None:
         self.num_blocks, self.block_size, self.dtype, self.layout = num_blocks, block_size, dtype, layout
         self.k_scale, self.v_scale = k_scale, v_scale
-        if layout == "nhd":
-            block = (block_size, config.num_kv_heads, config.head_dim)
-        elif layout == "hnd":
-            block = (config.num_kv_heads, block_size, config.head_dim)
-        else:
-            raise ValueError(f"kv_cache_layout: must be 'nhd' or 'hnd', got {layout!r}")
+        if layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kv_cache_layout: must be one of {KV_CACHE_LAYOUTS}, got {layout!r}")
+        heads, dim = config.num_kv_heads, config.head_dim
+        block = (block_size, heads, dim) if layout == "nhd" else (heads, block_size, dim)
         self.stacked = torch.zeros((config.num_layers, 2, num_blocks, *block), dtype=dtype, device=device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._indexed(kv[0]), self._indexed(kv[1])) for kv in self.stacked]

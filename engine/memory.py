@@ -208,11 +208,13 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
         graph_batch = min(max_batch, MAX_GRAPH_BATCH)
         # Buckets up to the cap, the cap, and the timed spares above it (engine/cuda_graphs.py).
         spares = spare_buckets(graph_batch) if timed_buckets_enabled() else []
-        graphs = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares) if alone and config.cuda_graphs else 0
+        captured = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares)
+        graphs = captured if alone and config.cuda_graphs else 0
         prefill_tokens = config.prefill_graph_tokens if alone else 0
         plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
                        num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
-                       graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size, prefill_graph_tokens=prefill_tokens)
+                       graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size,
+                       prefill_graph_tokens=prefill_tokens)
         blocks = max(0, plan.kv) // block_bytes
         logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
         if blocks < per_request:

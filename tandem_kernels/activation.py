@@ -49,9 +49,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _load_l1(ptrs, mask, KEEP: tl.constexpr):
-    """Load as L1 should treat it: KEEP, lines to keep (a deferred GEMM's column scales, which every
-    row reads again); otherwise lines to drop first (a row, read once)."""
+def _load_hinted(ptrs, mask, HINT: tl.constexpr, KEEP: tl.constexpr):
+    """A masked load; with HINT, as L1 should treat its lines: KEEP, lines to keep (a deferred
+    GEMM's column scales, which every row reads again), else lines to drop first (a row, read once)."""
+    if not HINT:
+        return tl.load(ptrs, mask=mask, other=0.0)
     if KEEP:
         return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
     return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -63,18 +65,11 @@ def _gate_and_up(base, xc_ptr, xr, cols, mask, inter, HAS_X_SCALES: tl.constexpr
     unscaled product, scaled here (row scale xr, column scales at xc_ptr) and rounded to its dtype.
     SCALES_L1 (with HAS_X_SCALES): the column scales stay in L1 for the next row the SM takes, and
     the row's own lines leave first."""
-    if SCALES_L1:
-        gate = _load_l1(base + cols, mask, False)
-        up = _load_l1(base + inter + cols, mask, False)
-        gate_scale = _load_l1(xc_ptr + cols, mask, True)
-        up_scale = _load_l1(xc_ptr + inter + cols, mask, True)
-    else:
-        gate = tl.load(base + cols, mask=mask, other=0.0)
-        up = tl.load(base + inter + cols, mask=mask, other=0.0)
-        if HAS_X_SCALES:
-            gate_scale = tl.load(xc_ptr + cols, mask=mask, other=0.0)
-            up_scale = tl.load(xc_ptr + inter + cols, mask=mask, other=0.0)
+    gate = _load_hinted(base + cols, mask, SCALES_L1, False)
+    up = _load_hinted(base + inter + cols, mask, SCALES_L1, False)
     if HAS_X_SCALES:
+        gate_scale = _load_hinted(xc_ptr + cols, mask, SCALES_L1, True)
+        up_scale = _load_hinted(xc_ptr + inter + cols, mask, SCALES_L1, True)
         gate = (gate.to(tl.float32) * xr * gate_scale).to(base.dtype.element_ty)
         up = (up.to(tl.float32) * xr * up_scale).to(base.dtype.element_ty)
     return gate.to(tl.float32), up.to(tl.float32)
@@ -93,7 +88,8 @@ def _silu_fp8_row(gate, up, q_ptr, scale_ptr, row, cols, mask, inter, DTYPE: tl.
 @triton.jit(do_not_specialize=["rows"])  # a step's row count: no variant for each value class of it
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, xr_ptr, xc_ptr, x_row_stride, inter, rows,
                              HAS_X_SCALES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             PERSISTENT: tl.constexpr, SCALES_L1: tl.constexpr, SOFT_ROUND: tl.constexpr, PDL: tl.constexpr):
+                             PERSISTENT: tl.constexpr, SCALES_L1: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                             PDL: tl.constexpr):
     pdl_begin(PDL)
     if PERSISTENT:  # ONE_PASS, no x scales: rows pid, pid + programs, ...; the next row's loads
         # are issued before this row's product, maximum and stores, so they are in flight while
@@ -189,7 +185,7 @@ def silu_fp8_shape(inter: int) -> dict:
     (BENCHMARKS.md §25). SCALES_L1 (rows with deferred scales only): their column scales, twice a
     row's bytes and the same for every row, are loaded to stay in L1 and the row to leave it first
     (§23: read from L2 for every row, they cost the readers half of what deferring gained);
-    `--sweep-deferred` times both."""
+    `--sweep` times both."""
     whole = triton.next_power_of_2(max(inter, 16))
     if whole <= ONE_PASS_MAX:
         return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0, SCALES_L1=True)

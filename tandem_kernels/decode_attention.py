@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.reference import attention_output
 from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
+from tandem_kernels.reference import attention_output
 from tandem_kernels.triton_common import interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, upcast_dots
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
