@@ -194,15 +194,14 @@ def fp8_parity(tmp: Path) -> dict:
     scaled = tokens({}, quantization="fp8")
     deferred = tokens({DEFERRED_SCALES_ENV: "1"}, quantization="fp8")
     # Each tuning at every batch: the full batches' warp-split kernel against the 2-D tile.
+    wide = {TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}
     plain_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_TUNING))}, kv_cache_dtype="fp8")
-    split_kv = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8")
+    split_kv = tokens(wide, kv_cache_dtype="fp8")
     # The same kernels on a head-major cache read the same values: identical tokens expected.
-    head_major = tokens({TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))}, kv_cache_dtype="fp8",
-                        kv_cache_layout="hnd")
+    head_major = tokens(wide, kv_cache_dtype="fp8", kv_cache_layout="hnd")
     # Every decode graph kept, untimed, against the timed buckets (a batch may replay a larger graph,
     # whose GEMMs may round differently).
-    untimed = tokens({TIMED_BUCKETS_ENV: "0", TUNING_ENV: json.dumps(dataclasses.asdict(FP8_WIDE_TUNING))},
-                     kv_cache_dtype="fp8")
+    untimed = tokens({TIMED_BUCKETS_ENV: "0", **wide}, kv_cache_dtype="fp8")
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
             "fp8kv_head_major_vs_default": agree(head_major, split_kv),
             "fp8kv_untimed_vs_timed_buckets": agree(untimed, split_kv),
@@ -297,12 +296,12 @@ def offline(model_dir: Path, num_prompts: int, in_len: int, out_len: int, kv: st
            "output_tok_s": round(n_out / dt, 1), "kv_blocks": llm.engine.num_total_blocks,
            "preemptions": llm.engine.stats().num_preemptions, "pilot_tok_s": pilot,
            "overlap": llm.engine.overlap, "max_running": llm.engine.max_running, "kv_cache_layout": kv_layout}
-    graphs = llm.engine.runner.graphs if llm.engine.runner is not None else None
-    if graphs is not None:  # the decode graphs kept, and each captured one's replay time (engine/cuda_graphs.py)
-        res["decode_graph_buckets"] = graphs.buckets
-        res["decode_graph_replay_ms"] = {str(b): round(t, 3) for b, t in sorted(graphs.replay_ms.items())}
-    if llm.engine.runner is not None and llm.engine.runner.logits_buckets:
-        res["logits_buckets"] = llm.engine.runner.logits_buckets
+    runner = llm.engine.runner
+    if runner is not None and runner.graphs is not None:  # the decode graphs kept, each one's replay time
+        res["decode_graph_buckets"] = runner.graphs.buckets
+        res["decode_graph_replay_ms"] = {str(b): round(t, 3) for b, t in sorted(runner.graphs.replay_ms.items())}
+    if runner is not None and runner.logits_buckets:
+        res["logits_buckets"] = runner.logits_buckets
     del llm
     torch.cuda.empty_cache()
     return res
