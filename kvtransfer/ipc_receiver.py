@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,15 +19,12 @@ import zmq
 from kvtransfer import ipc_wire as wire
 from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
-from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
+from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader
 from kvtransfer.ipc_pool import CUDA, MappedPool
-from kvtransfer.pending import PendingTransfers
+from kvtransfer.pending import PendingTransfers, sink_device
 from kvtransfer.staging import PairPool
-from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
-
-_DRAIN_BURST = 64  # messages handled per wake before releases and deadlines are looked at again
 
 
 @dataclass
@@ -66,37 +62,17 @@ class IpcReceiver(PendingTransfers, KVReceiver):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        block_shape = getattr(sink, "block_shape", None)
-        if (
-            not callable(getattr(sink, "write", None))
-            or not isinstance(block_shape, (tuple, list))
-            or len(block_shape) != 3
-            or not all(isinstance(d, int) and d > 0 for d in block_shape)
-        ):
-            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
-        if not poll_interval_s > 0:
-            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        self._init_pending(sink, on_complete, poll_interval_s)
         if not wire.is_int(max_pool_bytes) or max_pool_bytes <= 0:
             raise ValueError(f"max_pool_bytes: must be a positive integer, got {max_pool_bytes!r}")
-        self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
-        caches = getattr(sink, "k_caches", None)
-        try:
-            self.device = torch.device(device) if device is not None else (
-                caches[0].device if caches is not None and len(caches) else torch.device("cpu"))
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device: not a torch device: {device!r}") from None
+        self.device = sink_device(sink, device)
         self.max_pool_bytes = max_pool_bytes
-        self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._bind_socket(zmq.ROUTER, bind, context, auth_token)
         self._peers: dict[bytes, _Peer] = {}
         self._device_reads: collections.deque[tuple[Any, _Peer, int]] = collections.deque()  # GPU pools
         self._stream: Any = None  # this receiver's CUDA stream, made with the first GPU pool
         self._pair = PairPool()
-        self.bytes_received = self.frames_received = self.frames_dropped = 0
-        self.transfers_ok = self.transfers_failed = self.checksum_failures = 0
         self.channels_opened = self.channels_refused = 0
-        self.transfer_seconds = 0.0
         # The socket moves to the receiver thread here; Thread.start() is the memory barrier
         # ZMQ asks for, and no other thread touches it afterwards.
         self._thread = threading.Thread(target=self._run, name="kv-ipc-recv", daemon=True)
@@ -121,28 +97,10 @@ class IpcReceiver(PendingTransfers, KVReceiver):
     # -- receiver thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        set_thread_name(threading.current_thread().name)
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        next_check = 0.0
         try:
-            while not self._stop.is_set():
-                # GPU reads in flight are polled for completion, so look again soon.
-                if poller.poll(1 if self._device_reads else self._poll_ms):
-                    for _ in range(_DRAIN_BURST):
-                        try:
-                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_message([p.buffer for p in parts])
-                self._send_releases()
-                now = time.monotonic()
-                if now >= next_check:
-                    self._expire(now)
-                    next_check = now + self._poll_ms / 1000
-        except Exception:
-            logger.exception("kv ipc receiver thread crashed")
-            raise
+            # GPU reads in flight are polled for completion, so the loop looks again soon (busy).
+            self._serve(lambda parts: self._on_message([p.buffer for p in parts]), copy=False,
+                        busy=lambda: bool(self._device_reads), each_turn=self._send_releases)
         finally:
             self._send_releases(wait=True)
             for peer in list(self._peers.values()):  # senders break their channels at once

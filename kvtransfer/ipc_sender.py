@@ -5,11 +5,8 @@ See `kvtransfer.ipc_transport` for the protocol, `kvtransfer.ipc_wire` for the m
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import threading
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +17,7 @@ from kvtransfer.base import KVSender, KVTransferError, check_layers
 from kvtransfer.frames import DEFAULT_CHECKSUM, KIND_LAYER, check_checksum_algorithm
 from kvtransfer.ipc_pool import CUDA, MAX_SLOTS
 from kvtransfer.ipc_send_channel import CORRUPT_ENV, Channel, LayerItem
-from kvtransfer.outgoing import Outgoing, OutgoingTransfers
-from kvtransfer.staging import PairPool
+from kvtransfer.outgoing import OutgoingTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -61,34 +57,16 @@ class IpcSender(OutgoingTransfers, KVSender):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        if not send_timeout_s > 0:
-            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
         if not wire.is_int(slots) or not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots: must be an integer in [1, {MAX_SLOTS}], got {slots!r}")
         if not wire.is_int(slot_bytes) or slot_bytes <= 0 or slot_bytes % wire.ALIGN:
             raise ValueError(f"slot_bytes: must be a positive multiple of {wire.ALIGN}, got {slot_bytes!r}")
         if shm_dir is not None and not os.path.isdir(shm_dir):
             raise ValueError(f"shm_dir: {shm_dir!r} is not a directory")
-        self.send_timeout_s = float(send_timeout_s)
         self.slots, self.slot_bytes, self.shm_dir = slots, slot_bytes, shm_dir
-        self.linger_s = float(linger_s)
         self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
         self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
-        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._id = uuid.uuid4().hex[:12]
-        self._serial = itertools.count()
-        self._lock = threading.Lock()
-        self._requests: dict[str, Outgoing] = {}
-        self._channels: dict[str, Channel] = {}
-        self._retired: list[Channel] = []
-        self._pair_pool = PairPool()
-        self._stats_lock = threading.Lock()
-        self._closed = False
-        self.bytes_sent = self.frames_sent = 0
-        self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
-        self.send_seconds = 0.0
+        self._init_outgoing(send_timeout_s=send_timeout_s, linger_s=linger_s, context=context, auth_token=auth_token)
 
     def _channel_for(self, peer_address: str) -> Channel:
         return self._retiring_channel_for(peer_address, Channel)
@@ -172,15 +150,8 @@ class IpcSender(OutgoingTransfers, KVSender):
         channels = [*self._channels.values(), *self._retired]
         pools = [c.pool for c in self._channels.values() if c.pool is not None and c.broken is None]
         return {
-            "bytes_sent": self.bytes_sent,
-            "frames_sent": self.frames_sent,
-            "transfers_committed": self.transfers_committed,
-            "transfers_aborted": self.transfers_aborted,
-            "transfers_failed": self.transfers_failed,
-            "send_seconds": self.send_seconds,
-            "staged_bytes": sum(p.in_use * p.slot_bytes for p in pools),
+            **self._send_stats(),
+            "staged_bytes": sum(p.in_use * p.slot_bytes for p in pools),  # held in the pools' slots
             "slots_in_use": sum(p.in_use for p in pools),
             "pool_waits": sum(c.pool.waits for c in channels if c.pool is not None),
-            "open_transfers": len(self._requests),
-            "broken_channels": sum(c.broken is not None for c in channels),
         }

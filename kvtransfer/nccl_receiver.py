@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 import zmq
@@ -16,10 +15,9 @@ import zmq
 from kvtransfer import nccl_group as ng
 from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.base import KVReceiver, KVSink, OnComplete, TransferResult
-from kvtransfer.frames import KIND_LAYER, FrameHeader, dtype_name
-from kvtransfer.pending import PendingTransfers
+from kvtransfer.frames import KIND_LAYER, FrameHeader
+from kvtransfer.pending import PendingTransfers, sink_device
 from kvtransfer.nccl_recv_channel import RecvChannel
-from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +57,10 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        block_shape = getattr(sink, "block_shape", None)
-        if (
-            not callable(getattr(sink, "write", None))
-            or not isinstance(block_shape, (tuple, list))
-            or len(block_shape) != 3
-            or not all(isinstance(d, int) and d > 0 for d in block_shape)
-        ):
-            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
-        for name, value in (("recv_timeout_s", recv_timeout_s), ("poll_interval_s", poll_interval_s)):
-            if not value > 0:
-                raise ValueError(f"{name}: must be > 0, got {value}")
-        self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
-        caches = getattr(sink, "k_caches", None)
-        want = torch.device(device) if device is not None else (caches[0].device if caches else torch.device("cpu"))
+        self._init_pending(sink, on_complete, poll_interval_s)
+        if not recv_timeout_s > 0:
+            raise ValueError(f"recv_timeout_s: must be > 0, got {recv_timeout_s}")
+        want = sink_device(sink, device)
         self.backend = ng.check_backend(backend or ("nccl" if want.type == "cuda" else "gloo"))
         self.device = want if self.backend == "nccl" else torch.device("cpu")  # gloo moves host memory
         if self.backend == "nccl":
@@ -83,7 +70,6 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         if isinstance(max_inflight_layers, bool) or not isinstance(max_inflight_layers, int) or max_inflight_layers < 1:
             raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
         self.max_inflight_layers = max_inflight_layers
-        self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._bind_socket(zmq.ROUTER, bind, context, auth_token)
         default_host = self._address.removeprefix("tcp://").rpartition(":")[0] if bind.startswith("tcp://") else ""
         try:
@@ -96,9 +82,7 @@ class NcclReceiver(PendingTransfers, KVReceiver):
         self._store_host, self.store_port = store_host, int(self._store.port)
         self._stats_lock = threading.Lock()
         self._channels: dict[bytes, RecvChannel] = {}
-        self.bytes_received = self.frames_received = self.frames_dropped = 0
-        self.transfers_ok = self.transfers_failed = self.channels_opened = self.channels_broken = 0
-        self.transfer_seconds = 0.0
+        self.channels_opened = self.channels_broken = 0
         self._thread = threading.Thread(target=self._run, name="kv-nccl-recv", daemon=True)
         self._thread.start()
 
@@ -128,26 +112,8 @@ class NcclReceiver(PendingTransfers, KVReceiver):
     # -- socket thread: control messages, headers to their channel, deadlines -------------------
 
     def _run(self) -> None:
-        set_thread_name(threading.current_thread().name)
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        next_check = 0.0
         try:
-            while not self._stop.is_set():
-                if poller.poll(self._poll_ms):
-                    for _ in range(64):
-                        try:
-                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_control(parts)
-                now = time.monotonic()
-                if now >= next_check:
-                    self._expire(now)
-                    next_check = now + self._poll_ms / 1000
-        except Exception:
-            logger.exception("kv nccl receiver thread crashed")
-            raise
+            self._serve(self._on_control)
         finally:
             self._sock.close(linger=0)
 

@@ -20,7 +20,7 @@ from kvtransfer.auth import secure_client
 from kvtransfer.base import KVTransferError
 from kvtransfer.frames import KIND_COMMIT, KIND_LAYER, FrameHeader
 from kvtransfer.staging import PairPool, check_cache_pair, stage_layer
-from kvtransfer.outgoing import Item, Outgoing
+from kvtransfer.outgoing import Item, ItemQueue, Outgoing
 from tandem.native import set_thread_name
 from tandem.netaddr import is_wildcard
 
@@ -98,7 +98,7 @@ def stage(src_k: Any, src_v: Any, src: tuple[int, ...], pool: PairPool, state: O
     return _Staged(payload, dtype, out_shape, payload.numel())
 
 
-class Channel:
+class Channel(ItemQueue):
     """A DEALER socket and a pair group to one receiver, driven by one thread.
 
     The channel is the unit of failure: a payload that does not complete in time leaves the
@@ -110,25 +110,13 @@ class Channel:
         self.peer, self.channel_id = peer, channel_id
         self.broken: str | None = None
         self._sender = sender
-        self._items: collections.deque[Item] = collections.deque()
-        self._cond = threading.Condition()
-        self._closing = False
+        super().__init__()
         self.backend = ""
         self._group: Any = None
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._payloads = 0  # layers whose payloads were posted; numbers the point-to-point tags
         self.thread = threading.Thread(target=self._run, name=f"kv-nccl-send {peer}", daemon=True)
         self.thread.start()
-
-    def put(self, item: Item) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
 
     def _run(self) -> None:
         set_thread_name(threading.current_thread().name)

@@ -6,10 +6,7 @@ See `kvtransfer.nccl_transport` for the protocol and how ranks are assigned.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,8 +17,7 @@ from kvtransfer import nccl_group as ng
 from kvtransfer.base import KVSender
 from kvtransfer.frames import KIND_LAYER
 from kvtransfer.nccl_send_channel import Channel, stage
-from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers
-from kvtransfer.staging import PairPool
+from kvtransfer.outgoing import Item, OutgoingTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +52,6 @@ class NcclSender(OutgoingTransfers, KVSender):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        if not send_timeout_s > 0:
-            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
-        if max_staged_bytes <= 0:
-            raise ValueError(f"max_staged_bytes: must be > 0, got {max_staged_bytes}")
         self.backend = None if backend is None else ng.check_backend(backend)
         if device is not None:
             self.device = torch.device(device)
@@ -70,26 +62,9 @@ class NcclSender(OutgoingTransfers, KVSender):
         if isinstance(max_inflight_layers, bool) or not isinstance(max_inflight_layers, int) or max_inflight_layers < 1:
             raise ValueError(f"max_inflight_layers: must be an integer >= 1, got {max_inflight_layers!r}")
         self.max_inflight_layers = max_inflight_layers
-        self.send_timeout_s = float(send_timeout_s)
-        self.max_staged_bytes = int(max_staged_bytes)
-        self.linger_s = float(linger_s)
-        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._id = uuid.uuid4().hex[:12]
-        self._serial = itertools.count()
-        self._lock = threading.Lock()
-        self._requests: dict[str, Outgoing] = {}
-        self._channels: dict[str, Channel] = {}
-        self._retired: list[Channel] = []
-        self._staged_cond = threading.Condition()
-        self._pair_pool = PairPool()
-        self._stats_lock = threading.Lock()
-        self._closed = False
-        self.staged_bytes = 0
-        self.bytes_sent = self.frames_sent = self.payload_messages = 0
-        self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
-        self.send_seconds = 0.0
+        self._init_outgoing(send_timeout_s=send_timeout_s, linger_s=linger_s, context=context, auth_token=auth_token,
+                            max_staged_bytes=max_staged_bytes)
+        self.payload_messages = 0
 
     def _channel_for(self, peer_address: str) -> Channel:
         return self._retiring_channel_for(peer_address, Channel)
@@ -110,15 +85,4 @@ class NcclSender(OutgoingTransfers, KVSender):
         state.channel.put(Item(state, KIND_LAYER, layer=layer, staged=staged, src=src, dst=dst))
 
     def stats(self) -> dict[str, float]:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "frames_sent": self.frames_sent,
-            "payload_messages": self.payload_messages,  # layers queued together share one
-            "transfers_committed": self.transfers_committed,
-            "transfers_aborted": self.transfers_aborted,
-            "transfers_failed": self.transfers_failed,
-            "send_seconds": self.send_seconds,
-            "staged_bytes": self.staged_bytes,
-            "open_transfers": len(self._requests),
-            "broken_channels": sum(c.broken is not None for c in [*self._channels.values(), *self._retired]),
-        }
+        return {**self._send_stats(), "payload_messages": self.payload_messages}  # layers queued together share one

@@ -2,19 +2,24 @@
 caller-side calls of `KVSender` (`OutgoingTransfers`)."""
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from kvtransfer.base import KVTransferError, SendResult
 from kvtransfer.frames import KIND_ABORT, KIND_COMMIT, MAX_BLOCK_ID, FrameHeader
-from kvtransfer.staging import StagedLayer, check_cache_pair, device_index
+from kvtransfer.staging import PairPool, StagedLayer, check_cache_pair, device_index
 
 logger = logging.getLogger(__name__)
 
@@ -126,26 +131,68 @@ class Item:
     reason: str = ""
 
 
+class ItemQueue:
+    """A channel's items in order, for the one thread that sends them: callers `put`; `close`
+    asks the thread to end once it has drained the queue. `_cond` guards `_items` and `_closing`."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+
+    def put(self, item: Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+
 class OutgoingTransfers(ABC):
     """The caller-side calls every sender shares: looking up an open transfer, `commit`,
-    `abort`, the staging budget (`_reserve` / `_release`), the stats counters and the
+    `abort`, `close`, the staging budget (`_reserve` / `_release`), the stats counters and the
     corruption test hook.
 
-    A sender sets `_lock`, `_closed`, `_requests` (request id -> Outgoing with its `channel`)
-    and `_stats_lock`, names the address schemes it accepts (`schemes`) and implements
-    `_channel_for`; one that stages copies also sets `_staged_cond`, `staged_bytes`,
-    `max_staged_bytes` and `send_timeout_s`; one with the test hook `_corrupt_pending`.
-    For `close` it sets `_channels` (peer -> channel with `close()` and a `thread`), `_retired`
-    (channels replaced after they broke), `_pair_pool`, `linger_s`, `_ctx`, `_own_ctx` and
-    `transport_name`; `_retiring_channel_for` also needs `_id` and `_serial`.
+    A sender calls `_init_outgoing` in its constructor, names the address schemes it accepts
+    (`schemes`) and its `transport_name`, and implements `_channel_for`: a channel has `put`,
+    `close()`, a `thread` and `broken` (None while it works). One with the corruption test hook
+    sets `_corrupt_pending`.
     """
 
-    _lock: threading.Lock
-    _closed: bool
-    _requests: dict[str, Outgoing]
-    _stats_lock: threading.Lock
     schemes: tuple[str, ...]
     transport_name: str
+
+    def _init_outgoing(self, *, send_timeout_s: float, linger_s: float, context: zmq.Context | None,
+                       auth_token: str | None, max_staged_bytes: int | None = None) -> None:
+        """The state every sender shares: ValueError naming `send_timeout_s` or `max_staged_bytes`
+        (the staging budget of a sender that stages copies; None: one that does not)."""
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
+        if max_staged_bytes is not None and max_staged_bytes <= 0:
+            raise ValueError(f"max_staged_bytes: must be > 0, got {max_staged_bytes}")
+        self.send_timeout_s = float(send_timeout_s)
+        self.max_staged_bytes = None if max_staged_bytes is None else int(max_staged_bytes)
+        self.linger_s = float(linger_s)
+        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context()
+        self._id = uuid.uuid4().hex[:12]  # names this sender's channels (`_retiring_channel_for`)
+        self._serial = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._requests: dict[str, Outgoing] = {}  # request id -> its state, with its `channel`
+        self._channels: dict[str, Any] = {}  # peer address -> its channel
+        self._retired: list[Any] = []  # channels replaced after they broke
+        self._staged_cond = threading.Condition()
+        self._pair_pool = PairPool()
+        self._stats_lock = threading.Lock()
+        self.staged_bytes = 0
+        self.bytes_sent = self.frames_sent = 0
+        self.transfers_committed = self.transfers_aborted = self.transfers_failed = 0
+        self.send_seconds = 0.0
 
     def open(self, request_id: str, peer_address: str, num_layers: int) -> None:
         check_open_args(request_id, peer_address, num_layers, self.schemes)
@@ -260,6 +307,20 @@ class OutgoingTransfers(ABC):
         with self._staged_cond:
             self.staged_bytes -= nbytes
             self._staged_cond.notify_all()
+
+    def _send_stats(self) -> dict[str, float]:
+        """The counters every sender reports (a sender adds its own, or replaces `staged_bytes`)."""
+        return {
+            "bytes_sent": self.bytes_sent,
+            "frames_sent": self.frames_sent,
+            "transfers_committed": self.transfers_committed,
+            "transfers_aborted": self.transfers_aborted,
+            "transfers_failed": self.transfers_failed,
+            "send_seconds": self.send_seconds,
+            "staged_bytes": self.staged_bytes,
+            "open_transfers": len(self._requests),
+            "broken_channels": sum(c.broken is not None for c in [*self._channels.values(), *self._retired]),
+        }
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:  # the channel threads update the same counters

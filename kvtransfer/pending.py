@@ -1,9 +1,11 @@
 """The receiver-side bookkeeping every transport shares: expected transfers, cancel, results.
 
-A receiver class mixes this in, calls `_init_pending(block_shape, dtype, on_complete)` and
-`_bind_socket(...)` (its ZMQ socket, `address`) in its constructor, hands each finished transfer to `_retire` then `_deliver`, and calls `_expire`
-periodically; its own thread does the I/O. `_tally` counts a retired transfer in the
-receiver's stats (transfers_ok, transfer_seconds, transfers_failed, checksum_failures).
+A receiver class mixes this in, calls `_init_pending(sink, on_complete, poll_interval_s)` and
+`_bind_socket(...)` (its ZMQ socket, `address`) in its constructor, and runs `_serve` on its own
+thread, which does the I/O: `_serve` drains the socket into the receiver's handler and calls
+`_expire` every poll interval. The handler hands each finished transfer to `_retire` then
+`_deliver`. `_tally` counts a retired transfer in the receiver's stats (transfers_ok,
+transfer_seconds, transfers_failed, checksum_failures).
 """
 from __future__ import annotations
 
@@ -12,25 +14,62 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 import zmq
 
 from kvtransfer.assembly import IncomingTransfer
 from kvtransfer.auth import secure_server
-from kvtransfer.base import KVTransferError, OnComplete, TransferResult
+from kvtransfer.base import KVSink, KVTransferError, OnComplete, TransferResult
+from kvtransfer.frames import dtype_name
 from kvtransfer.outgoing import check_request_id
+from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
+
+DRAIN_BURST = 64  # messages handled per wake before deadlines are looked at again
+
+
+def sink_device(sink: KVSink, device: str | torch.device | None) -> torch.device:
+    """Where a receiver's payloads land: `device`; None: the sink's cache device (its `k_caches`),
+    else CPU. ValueError naming `device` when it is not a torch device."""
+    if device is None:
+        caches = getattr(sink, "k_caches", None)
+        return caches[0].device if caches is not None and len(caches) else torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: not a torch device: {device!r}") from None
 
 
 class PendingTransfers:
     """`expect`, `cancel` and `poll_completed` of the KVReceiver contract (kvtransfer/base.py)."""
 
-    def _init_pending(self, block_shape: tuple[int, ...], dtype: str, on_complete: OnComplete | None) -> None:
+    def _init_pending(self, sink: KVSink, on_complete: OnComplete | None, poll_interval_s: float) -> None:
+        """Check and keep the sink (its `block_shape` and `dtype` are what frames must carry) and
+        the poll interval (how late a deadline may be noticed); zero the shared counters.
+        ValueError naming `sink` or `poll_interval_s`."""
+        block_shape = getattr(sink, "block_shape", None)
+        if (
+            not callable(getattr(sink, "write", None))
+            or not isinstance(block_shape, (tuple, list))
+            or len(block_shape) != 3
+            or not all(isinstance(d, int) and d > 0 for d in block_shape)
+        ):
+            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
+        if not poll_interval_s > 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        self._sink = sink
         self._on_complete = on_complete
         self._block_shape = tuple(block_shape)
-        self._dtype = dtype
+        self._dtype = dtype_name(getattr(sink, "dtype", None))
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self.bytes_received = self.frames_received = self.frames_dropped = 0
+        self.transfers_ok = self.transfers_failed = self.checksum_failures = 0
+        self.transfer_seconds = 0.0
         self._lock = threading.Lock()
         self._pending: dict[str, IncomingTransfer] = {}
         self._results: collections.deque[TransferResult] = collections.deque()
@@ -65,6 +104,36 @@ class PendingTransfers:
     @property
     def address(self) -> str:
         return self._address
+
+    def _serve(self, handle: Callable[[list[Any]], None], *, copy: bool = True,
+               busy: Callable[[], bool] | None = None, each_turn: Callable[[], None] | None = None) -> None:
+        """The receiver thread's loop until `close`: wait for the socket (the poll interval, or 1 ms
+        while `busy()`), hand each message's parts to `handle` (up to DRAIN_BURST a wake; frames
+        copied out of ZMQ or not, per `copy`), call `each_turn` every wake, and fail the transfers
+        whose deadline passed once a poll interval. A crash is logged and raised; the caller
+        closes the socket."""
+        set_thread_name(threading.current_thread().name)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._stop.is_set():
+                if poller.poll(1 if busy is not None and busy() else self._poll_ms):
+                    for _ in range(DRAIN_BURST):
+                        try:
+                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+                        except zmq.Again:
+                            break
+                        handle(parts)
+                if each_turn is not None:
+                    each_turn()
+                now = time.monotonic()
+                if now >= next_check:
+                    self._expire(now)
+                    next_check = now + self._poll_ms / 1000
+        except Exception:
+            logger.exception("kv receiver thread %s crashed", threading.current_thread().name)
+            raise
 
     def _transfer_stats(self) -> dict[str, float]:
         """The counters every receiver reports (a receiver adds its own to them)."""

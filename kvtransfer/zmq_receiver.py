@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 import zmq
 
 from kvtransfer.base import KVReceiver, KVSink, OnComplete
-from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader, dtype_name
+from kvtransfer.frames import KIND_LAYER, FrameError, FrameHeader
 from kvtransfer.pending import PendingTransfers
 from kvtransfer.staging import PairPool
-from tandem.native import set_thread_name
 
 logger = logging.getLogger(__name__)
-
-_DRAIN_BURST = 64  # messages handled per wake before deadlines are looked at again
 
 
 class ZmqReceiver(PendingTransfers, KVReceiver):
@@ -46,28 +42,9 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        block_shape = getattr(sink, "block_shape", None)
-        if (
-            not callable(getattr(sink, "write", None))
-            or not isinstance(block_shape, (tuple, list))
-            or len(block_shape) != 3
-            or not all(isinstance(d, int) and d > 0 for d in block_shape)
-        ):
-            raise ValueError("sink: expected a KVSink with write() and block_shape (block_size, kv_heads, head_dim)")
-        if not poll_interval_s > 0:
-            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
-        self._sink = sink
-        self._init_pending(tuple(block_shape), dtype_name(getattr(sink, "dtype", None)), on_complete)
-        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._init_pending(sink, on_complete, poll_interval_s)
         self._bind_socket(zmq.PULL, bind, context, auth_token, RCVHWM=rcvhwm)
         self._pool = PairPool()
-        self.bytes_received = 0
-        self.frames_received = 0
-        self.frames_dropped = 0
-        self.transfers_ok = 0
-        self.transfers_failed = 0
-        self.checksum_failures = 0
-        self.transfer_seconds = 0.0
         # The socket moves to the receiver thread here; Thread.start() is the memory barrier
         # ZMQ asks for, and no other thread touches it afterwards.
         self._thread = threading.Thread(target=self._run, name="kv-recv", daemon=True)
@@ -90,26 +67,8 @@ class ZmqReceiver(PendingTransfers, KVReceiver):
     # -- receiver thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        set_thread_name(threading.current_thread().name)
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        next_check = 0.0
         try:
-            while not self._stop.is_set():
-                if poller.poll(self._poll_ms):
-                    for _ in range(_DRAIN_BURST):
-                        try:
-                            parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(parts)
-                now = time.monotonic()
-                if now >= next_check:
-                    self._expire(now)
-                    next_check = now + self._poll_ms / 1000
-        except Exception:
-            logger.exception("kv receiver thread crashed")
-            raise
+            self._serve(self._handle, copy=False)
         finally:
             self._sock.close(linger=0)
 

@@ -4,7 +4,6 @@ See `kvtransfer.zmq_transport` for the socket pattern and the test hook.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -23,7 +22,7 @@ from kvtransfer.frames import (
     check_checksum_algorithm,
     checksum,
 )
-from kvtransfer.outgoing import Item, Outgoing, OutgoingTransfers
+from kvtransfer.outgoing import Item, ItemQueue, Outgoing, OutgoingTransfers
 from kvtransfer.staging import PairPool, StagedLayer, stage_layer
 from tandem.native import set_thread_name
 
@@ -33,29 +32,20 @@ CORRUPT_ENV = "TANDEM_KV_CORRUPT_ONCE"
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-class _PeerChannel:
+class _PeerChannel(ItemQueue):
     """One PUSH socket to one receiver, driven by its own thread: a slow or dead peer delays
-    only the transfers bound for it."""
+    only the transfers bound for it. It outlives its errors (a PUSH socket reconnects), so it
+    never counts as broken."""
+
+    broken: str | None = None
 
     def __init__(self, sender: ZmqSender, peer: str) -> None:
         self.peer = peer
         self._sender = sender
-        self._items: collections.deque[Item] = collections.deque()
-        self._cond = threading.Condition()
-        self._closing = False
+        super().__init__()
         self.pool = PairPool()
         self.thread = threading.Thread(target=self._run, name=f"kv-send {peer}", daemon=True)
         self.thread.start()
-
-    def put(self, item: Item) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
 
     def _run(self) -> None:
         set_thread_name(threading.current_thread().name)
@@ -110,34 +100,12 @@ class ZmqSender(OutgoingTransfers, KVSender):
         context: zmq.Context | None = None,
         auth_token: str | None = None,
     ) -> None:
-        if not send_timeout_s > 0:
-            raise ValueError(f"send_timeout_s: must be > 0, got {send_timeout_s}")
-        if max_staged_bytes <= 0:
-            raise ValueError(f"max_staged_bytes: must be > 0, got {max_staged_bytes}")
-        self.send_timeout_s = float(send_timeout_s)
-        self.max_staged_bytes = int(max_staged_bytes)
-        self.sndhwm = int(sndhwm)
-        self.linger_s = float(linger_s)
         self.checksum_algorithm = check_checksum_algorithm(checksum_algorithm)
+        self.sndhwm = int(sndhwm)
         self._corrupt_pending = os.environ.get(CORRUPT_ENV) == "1" if corrupt_once is None else bool(corrupt_once)
-        self.auth_token = auth_token or None  # presented in every connection's handshake (kvtransfer.auth)
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
-        self._lock = threading.Lock()
-        self._requests: dict[str, Outgoing] = {}
-        self._channels: dict[str, _PeerChannel] = {}
-        self._retired: list[_PeerChannel] = []  # stays empty: a peer's channel outlives its errors
-        self._staged_cond = threading.Condition()
-        self._pair_pool = PairPool()
-        self._stats_lock = threading.Lock()
-        self._closed = False
-        self.staged_bytes = 0
-        self.bytes_sent = 0
-        self.frames_sent = 0
-        self.transfers_committed = 0
-        self.transfers_aborted = 0
-        self.transfers_failed = 0
-        self.send_seconds = 0.0
+        # A peer's channel outlives its errors: `_retired` stays empty.
+        self._init_outgoing(send_timeout_s=send_timeout_s, linger_s=linger_s, context=context, auth_token=auth_token,
+                            max_staged_bytes=max_staged_bytes)
 
     # -- caller side --------------------------------------------------------------------------
 
@@ -221,13 +189,4 @@ class ZmqSender(OutgoingTransfers, KVSender):
         self._count(bytes_sent=nbytes, frames_sent=1, send_seconds=time.perf_counter() - t0)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "bytes_sent": self.bytes_sent,
-            "frames_sent": self.frames_sent,
-            "transfers_committed": self.transfers_committed,
-            "transfers_aborted": self.transfers_aborted,
-            "transfers_failed": self.transfers_failed,
-            "send_seconds": self.send_seconds,
-            "staged_bytes": self.staged_bytes,
-            "open_transfers": len(self._requests),
-        }
+        return self._send_stats()

@@ -192,6 +192,35 @@ def test_receiver_rejects_bad_arguments() -> None:
         assert receiver.cancel("r") is True and receiver.cancel("r") is False
 
 
+@pytest.mark.parametrize("transport", ["zmq", "cuda_ipc", "nccl"])
+def test_every_transport_names_the_same_bad_arguments(transport: str) -> None:
+    """The checks every receiver and sender share (kvtransfer.pending, kvtransfer.outgoing):
+    each transport refuses the same bad arguments with the field's name, and starts with the
+    same zeroed counters."""
+    t = get_transport(transport)
+    receiver_extra = {"backend": "gloo"} if transport == "nccl" else {}
+    with pytest.raises(ValueError, match="^sink:"):
+        t.create_receiver(object(), **receiver_extra)
+    with pytest.raises(ValueError, match="^poll_interval_s:"):
+        t.create_receiver(_sink(), poll_interval_s=0, **receiver_extra)
+    if transport != "zmq":
+        with pytest.raises(ValueError, match="^device:"):
+            t.create_receiver(_sink(), device="not-a-device", **receiver_extra)
+    with pytest.raises(ValueError, match="^send_timeout_s:"):
+        t.create_sender(send_timeout_s=0)
+    if transport != "cuda_ipc":  # it stages in its pools' slots, not under a byte budget
+        with pytest.raises(ValueError, match="^max_staged_bytes:"):
+            t.create_sender(max_staged_bytes=0)
+    with t.create_receiver(_sink(), **receiver_extra) as receiver, t.create_sender() as sender:
+        received, sent = receiver.stats(), sender.stats()
+    for key in ("bytes_received", "frames_received", "frames_dropped", "transfers_ok", "transfers_failed",
+                "transfer_seconds", "pending", "connections_refused"):
+        assert received[key] == 0, key
+    for key in ("bytes_sent", "frames_sent", "transfers_committed", "transfers_aborted", "transfers_failed",
+                "send_seconds", "staged_bytes", "open_transfers", "broken_channels"):
+        assert sent[key] == 0, key
+
+
 def test_sender_rejects_bad_arguments() -> None:
     k = torch.randn(8, 4, 2, 8)
     with ZmqReceiver(_sink()) as receiver, ZmqSender() as sender:
