@@ -161,8 +161,11 @@ def fp8_parity(tmp: Path) -> dict:
     And that cache stored head-major (kv_cache_layout "hnd": the same kernels on the same values,
     identical tokens expected), and every decode graph kept untimed (TANDEM_TIMED_BUCKETS=0)
     against the timed buckets (a batch that replays a larger graph may meet another GEMM kernel:
-    rounding)."""
+    rounding). And decode steps with rotary and the K/V store inside the decode kernel
+    (TANDEM_FUSED_ROTARY=1) against the default, on a bf16 and an FP8 cache (the same rotation,
+    store and loop: identical tokens expected)."""
     from engine import LLM, SamplingParams
+    from engine.attention import FUSED_ROTARY_ENV
     from engine.cuda_graphs import TIMED_BUCKETS_ENV
     from engine.demo import make_random_model
     from engine.quant.fp8 import DEFERRED_SCALES_ENV
@@ -202,9 +205,13 @@ def fp8_parity(tmp: Path) -> dict:
     # Every decode graph kept, untimed, against the timed buckets (a batch may replay a larger graph,
     # whose GEMMs may round differently).
     untimed = tokens({TIMED_BUCKETS_ENV: "0", **wide}, kv_cache_dtype="fp8")
+    fused_kv = tokens({FUSED_ROTARY_ENV: "1", **wide}, kv_cache_dtype="fp8")
+    bf16, fused_bf16 = tokens({}), tokens({FUSED_ROTARY_ENV: "1"})
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
             "fp8kv_head_major_vs_default": agree(head_major, split_kv),
             "fp8kv_untimed_vs_timed_buckets": agree(untimed, split_kv),
+            "fp8kv_fused_rotary_vs_default": agree(fused_kv, split_kv),
+            "bf16_fused_rotary_vs_default": agree(fused_bf16, bf16),
             "varied": len({t for o in deferred for t in o})}
 
 

@@ -1,6 +1,6 @@
 """What Triton builds for the attention kernels on a Hopper GPU, from any machine (no GPU needed).
 
-    python bench/kernel_ir.py [--batch 384 --ctx 1024] [--tuning JSON ...] [--dump DIR]
+    python bench/kernel_ir.py [--batch 384 --ctx 1024] [--tuning JSON ...] [--dump DIR] [--pdl] [--rotary]
 
 The decode kernel is reported at its cache's default tuning, then at the tuning the engine picks
 for --batch where that differs (FP8 caches' FP8_WIDE_TUNING at full batches), then at each --tuning.
@@ -167,24 +167,30 @@ def loop_mix(compiled) -> dict:
 
 
 def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int = 32, hk: int = 8,
-                  d: int = 128, block_size: int = 16, sms: int = 132, pdl: bool = False):
+                  d: int = 128, block_size: int = 16, sms: int = 132, pdl: bool = False, rotary: bool = False):
     """The decode kernel's stage 1 for a Llama-3.1-8B-shaped batch, compiled (see module doc);
-    `pdl`: as launched with programmatic dependent launch (tandem_kernels.triton_common.pdl_enabled)."""
+    `pdl`: as launched with programmatic dependent launch (tandem_kernels.triton_common.pdl_enabled);
+    `rotary`: as rotary_store_and_decode launches it (q, k and v views of one qkv row)."""
     from tandem_kernels import decode_attention as da
 
     meta = dict(device="meta")
     blocks = batch * -(-ctx // block_size)
-    q = torch.empty(batch, hq, d, dtype=torch.bfloat16, **meta)
+    qkv = torch.empty(batch, (hq + 2 * hk) * d, dtype=torch.bfloat16, **meta)
+    q, k, v = (y.view(batch, -1, d) for y in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    if not rotary:
+        q = torch.empty(batch, hq, d, dtype=torch.bfloat16, **meta)
     kc = torch.empty(blocks, block_size, hk, d, dtype=cache, **meta)
     table = torch.empty(batch, -(-ctx // block_size), dtype=torch.int32, **meta)
     lens = torch.empty(batch, dtype=torch.int32, **meta)
+    positions = torch.empty(batch, dtype=torch.int64, **meta)
+    step = da.StepKV(k, v, positions, torch.empty(131072, d, dtype=torch.float32, **meta), positions, d, True)
     tuning = tuning or da.default_tuning(cache)
     splits = da.choose_splits(batch, hk, table.shape[1] * block_size, sms, tuning)
     out = torch.empty_like(q)
     partial = torch.empty(batch, hq, splits, d, dtype=torch.float32, **meta) if splits > 1 else None
     lse = torch.empty(batch, hq, splits, dtype=torch.float32, **meta) if splits > 1 else None
     _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits,
-                                       out, partial, lse)
+                                       out, partial, lse, step if rotary else None)
     consts.update(PDL=pdl, launch_pdl=pdl)
     return compile_for_hopper(da.stage1_kernel(tuning), args, consts)
 
@@ -239,6 +245,8 @@ def main() -> int:
                    help="also report the decode kernel with these DecodeTuning fields over the default (repeatable)")
     p.add_argument("--dump", default=None, metavar="DIR", help="write each kernel's TTGIR and PTX here")
     p.add_argument("--pdl", action="store_true", help="the decode kernel as launched with programmatic dependent launch")
+    p.add_argument("--rotary", action="store_true",
+                   help="the decode kernel as rotary_store_and_decode launches it (rotary and the step's K/V store inside)")
     a = p.parse_args()
     from tandem_kernels import decode_attention as da, extend_attention as ea
     from tandem_kernels.triton_common import interpreting
@@ -258,7 +266,8 @@ def main() -> int:
                 tuning = dataclasses.replace(tuning, **json.loads(fields))
             name = f"decode_{label}" + ("" if fields is None else f"_{len(rows)}")
             rows.append({"kernel": "decode_stage1", "cache": label, "tuning": dataclasses.asdict(tuning),
-                         "pdl": a.pdl, **report(decode_stage1(cache, a.batch, a.ctx, tuning, pdl=a.pdl), dump, name)})
+                         "pdl": a.pdl, "rotary": a.rotary,
+                         **report(decode_stage1(cache, a.batch, a.ctx, tuning, pdl=a.pdl, rotary=a.rotary), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
         saved = ea.BLOCKS_AHEAD
         for ahead in (False, True):

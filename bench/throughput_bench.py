@@ -162,6 +162,19 @@ def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dic
     return section
 
 
+def _fused_rotary(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """`run` with TANDEM_FUSED_ROTARY=1 in this child: decode-only steps rotate and store their
+    K/V inside the decode attention kernel (engine/attention.py). For a cluster section, run the
+    whole bench with the variable set: the workers inherit it."""
+    def section(ctx: Context) -> dict:
+        from engine.attention import FUSED_ROTARY_ENV
+
+        os.environ[FUSED_ROTARY_ENV] = "1"
+        return run(ctx)
+
+    return section
+
+
 def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
              kv_layout: str = "nhd") -> dict:
     """The offline workload; `max_running` (else --max-running, else derived) caps the batch;
@@ -459,6 +472,12 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch's workspace: split-K GEMMs allowed)"),
+    Section("decode_b1_fused_rotary", "", 75, 35, "child", _fused_rotary(run_decode_b1),
+            "decode_b1 with TANDEM_FUSED_ROTARY=1 (rotary + the step's K/V store inside decode attention)"),
+    Section("offline_bf16_fused_rotary", "", 150, 120, "child", _fused_rotary(lambda c: _offline(c, "auto", None)),
+            "offline_bf16 with TANDEM_FUSED_ROTARY=1"),
+    Section("offline_fp8_fused_rotary", "", 125, 100, "child", _fused_rotary(lambda c: _offline(c, "fp8", "fp8")),
+            "offline_fp8 with TANDEM_FUSED_ROTARY=1"),
     Section("offline_fp8_deferred_scales", "", 125, 100, "child", run_offline_fp8_deferred_scales,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
     Section("offline_bf16_untimed_buckets", "", 150, 120, "child", run_offline_bf16_untimed_buckets,

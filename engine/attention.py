@@ -1,11 +1,26 @@
 """What one forward pass needs to know about the batch's place in the paged KV cache."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from tandem_kernels import ops
+
+
+# "1": a decode-only step rotates its queries and stores its own K and V inside the decode
+# attention kernel (tandem_kernels.ops.rotary_store_and_decode), one kernel a layer fewer than
+# rotary_and_store_kv before attention; "0" (default): the two kernels.
+FUSED_ROTARY_ENV = "TANDEM_FUSED_ROTARY"
+
+
+def fused_rotary_enabled() -> bool:
+    """Whether decode-only steps take the fused rotary + store + attention (FUSED_ROTARY_ENV)."""
+    value = os.environ.get(FUSED_ROTARY_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_ROTARY_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @dataclass

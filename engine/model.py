@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend
+from engine.attention import AttentionMetadata, attend, fused_rotary_enabled
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from tandem_kernels import ops
@@ -69,6 +69,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
+        if meta.is_decode and fused_rotary_enabled():  # one kernel: rotary, the step's K/V stored, attention
+            return ops.rotary_store_and_decode(
+                q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, self.rotary_dim,
+                self.is_neox, meta.block_tables, meta.seq_lens, self.scale, meta.k_scale, meta.v_scale,
+            ).reshape(t, self.q_size)
         q, _ = ops.rotary_and_store_kv(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,

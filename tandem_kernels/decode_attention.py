@@ -14,6 +14,9 @@ shapes, but each sequence's split length is its own context divided among the sp
 `min_partition`): a graph captured for the longest context a model allows still spreads a short
 context over every split rather than giving it all to the first.
 Semantics match tandem_kernels.reference.paged_decode_attention; a context_len of 0 gives zeros.
+`rotary_store_and_decode` also rotates the queries and stores the step's own K and V in stage 1
+(one kernel fewer a layer than rotary.rotary_and_store_kv before attention), with the semantics of
+the two in turn (reference.rotary_store_and_decode).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,7 +33,9 @@ import triton.language as tl
 
 from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
 from tandem_kernels.reference import attention_output
-from tandem_kernels.triton_common import interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, upcast_dots
+from tandem_kernels.rotary import check_rotary_args
+from tandem_kernels.triton_common import (interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, soft_fp8_round,
+                                          upcast_dots)
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
@@ -236,6 +242,12 @@ def paged_decode_attention(
     tuning: the launch shape (None: the default for the cache dtype); results agree across tunings
     to rounding.
     """
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, tuning, out, None)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, tuning: DecodeTuning | None,
+            out: torch.Tensor | None, step: StepKV | None) -> torch.Tensor:
     _, block_size = check_paged_args(q, k_cache, v_cache, block_tables)
     bsz, hq, dim = q.shape
     hk = k_cache.shape[2]
@@ -254,7 +266,7 @@ def paged_decode_attention(
         partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     grid, args, consts = stage1_launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                                       tuning, splits, out, partial, lse)
+                                       tuning, splits, out, partial, lse, step)
     stage1_kernel(tuning)[grid](*args, **consts)
     if splits == 1:
         return out
@@ -268,6 +280,34 @@ def paged_decode_attention(
     return out
 
 
+class StepKV(NamedTuple):
+    """The step's own token for rotary_store_and_decode: k (unrotated) and v [B, Hk, D], the
+    positions [B] and cos/sin cache that rotate it, the slots [B] it is stored at (< 0: not)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    rotary_dim: int
+    is_neox: bool
+
+
+def rotary_store_and_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rotary_dim: int, is_neox: bool,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0, tuning: DecodeTuning | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rotary.rotary_and_store_kv(q, k, v, ...) and then paged_decode_attention of the rotated q,
+    in one kernel (two with several splits): q [B, Hq, D] and k [B, Hk, D] arrive unrotated, the
+    rotated k and v are written at slot_mapping (< 0: skipped), and q attends to its first
+    context_lens[b] cached tokens, the step's own among them. Returns [B, Hq, D] in q.dtype."""
+    q, k, v = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim)
+    step = StepKV(k, v, positions, cos_sin_cache.contiguous(), slot_mapping, rotary_dim, bool(is_neox))
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, tuning, out, step)
+
+
 def _last_offset(cache: torch.Tensor) -> int:
     """The largest element offset from a cache view's start that indexing it can reach."""
     return sum((n - 1) * s for n, s in zip(cache.shape, cache.stride()))
@@ -277,11 +317,13 @@ def stage1_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, tuning: DecodeTuning,
     splits: int, out: torch.Tensor, partial: torch.Tensor | None, lse: torch.Tensor | None,
+    step: StepKV | None = None,
 ) -> tuple[tuple[int, int, int], list, dict]:
     """Stage 1's launch for checked arguments: (grid, positional args, keyword constants incl.
     num_warps / num_stages). One split writes `out` directly; more write `partial` and `lse` for
-    stage 2. One home for the launcher and for bench/kernel_ir.py, which compiles the kernel as
-    a launch specializes it, on tensors of the meta device."""
+    stage 2. With `step`, q is unrotated and the kernel rotates it and stores the step's K and V
+    (rotary_store_and_decode). One home for the launcher and for bench/kernel_ir.py, which
+    compiles the kernel as a launch specializes it, on tensors of the meta device."""
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     bsz, _, dim = q.shape
     fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -312,4 +354,13 @@ def stage1_launch(
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), *o_strides, *lse_strides,
             float(scale) * k_scale * LOG2E, float(v_scale)]
+    if step is None:  # the step's arguments are not read: any pointer, no strides
+        args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
+        consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False)
+    else:
+        args += [step.k, step.v, step.positions, step.cos_sin_cache, step.slot_mapping,
+                 step.k.stride(0), step.k.stride(1), step.v.stride(0), step.v.stride(1),
+                 step.cos_sin_cache.stride(0), k_scale]
+        consts.update(ROTARY=True, ROT=step.rotary_dim, IS_NEOX=step.is_neox, STORE_FP8=fp8,
+                      SOFT_ROUND=fp8 and soft_fp8_round())
     return (bsz, k_cache.shape[2], splits), args, consts

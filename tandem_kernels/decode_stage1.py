@@ -4,7 +4,9 @@ tuning, the launch and stage 2).
 One program per (sequence, KV head, KV split) scores each K/V tile of its split against all the
 query heads of that KV head's group with tl.dot, keeping an online softmax in fp32, and writes
 a normalized partial output and its log-sum-exp (log2 domain), or the output itself where there
-is one split. `_decode_stage1` holds a tile as [heads, tokens] across its warps;
+is one split. With ROTARY (decode_attention.rotary_store_and_decode) the queries arrive unrotated:
+each program rotates its group's, and the program whose split ends at the context first rotates and
+stores the step's own K and V (`_step_token`), so that no separate kernel runs before attention. `_decode_stage1` holds a tile as [heads, tokens] across its warps;
 `_decode_stage1_warps` (DecodeTuning.warp_split) gives each warp its own share of the tile and
 softmax, merged after the loop. Both take the arguments `stage1_launch` builds.
 """
@@ -13,8 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem_kernels.rotary import rotary_cos_sin, rotary_lanes, rotate_rows
 from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blocks_at, next_tile_blocks,
-                                          next_tile_blocks_at, pdl_begin, token_place, widen)
+                                          next_tile_blocks_at, pdl_begin, quantize_for_store, token_place, widen)
 
 # Integer arguments that change from step to step (block-table width, split count).
 # Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
@@ -46,6 +49,48 @@ def _program_split(ctx_ptr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _step_token(
+    q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
+    k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, k_store_scale, v_store_scale,
+    BLOCK_SIZE: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr,
+    IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
+):
+    """ROTARY: sequence b's queries of this KV head's group ([BLOCK_H, D_PAD], q's dtype) rotated
+    at positions[b]. The program whose split holds position ctx - 1 (one per sequence and KV head)
+    first writes the step's rotated K and V into the cache at slot_mapping[b] (unless < 0), as
+    rotary.rotary_and_store_kv would; every program then passes a barrier before any tile is
+    read, so the program that reads that slot reads what it wrote. The K/V tiles are read through
+    L2 (cp.async.cg), where the store has gone."""
+    partner, sign, ci, in_rot = rotary_lanes(d, ROT, IS_NEOX)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos, sin = rotary_cos_sin(cs_ptr + pos * cs_s0, ci, in_rot, ROT)
+    q = rotate_rows(q_ptr + b * q_s0 + heads[:, None] * q_s1, d, h_mask[:, None] & d_mask[None, :],
+                    partner, sign, in_rot, cos, sin)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    # Stored under a mask, and the owner found from the partition rather than the split's `end`:
+    # a test on `end` here moved the KV loop's bound tests to the uniform datapath (Triton 3.9,
+    # sm_90: ~12 more instructions an iteration of the loop that follows).
+    owner = (ctx > 0) & (tl.program_id(2) == (ctx - 1) // _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION,
+                                                                            BLOCK_N)) & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    row = tl.zeros([1, 1], dtype=tl.int64)
+    mask = d_mask[None, :] & (row + owner.to(tl.int64) > 0)  # [1, D_PAD] (a scalar mask trips the interpreter)
+    k = rotate_rows(kn_ptr + b * kn_s0 + kvh * kn_s1 + row, d, mask, partner, sign, in_rot, cos, sin)
+    v = tl.load(vn_ptr + b * vn_s0 + kvh * vn_s1 + row + d[None, :], mask=mask, other=0.0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    kq = quantize_for_store(k.to(tl.float32), k_store_scale, STORE_FP8, SOFT_ROUND)
+    tl.store(k_cache_ptr + blk * kc_s0 + off * kc_s1 + kvh * kc_s2 + row + d[None, :],
+             kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    vq = quantize_for_store(v.to(tl.float32), v_store_scale, STORE_FP8, SOFT_ROUND)
+    tl.store(v_cache_ptr + blk * vc_s0 + off * vc_s1 + kvh * vc_s2 + row + d[None, :],
+             vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()  # the stores above are visible to the whole program from here on
+    return q
+
+
+@triton.jit
 def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
@@ -56,12 +101,15 @@ def _decode_stage1(
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
+    ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
 ):
     pdl_begin(PDL)
     b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
@@ -71,8 +119,14 @@ def _decode_stage1(
         d = tl.arange(0, D_PAD)
         h_mask = h < GROUP
         d_mask = d < D
-        q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        if ROTARY:
+            q = _step_token(q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+                            kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
+                            k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, k_store_scale,
+                            v_scale, BLOCK_SIZE, MIN_PARTITION, BLOCK_N, ROT, IS_NEOX, STORE_FP8, SOFT_ROUND)
+        else:
+            q = tl.load(q_ptr + b * q_s0 + heads[:, None] * q_s1 + d[None, :],
+                        mask=h_mask[:, None] & d_mask[None, :], other=0.0)
         if F16:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -146,12 +200,15 @@ def _decode_stage1_warps(
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr, WARPS: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
+    ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, WARPS: tl.constexpr,
 ):
     """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
     each row of it one warp's, with its own running max, sum and accumulator; they merge after
@@ -168,8 +225,15 @@ def _decode_stage1_warps(
         d = tl.arange(0, D_PAD)
         h_mask = h < GROUP
         d_mask = d < D
-        q_t = tl.load(q_ptr + b * q_s0 + heads[None, :] * q_s1 + d[:, None],
-                      mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [D_PAD, BLOCK_H]
+        if ROTARY:
+            q_t = tl.trans(_step_token(q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+                                       kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
+                                       cs_s0, k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                       k_store_scale, v_scale, BLOCK_SIZE, MIN_PARTITION, BLOCK_N, ROT, IS_NEOX,
+                                       STORE_FP8, SOFT_ROUND))
+        else:
+            q_t = tl.load(q_ptr + b * q_s0 + heads[None, :] * q_s1 + d[:, None],
+                          mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [D_PAD, BLOCK_H]
         if F16:
             q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         q3 = tl.broadcast_to(q_t[None, :, :], (WARPS, D_PAD, BLOCK_H))

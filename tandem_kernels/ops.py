@@ -174,6 +174,20 @@ def paged_decode_attention(
     return reference.paged_decode_attention(*args, out=out)
 
 
+def rotary_store_and_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rotary_dim: int, is_neox: bool,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See tandem_kernels.reference.rotary_store_and_decode."""
+    args = (q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim, is_neox, block_tables,
+            context_lens, scale, k_scale, v_scale)
+    if _use_triton(q):
+        return _triton("decode_attention", "rotary_store_and_decode")(*args, out=out)
+    return reference.rotary_store_and_decode(*args, out=out)
+
+
 # ---- FP8 weights: activation quantization fused into the ops before each GEMM, and the GEMM ----
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

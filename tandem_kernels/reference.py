@@ -121,6 +121,31 @@ def rotary_and_store_kv(
     return q, k
 
 
+def rotary_store_and_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rotary_dim: int,
+    is_neox: bool,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode step's attention from unrotated q, k, v [B, H, D]: rotary_and_store_kv, then
+    paged_decode_attention of the rotated q (into `out` when given)."""
+    q, _ = rotary_and_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim,
+                               is_neox, k_scale, v_scale)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out=out)
+
+
 def gather_kv(
     cache: torch.Tensor, block_table: torch.Tensor, length: int, scale: float = 1.0
 ) -> torch.Tensor:

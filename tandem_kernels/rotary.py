@@ -17,19 +17,52 @@ NUM_WARPS = 2  # for tiles of up to 4096 elements; twice that above
 
 
 @triton.jit
+def rotary_lanes(d, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
+    """For features d [D_PAD]: (partner, sign, cos/sin index, rotated?). Output feature d is
+    x[d] * cos[ci] + sign * x[partner] * sin[ci] where d < ROT, else x[d] (partner = d, ci = 0)."""
+    in_rot = d < ROT
+    if IS_NEOX:
+        first = d < ROT // 2
+        ci = tl.where(first, d, d - ROT // 2)
+        partner = tl.where(first, d + ROT // 2, d - ROT // 2)
+    else:
+        first = d % 2 == 0
+        ci = d // 2
+        partner = d ^ 1
+    sign = tl.where(first, -1.0, 1.0)
+    return tl.where(in_rot, partner, d), sign, tl.where(in_rot, ci, 0), in_rot
+
+
+@triton.jit
+def rotary_cos_sin(cs_row, ci, in_rot, ROT: tl.constexpr):
+    """cos and sin (fp32, [D_PAD]) of one position's row of the cos/sin cache; 1 and 0 past ROT."""
+    cos = tl.load(cs_row + ci, mask=in_rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row + ROT // 2 + ci, mask=in_rot, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotate_rows(rows, d, mask, partner, sign, in_rot, cos, sin):
+    """Load the [R, D_PAD] tile at row pointers `rows` [R, 1] (masked by `mask`) and return it
+    rotated, in its own dtype."""
+    x = tl.load(rows + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    rotated = x.to(tl.float32) * cos[None, :] + sign[None, :] * xp * sin[None, :]
+    return tl.where(in_rot[None, :], rotated.to(x.dtype), x)
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr, s0, s1, t, heads, d, partner, sign, in_rot, cos, sin,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """Load token t's [H_PAD, D_PAD] tile of src and return (rotated in src dtype, mask)."""
     mask = (heads < H)[:, None] & (d < D)[None, :]
-    row = src_ptr + t * s0 + heads[:, None] * s1
-    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    rows = src_ptr + t * s0 + heads[:, None] * s1
     if ROTATE:
-        xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        rotated = xf * cos[None, :] + sign[None, :] * xp * sin[None, :]
-        x = tl.where(in_rot[None, :], rotated.to(x.dtype), x)
+        x = rotate_rows(rows, d, mask, partner, sign, in_rot, cos, sin)
+    else:
+        x = tl.load(rows + d[None, :], mask=mask, other=0.0)
     return x, mask
 
 
@@ -48,24 +81,10 @@ def _rotary_store_kernel(
     pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    in_rot = d < ROT
-    # Each output feature d is x[d] * cos[ci] + sign * x[partner] * sin[ci].
-    if IS_NEOX:
-        first = d < ROT // 2
-        ci = tl.where(first, d, d - ROT // 2)
-        partner = tl.where(first, d + ROT // 2, d - ROT // 2)
-    else:
-        first = d % 2 == 0
-        ci = d // 2
-        partner = d ^ 1
-    sign = tl.where(first, -1.0, 1.0)
-    partner = tl.where(in_rot, partner, d)
-    ci = tl.where(in_rot, ci, 0)
+    partner, sign, ci, in_rot = rotary_lanes(d, ROT, IS_NEOX)
     if ROTATE:
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        cs_row = cos_sin_ptr + pos * cs_stride
-        cos = tl.load(cs_row + ci, mask=in_rot, other=1.0).to(tl.float32)
-        sin = tl.load(cs_row + ROT // 2 + ci, mask=in_rot, other=0.0).to(tl.float32)
+        cos, sin = rotary_cos_sin(cos_sin_ptr + pos * cs_stride, ci, in_rot, ROT)
     else:
         cos = tl.full([D_PAD], 1.0, tl.float32)
         sin = tl.zeros([D_PAD], tl.float32)
@@ -166,6 +185,18 @@ def rotary_and_store_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D], write rotated k and v [T, Hk, D] into the cache at
     slot_mapping [T] (slots < 0 skipped); return new contiguous (q_rot, k_rot)."""
+    q, k, v = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim)
+    return _launch(q, k, v, positions, _last_dim_contiguous(cos_sin_cache), k_cache, v_cache,
+                   slot_mapping, rotary_dim, is_neox, k_scale, v_scale,
+                   rotate=True, write_k=True, store=True)
+
+
+def check_rotary_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checks of rotary_and_store_kv's arguments (ValueError naming the one that is off);
+    returns q, k, v with a contiguous last dim."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_3d(x, name)
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -174,10 +205,7 @@ def rotary_and_store_kv(
         raise ValueError("positions and slot_mapping must be [tokens]")
     _check_rotary(q.shape[2], rotary_dim, cos_sin_cache)
     _check_cache(k_cache, v_cache, k.shape[1], k.shape[2])
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    return _launch(q, k, v, positions, _last_dim_contiguous(cos_sin_cache), k_cache, v_cache,
-                   slot_mapping, rotary_dim, is_neox, k_scale, v_scale,
-                   rotate=True, write_k=True, store=True)
+    return _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
 
 
 def apply_rotary(

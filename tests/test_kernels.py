@@ -500,6 +500,89 @@ def case_head_major_cache() -> None:
         assert head_major.engine.cache.stats().hit_tokens >= 32, "the second prompt should reuse the first's blocks"
 
 
+def case_rotary_store_and_decode() -> None:
+    """ops.rotary_store_and_decode (a decode step's rotary, K/V store and attention in the decode
+    kernel) against rotary_and_store_kv then paged_decode_attention (the reference): neox and
+    interleaved, partial rotary, GQA groups of 1, 2 and 4, bf16 and FP8 caches (head-major too),
+    one split and several, the default and the warp-split loops; a padded row (context 0, slot
+    -1) gives zeros and writes nothing, a row whose slot is -1 writes nothing; the slots it does
+    not write keep their bytes. And an engine with TANDEM_FUSED_ROTARY=1 gives the greedy tokens
+    of one without, every kernel in Triton (interpreted)."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.gather_ceiling import as_layout
+    from engine import LLM, SamplingParams
+    from engine.attention import FUSED_ROTARY_ENV
+    from engine.demo import make_random_model
+    from tandem_kernels import decode_attention as da, ops, reference as ref
+
+    warps = dataclasses.replace(da.FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True)
+    configs = [  # (q dtype, cache dtype, layout, batch, hq, hk, d, rotary_dim, neox, block_size, width, tuning)
+        (torch.bfloat16, torch.bfloat16, "nhd", 4, 8, 2, 64, 64, True, 16, 30, None),  # several splits
+        (torch.bfloat16, torch.bfloat16, "nhd", 3, 4, 1, 64, 32, False, 16, 4, None),  # GLM-like, one split
+        (torch.float32, torch.float32, "nhd", 3, 4, 4, 48, 24, True, 16, 12, None),  # head_dim 48
+        (torch.bfloat16, FP8, "nhd", 4, 4, 2, 64, 64, True, 16, 24, None),
+        (torch.bfloat16, FP8, "hnd", 4, 8, 2, 32, 32, False, 16, 24, warps),
+    ]
+    for dtype, cdt, layout, b, hq, hk, d, rot, neox, bs, width, tuning in configs:
+        what = (f"rotary_store_and_decode {dtype} cache={cdt} {layout} b={b} heads={hq}/{hk} d={d} rot={rot} "
+                f"neox={neox} width={width} warp_split={tuning is not None}")
+        lens = torch.randint(1, width * bs + 1, (b,)).tolist()
+        lens[0] = width * bs  # the step's token in the table's last slot
+        lens[1] = 0  # a padded row
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        if layout == "hnd":
+            kc, vc = as_layout(kc, "hnd"), as_layout(vc, "hnd")
+        qkv = rand(b, (hq + 2 * hk) * d, dtype=dtype, scale=2.0)
+        q, k, v = (y.view(b, -1, d) for y in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+        cos_sin = ref.rope_cos_sin_cache(width * bs + 1, rot, inv)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        pos = (ctx - 1).clamp(min=0).long()
+        slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, p in enumerate(pos.tolist())])
+        slots[1] = -1
+        if b > 3:
+            slots[3] = -1  # not stored: attention reads what the slot held
+        scales = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
+        mine_k, mine_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        if layout == "hnd":
+            mine_k, mine_v, ref_k, ref_v = (as_layout(c.contiguous(), "hnd") for c in (kc, vc, kc, vc))
+        got = da.rotary_store_and_decode(q, k, v, pos, cos_sin, mine_k, mine_v, slots, rot, neox, table, ctx,
+                                         d ** -0.5, *scales, tuning=tuning)
+        want = ref.rotary_store_and_decode(q, k, v, pos, cos_sin, ref_k, ref_v, slots, rot, neox, table, ctx,
+                                           d ** -0.5, *scales)
+        two_k, two_v = (as_layout(c.contiguous(), "hnd") if layout == "hnd" else c.clone() for c in (kc, vc))
+        rotated, _ = ops.rotary_and_store_kv(q, k, v, pos, cos_sin, two_k, two_v, slots, rot, neox, *scales)
+        two = da.paged_decode_attention(rotated, two_k, two_v, table, ctx, d ** -0.5, *scales, tuning=tuning)
+        assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), f"{what}: a padded row"
+        # The two kernels it replaces give the same bytes: the same rotation, store and loop.
+        assert torch.equal(got, two), f"{what}: differs from rotary_and_store_kv + paged_decode_attention"
+        assert torch.equal(mine_k.view(torch.uint8), two_k.view(torch.uint8)), what
+        assert torch.equal(mine_v.view(torch.uint8), two_v.view(torch.uint8)), what
+        live = ctx > 0  # the reference rounds the rotated q and k to bf16 to nearest, the interpreter truncates
+        close(got[live], want[live], dtype, what, scale=4.0, rscale=4.0)
+        for mine, theirs, start, name in ((mine_k, ref_k, kc, "k"), (mine_v, ref_v, vc, "v")):
+            (fp8_close if cdt == FP8 else lambda a, c, w: close(a, c, dtype, w, 3.0))(mine, theirs, f"{what} {name} cache")
+            written = torch.zeros(start.shape[:2], dtype=torch.bool)
+            for slot in slots[slots >= 0].tolist():
+                written[slot // bs, slot % bs] = True
+            assert written.sum() == int((slots >= 0).sum()), what
+            assert torch.equal(mine[~written].view(torch.uint8), start[~written].view(torch.uint8)), \
+                f"{what}: {name} slots it should not write changed"
+            assert not torch.equal(mine[written].view(torch.uint8), start[written].view(torch.uint8)), \
+                f"{what}: {name} not stored"
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 19, 33)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_random_model(Path(tmp) / "llama", "llama", seed=2)
+        want = [o.token_ids for o in LLM(path, num_kv_blocks=32).generate(prompts, params)]
+        os.environ[FUSED_ROTARY_ENV] = "1"
+        got = [o.token_ids for o in LLM(path, num_kv_blocks=32).generate(prompts, params)]
+        del os.environ[FUSED_ROTARY_ENV]
+        assert got == want, f"fused rotary {got} != {want}"
+
+
 def case_decode_wide_table() -> None:
     """Block tables far wider than the contexts, as a CUDA graph captured for the model's longest
     context has them: the split count comes from the width, and each sequence divides its own

@@ -191,6 +191,23 @@ def test_cublas_workspace_section_sets_the_variable_before_its_run(monkeypatch) 
     assert all(tb.SECTIONS[n].where == "child" for n in names)  # never the bench's own process
 
 
+def test_fused_rotary_sections_turn_it_on_before_their_run(monkeypatch) -> None:
+    """The *_fused_rotary sections run their row's function with TANDEM_FUSED_ROTARY=1 set first,
+    each in a child of its own."""
+    from engine.attention import FUSED_ROTARY_ENV, fused_rotary_enabled
+
+    monkeypatch.setenv(FUSED_ROTARY_ENV, "0")  # recorded, so the section's value is undone after
+    seen = []
+    section = tb._fused_rotary(lambda ctx: seen.append((ctx, fused_rotary_enabled())) or {"ok": 1})
+    assert section("ctx") == {"ok": 1} and seen == [("ctx", True)]
+    names = {n for n in tb.SECTIONS if n.endswith("_fused_rotary")}
+    assert names == {"decode_b1_fused_rotary", "offline_bf16_fused_rotary", "offline_fp8_fused_rotary"}
+    assert all(tb.SECTIONS[n].where == "child" for n in names)
+    monkeypatch.setenv(FUSED_ROTARY_ENV, "yes")
+    with pytest.raises(ValueError, match=FUSED_ROTARY_ENV):
+        fused_rotary_enabled()
+
+
 def test_untimed_buckets_section_turns_timing_off_before_its_run(monkeypatch) -> None:
     """offline_bf16_untimed_buckets builds its engine with TANDEM_TIMED_BUCKETS=0 (every decode
     graph up to the cap, as before timed buckets), in a child of its own."""
