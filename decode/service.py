@@ -25,13 +25,13 @@ from tandem._proto.tandem.v1 import worker_pb2
 from tandem.types import DEADLINE, SamplingParams
 from worker.adapters import chunk_from_outputs, logprob_from_meta
 from worker.engine_loop import LoopStopped
-from worker.runtime import WorkerRuntime, rpc
+from worker.runtime import SharedRpcs, WorkerRuntime, rpc
 from worker.streams import ItemStream, coalescing
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeService(wire.DecodeWorkerServicer):
+class DecodeService(SharedRpcs, wire.DecodeWorkerServicer):
     """receiver: the KV receiver (None for role both: Reserve then answers ok=false).
     kv_timeout_s: how long a reservation lives when the request carries no timeout."""
 
@@ -255,12 +255,4 @@ class DecodeService(wire.DecodeWorkerServicer):
 
         return pb.AbortResponse(found=await self.runtime.run(abort))
 
-    @rpc("Stats")
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return self.runtime.stats_proto()
-
-    @rpc("KvEvents")
-    async def KvEvents(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
-        async for batch in self.runtime.kv_events(context):
-            yield batch
 

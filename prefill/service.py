@@ -13,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.engine import Engine
 from kvtransfer import KVSender
 from prefill import adapters as ad
 from prefill.adapters import KvTarget
@@ -27,7 +25,7 @@ from tandem import security, wire
 from tandem._proto.tandem.v1 import tandem_pb2 as pb
 from tandem._proto.tandem.v1 import worker_pb2
 from worker.engine_loop import LoopStopped
-from worker.runtime import WorkerRuntime, rpc
+from worker.runtime import SharedRpcs, WorkerRuntime, rpc
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ _FAILURE_STATUS = {
 }
 
 
-class PrefillService(wire.PrefillWorkerServicer):
+class PrefillService(SharedRpcs, wire.PrefillWorkerServicer):
     """ranks: on rank 0 of a tensor-parallel worker, the collector of the other ranks' push
     results (None without TP); the caller routes the TP link's results into it and installs
     `pusher.step_extras` on the engine's TP runner."""
@@ -188,14 +186,6 @@ class PrefillService(wire.PrefillWorkerServicer):
         rid = request.request_id
         return pb.AbortResponse(found=await self.runtime.run(lambda e: self.pusher.abort(e, rid, "aborted")))
 
-    @rpc("Stats")
-    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
-        return self.runtime.stats_proto()
-
-    @rpc("KvEvents")
-    async def KvEvents(self, request: worker_pb2.KvEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
-        async for batch in self.runtime.kv_events(context):
-            yield batch
 
 
 def _observed(fut: asyncio.Future) -> asyncio.Future:

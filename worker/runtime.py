@@ -186,3 +186,20 @@ def rpc(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return wrapper
 
     return deco
+
+
+class SharedRpcs:
+    """The RPCs every worker service answers the same way, from its `runtime`: a service class
+    lists this before its servicer base."""
+
+    runtime: WorkerRuntime
+
+    @rpc("Stats")
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerStats:
+        return self.runtime.stats_proto()
+
+    @rpc("KvEvents")
+    async def KvEvents(self, request: worker_pb2.KvEventsRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        async for batch in self.runtime.kv_events(context):
+            yield batch
