@@ -39,6 +39,23 @@ def test_greedy_tokens_match_transformers(family, tiny_models):
     assert llm.engine.num_free_blocks_after_reset() == llm.engine.num_total_blocks
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "glm4"])  # plain, q/k norms, interleaved partial rotary
+def test_fused_rotary_decode_gives_the_same_tokens(family, tiny_models, monkeypatch):
+    """TANDEM_FUSED_ROTARY=1 (a decode step's rotary and K/V store inside decode attention) gives
+    transformers' greedy tokens too, through the engine's decode path (the reference kernels here;
+    tests/test_kernels.py checks the Triton kernel)."""
+    from engine.attention import FUSED_ROTARY_ENV
+
+    monkeypatch.setenv(FUSED_ROTARY_ENV, "1")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 16, 30)]
+    outs = LLM(tiny_models[family], num_kv_blocks=64).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    ref = hf_model(tiny_models[family])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ref, prompt, 12)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_batch_logits_match_transformers(family, tiny_models):
     llm = LLM(tiny_models[family], num_kv_blocks=64)
