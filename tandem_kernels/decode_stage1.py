@@ -59,34 +59,34 @@ def _step_token(
     """ROTARY: sequence b's queries of this KV head's group ([BLOCK_H, D_PAD], q's dtype) rotated
     at positions[b]. The program whose split holds position ctx - 1 (one per sequence and KV head)
     first writes the step's rotated K and V into the cache at slot_mapping[b] (unless < 0), as
-    rotary.rotary_and_store_kv would; every program then passes a barrier before any tile is
-    read, so the program that reads that slot reads what it wrote. The K/V tiles are read through
-    L2 (cp.async.cg), where the store has gone."""
+    rotary.rotary_and_store_kv would, and passes a barrier before any tile is read, so that it
+    reads what it wrote (no other program reads that slot). The K/V tiles are read through L2
+    (cp.async.cg), where the store has gone."""
     partner, sign, ci, in_rot = rotary_lanes(d, ROT, IS_NEOX)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     cos, sin = rotary_cos_sin(cs_ptr + pos * cs_s0, ci, in_rot, ROT)
     q = rotate_rows(q_ptr + b * q_s0 + heads[:, None] * q_s1, d, h_mask[:, None] & d_mask[None, :],
                     partner, sign, in_rot, cos, sin)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    # Stored under a mask, and the owner found from the partition rather than the split's `end`:
-    # a test on `end` here moved the KV loop's bound tests to the uniform datapath (Triton 3.9,
-    # sm_90: ~12 more instructions an iteration of the loop that follows).
+    # The owner is found from the partition rather than the split's `end`: a test on `end` here
+    # moved the KV loop's bound tests to the uniform datapath (Triton 3.9, sm_90: ~12 more
+    # instructions an iteration of the loop that follows).
     owner = (ctx > 0) & (tl.program_id(2) == (ctx - 1) // _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION,
                                                                             BLOCK_N)) & (slot >= 0)
-    slot = tl.maximum(slot, 0)
-    row = tl.zeros([1, 1], dtype=tl.int64)
-    mask = d_mask[None, :] & (row + owner.to(tl.int64) > 0)  # [1, D_PAD] (a scalar mask trips the interpreter)
-    k = rotate_rows(kn_ptr + b * kn_s0 + kvh * kn_s1 + row, d, mask, partner, sign, in_rot, cos, sin)
-    v = tl.load(vn_ptr + b * vn_s0 + kvh * vn_s1 + row + d[None, :], mask=mask, other=0.0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    kq = quantize_for_store(k.to(tl.float32), k_store_scale, STORE_FP8, SOFT_ROUND)
-    tl.store(k_cache_ptr + blk * kc_s0 + off * kc_s1 + kvh * kc_s2 + row + d[None, :],
-             kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    vq = quantize_for_store(v.to(tl.float32), v_store_scale, STORE_FP8, SOFT_ROUND)
-    tl.store(v_cache_ptr + blk * vc_s0 + off * vc_s1 + kvh * vc_s2 + row + d[None, :],
-             vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()  # the stores above are visible to the whole program from here on
+    if owner:  # one program a sequence and KV head; the others neither load nor wait here
+        row = tl.zeros([1, 1], dtype=tl.int64)
+        mask = (row == 0) & d_mask[None, :]
+        k = rotate_rows(kn_ptr + b * kn_s0 + kvh * kn_s1 + row, d, mask, partner, sign, in_rot, cos, sin)
+        v = tl.load(vn_ptr + b * vn_s0 + kvh * vn_s1 + row + d[None, :], mask=mask, other=0.0)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        kq = quantize_for_store(k.to(tl.float32), k_store_scale, STORE_FP8, SOFT_ROUND)
+        tl.store(k_cache_ptr + blk * kc_s0 + off * kc_s1 + kvh * kc_s2 + row + d[None, :],
+                 kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        vq = quantize_for_store(v.to(tl.float32), v_store_scale, STORE_FP8, SOFT_ROUND)
+        tl.store(v_cache_ptr + blk * vc_s0 + off * vc_s1 + kvh * vc_s2 + row + d[None, :],
+                 vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the stores above are visible to the whole program from here on
     return q
 
 
