@@ -36,6 +36,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 MAX_GRAPH_BATCH = DEFAULT_BUCKETS[-1]
 TIMED_BUCKETS_ENV = "TANDEM_TIMED_BUCKETS"  # "0": no timing, no spare buckets
 BUCKET_MARGIN = 0.02  # a bucket is dropped only if a larger one replays this much faster
+# A max_running the engine derived is lowered to a bucket that decodes more rows a ms, no lower
+# than this share of it (`throughput_cap`): fewer sequences at once only where it pays per token.
+THROUGHPUT_CAP_FLOOR = 0.75
 TIMING_ROUNDS, TIMING_REPLAYS = 3, 5  # each bucket's time: the best round's mean of its replays
 
 
@@ -69,6 +72,26 @@ def fastest_buckets(times: dict[int, float], max_batch: int, margin: float = BUC
     if top is None:
         raise ValueError(f"no timed bucket holds the largest batch {max_batch}: {sorted(times)}")
     return [b for b in kept if b <= top]
+
+
+def throughput_cap(times: dict[int, float], buckets: list[int], max_batch: int,
+                   floor: float = THROUGHPUT_CAP_FLOOR, margin: float = BUCKET_MARGIN) -> int:
+    """The cap on running sequences that decodes the most rows a ms of what a step costs besides
+    attention: the kept bucket in [floor x max_batch, max_batch) with the most rows a ms of its
+    replay (every row a padding row, so the GEMMs and the step's fixed costs), if it beats
+    max_batch rows in the bucket that holds them by more than `margin`; else max_batch.
+
+    At a full batch a token's attention costs the same whatever the batch, so a step's tokens a
+    ms are highest where the rest is: cuBLAS runs some row counts far slower than a slightly
+    smaller one (§26-27: bf16 GEMMs at 419 rows, in the 419-row graph, against 384)."""
+    top = smallest_bucket(buckets, max_batch)
+    if top is None or top not in times:
+        return max_batch
+    rate = {b: b / times[b] for b in buckets if floor * max_batch <= b < max_batch and b in times}
+    best = max(rate, key=rate.__getitem__, default=None)
+    if best is not None and rate[best] > max_batch / times[top] * (1 + margin):
+        return best
+    return max_batch
 
 
 def smallest_bucket(buckets: list[int], n: int) -> int | None:
@@ -175,6 +198,12 @@ class DecodeGraphs:
         if dropped:
             logger.info("decode graphs kept %s; dropped %s, each slower than a larger one (ms a replay: %s)",
                         kept, dropped, {b: round(t, 3) for b, t in sorted(self.replay_ms.items())})
+
+    def throughput_cap(self) -> int:
+        """`throughput_cap` of the timed buckets (max_running itself when they were not timed)."""
+        if not self.replay_ms:
+            return self.max_running
+        return throughput_cap(self.replay_ms, self.buckets, self.max_running)
 
     def bucket(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)

@@ -8,6 +8,7 @@ requests: callers admit, reserve, activate, abort and release requests through i
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -148,6 +149,8 @@ class Engine:
         if alone and self.runner is not None and config.cuda_graphs and device.type == "cuda":
             # Bounded: larger decode batches than the largest graph run eagerly.
             self.runner.capture_decode_graphs(min(self.max_running, MAX_GRAPH_BATCH), self.max_model_len)
+            if config.max_running is None:  # derived: lowered where a smaller batch decodes faster a token
+                self.lower_max_running(self.runner.graphs.throughput_cap())
         if alone and self.runner is not None and config.prefill_graph_tokens and device.type == "cuda":
             self.runner.capture_prefill_graphs(self.prefill_graph_tokens, self.max_model_len)
             # Prompts that a graph holds get a step of their own beside running decodes.
@@ -166,6 +169,19 @@ class Engine:
                 self.late_compiles = watch
         logger.info("engine ready%s: %s on %s (%s), %d KV blocks of %d%s", self.shard.describe(), self.identity, device,
                     dtype, num_blocks, config.block_size, ", overlapped steps" if self.overlap else "")
+
+    def lower_max_running(self, cap: int) -> None:
+        """Run at most `cap` sequences at once from now on, where that is fewer than max_running
+        (the decode graphs' `throughput_cap`: a derived max_running whose batch a smaller bucket
+        decodes faster a token)."""
+        if cap >= self.max_running:
+            return
+        logger.info("max_running %d -> %d: the decode graphs run %d rows faster a row than %d (ms a replay: %s)",
+                    self.max_running, cap, cap, self.max_running,
+                    {b: round(t, 3) for b, t in sorted(getattr(self.runner.graphs, "replay_ms", {}).items())})
+        self.max_running = cap
+        self.sched_config = dataclasses.replace(self.sched_config, max_running=cap)
+        self._scheduler.config = self.sched_config
 
     def warm_up(self) -> float:
         """Compile the kernels of the steps a server meets before the first request

@@ -182,12 +182,13 @@ def silu_fp8_shape(inter: int) -> dict:
     `inter` outputs. PERSIST > 0 (whole rows without deferred scales only): that many programs an
     SM, each taking every so-many-th row and loading its next row while it finishes one; 0: one
     program per row. PERSIST is 0 here: `bench/silu_fp8_bench.py --sweep` times the alternative
-    (BENCHMARKS.md §25). SCALES_L1 (rows with deferred scales only): their column scales, twice a
-    row's bytes and the same for every row, are loaded to stay in L1 and the row to leave it first
-    (§23: read from L2 for every row, they cost the readers half of what deferring gained);
+    (BENCHMARKS.md §25; on the H200 it was slower, 273 µs against 232 at 8,448 rows, §27).
+    SCALES_L1 (rows with deferred scales only): their column scales, twice a row's bytes and the
+    same for every row, are loaded to stay in L1 and the row to leave it first; off, as the H200
+    measured it slower (384 rows 24.5 µs against 22.6 without, 512 rows 32.3 against 29.8, §27);
     `--sweep` times both."""
     whole = triton.next_power_of_2(max(inter, 16))
     if whole <= ONE_PASS_MAX:
-        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0, SCALES_L1=True)
+        return dict(BLOCK=whole, ONE_PASS=True, num_warps=max(4, min(32, whole // 512)), PERSIST=0, SCALES_L1=False)
     block, warps = block_for(inter)
-    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps, PERSIST=0, SCALES_L1=True)
+    return dict(BLOCK=block, ONE_PASS=False, num_warps=warps, PERSIST=0, SCALES_L1=False)

@@ -123,7 +123,7 @@ def case_silu() -> None:
     """Both of silu_and_mul_fp8's loops: the row held whole (ONE_PASS), and two passes over it in
     chunks (forced by a lower ONE_PASS_MAX; the 5,000-column rows take two chunks), with and
     without deferred scales; deferred ones with their column scales loaded to stay in L1
-    (SCALES_L1, the default) and without."""
+    (SCALES_L1) and without (the default, measured faster)."""
     from tandem_kernels import activation as act, ops, reference as ref
 
     saved, pick = act.ONE_PASS_MAX, act.silu_fp8_shape
@@ -147,7 +147,7 @@ def case_silu() -> None:
                     fp8_close(q, rq, f"{what} deferred, scales_l1={keep}")
                     scales_close(s, rs, dtype, f"{what} deferred scale, scales_l1={keep}")
     act.ONE_PASS_MAX = saved
-    assert pick(14336)["SCALES_L1"]
+    assert not pick(14336)["SCALES_L1"]
     assert act.silu_fp8_shape(14336)["ONE_PASS"] and not act.silu_fp8_shape(2 * saved)["ONE_PASS"]
 
 
