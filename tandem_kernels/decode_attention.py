@@ -303,8 +303,9 @@ def rotary_store_and_decode(
     in one kernel (two with several splits): q [B, Hq, D] and k [B, Hk, D] arrive unrotated, the
     rotated k and v are written at slot_mapping (< 0: skipped), and q attends to its first
     context_lens[b] cached tokens, the step's own among them. Returns [B, Hq, D] in q.dtype."""
-    q, k, v = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim)
-    step = StepKV(k, v, positions, cos_sin_cache.contiguous(), slot_mapping, rotary_dim, bool(is_neox))
+    q, k, v, cos_sin_cache = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                               rotary_dim)
+    step = StepKV(k, v, positions, cos_sin_cache, slot_mapping, rotary_dim, bool(is_neox))
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, tuning, out, step)
 
 

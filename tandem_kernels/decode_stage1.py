@@ -15,9 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem_kernels.rotary import rotary_cos_sin, rotary_lanes, rotate_rows
+from tandem_kernels.rotary import rotary_cos_sin, rotary_lanes, rotate_rows, store_at_slot
 from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blocks_at, next_tile_blocks,
-                                          next_tile_blocks_at, pdl_begin, quantize_for_store, token_place, widen)
+                                          next_tile_blocks_at, pdl_begin, token_place, widen)
 
 # Integer arguments that change from step to step (block-table width, split count).
 # Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
@@ -78,14 +78,8 @@ def _step_token(
         mask = (row == 0) & d_mask[None, :]
         k = rotate_rows(kn_ptr + b * kn_s0 + kvh * kn_s1 + row, d, mask, partner, sign, in_rot, cos, sin)
         v = tl.load(vn_ptr + b * vn_s0 + kvh * vn_s1 + row + d[None, :], mask=mask, other=0.0)
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        kq = quantize_for_store(k.to(tl.float32), k_store_scale, STORE_FP8, SOFT_ROUND)
-        tl.store(k_cache_ptr + blk * kc_s0 + off * kc_s1 + kvh * kc_s2 + row + d[None, :],
-                 kq.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        vq = quantize_for_store(v.to(tl.float32), v_store_scale, STORE_FP8, SOFT_ROUND)
-        tl.store(v_cache_ptr + blk * vc_s0 + off * vc_s1 + kvh * vc_s2 + row + d[None, :],
-                 vq.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_at_slot(k, v, slot, kvh * kc_s2 + row, kvh * vc_s2 + row, d, mask, k_cache_ptr, v_cache_ptr,
+                      kc_s0, kc_s1, vc_s0, vc_s1, BLOCK_SIZE, k_store_scale, v_store_scale, STORE_FP8, SOFT_ROUND)
         tl.debug_barrier()  # the stores above are visible to the whole program from here on
     return q
 

@@ -52,6 +52,22 @@ def rotate_rows(rows, d, mask, partner, sign, in_rot, cos, sin):
 
 
 @triton.jit
+def store_at_slot(k, v, slot, k_heads, v_heads, d, mask, k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, vc_s0, vc_s1,
+                  block_size, k_scale, v_scale, IS_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Write one token's K and V tiles [R, D_PAD] into the paged caches at `slot` (>= 0), each
+    value quantized as store_kv does for FP8 caches; `k_heads` / `v_heads` [R, 1] are the rows'
+    head offsets in each cache (head x its stride), `mask` [R, D_PAD] the elements written."""
+    blk = slot // block_size
+    off = slot % block_size
+    kq = quantize_for_store(k.to(tl.float32), k_scale, IS_FP8, SOFT_ROUND)
+    tl.store(k_cache_ptr + blk * kc_s0 + off * kc_s1 + k_heads + d[None, :], kq.to(k_cache_ptr.dtype.element_ty),
+             mask=mask)
+    vq = quantize_for_store(v.to(tl.float32), v_scale, IS_FP8, SOFT_ROUND)
+    tl.store(v_cache_ptr + blk * vc_s0 + off * vc_s1 + v_heads + d[None, :], vq.to(v_cache_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr, s0, s1, t, heads, d, partner, sign, in_rot, cos, sin,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, ROTATE: tl.constexpr,
@@ -104,15 +120,10 @@ def _rotary_store_kernel(
         if STORE:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             if slot >= 0:
-                blk = slot // block_size
-                off = slot % block_size
-                kq = quantize_for_store(k.to(tl.float32), k_scale, IS_FP8, SOFT_ROUND)
-                k_dst = k_cache_ptr + blk * kc_s0 + off * kc_s1 + hk[:, None] * kc_s2 + d[None, :]
-                tl.store(k_dst, kq.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
                 v = tl.load(v_ptr + t * v_s0 + hk[:, None] * v_s1 + d[None, :], mask=k_mask, other=0.0)
-                vq = quantize_for_store(v.to(tl.float32), v_scale, IS_FP8, SOFT_ROUND)
-                v_dst = v_cache_ptr + blk * vc_s0 + off * vc_s1 + hk[:, None] * vc_s2 + d[None, :]
-                tl.store(v_dst, vq.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+                store_at_slot(k, v, slot, hk[:, None] * kc_s2, hk[:, None] * vc_s2, d, k_mask, k_cache_ptr,
+                              v_cache_ptr, kc_s0, kc_s1, vc_s0, vc_s1, block_size, k_scale, v_scale, IS_FP8,
+                              SOFT_ROUND)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -185,8 +196,9 @@ def rotary_and_store_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D], write rotated k and v [T, Hk, D] into the cache at
     slot_mapping [T] (slots < 0 skipped); return new contiguous (q_rot, k_rot)."""
-    q, k, v = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, rotary_dim)
-    return _launch(q, k, v, positions, _last_dim_contiguous(cos_sin_cache), k_cache, v_cache,
+    q, k, v, cos_sin_cache = check_rotary_args(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                               rotary_dim)
+    return _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                    slot_mapping, rotary_dim, is_neox, k_scale, v_scale,
                    rotate=True, write_k=True, store=True)
 
@@ -194,9 +206,9 @@ def rotary_and_store_kv(
 def check_rotary_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, rotary_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The checks of rotary_and_store_kv's arguments (ValueError naming the one that is off);
-    returns q, k, v with a contiguous last dim."""
+    returns q, k, v and cos_sin_cache with a contiguous last dim."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_3d(x, name)
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -205,7 +217,7 @@ def check_rotary_args(
         raise ValueError("positions and slot_mapping must be [tokens]")
     _check_rotary(q.shape[2], rotary_dim, cos_sin_cache)
     _check_cache(k_cache, v_cache, k.shape[1], k.shape[2])
-    return _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    return tuple(_last_dim_contiguous(x) for x in (q, k, v, cos_sin_cache))
 
 
 def apply_rotary(
