@@ -367,48 +367,65 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
             "lazy_rescale, narrow_offsets, unsigned_index, GB/s, err]": rows}
 
 
-def gemv_sweep(rows_list: tuple[int, ...] = (1,)) -> dict:
-    """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through F.linear plus
-    the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights, each timed from a
-    CUDA graph. Rows: [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error];
-    the "unfused" row of each weight has block_n = block_k = warps = 0."""
+def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20) -> dict:
+    """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through
+    F.linear plus the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights.
+
+    As in a decode step, every call reads a weight no call before it read lately: each timed
+    CUDA graph runs the GEMV over copies of the weight totalling at least `cold_bytes` (far past
+    L2), one after another, and the time is the graph's over the copies. Tilings: every
+    block_n x block_k x warps with prefetch and three without, at the first row count; the three
+    fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, prefetch,
+    us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0."""
     from tandem_kernels import gemv as gm
     from tandem_kernels import ops
 
     h, inter = 4096, 14336
-    cases = {"qkv (norm in front)": (6144, h, True, False), "o_proj": (h, h, False, False),
-             "gate_up (norm in front, silu behind)": (2 * inter, h, True, True), "down": (h, inter, False, False)}
-    saved = (gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE)
+    cases = {"qkv": (6144, h, True, False), "o_proj": (h, h, False, False),
+             "gate_up": (2 * inter, h, True, True), "down": (h, inter, False, False)}
+    tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
+               for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
+    tilings += [gm.GemvTiling(block_n=bn, block_k=bk, prefetch=False) for bn, bk in ((4, 1024), (8, 512), (8, 1024))]
     rows_out: list[list] = []
     for name, (n, k, norm, silu) in cases.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        moved = n * k * 2
+        copies = max(2, -(-cold_bytes // moved))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
         nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-        for m in rows_list:
+        best: list[tuple[float, gm.GemvTiling]] = []
+        for i, m in enumerate(rows_list):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             kw = dict(residual=res if norm else None, norm_weight=nw if norm else None, eps=1e-5, silu_pair=silu)
 
             def unfused():
-                a = ops.fused_add_rms_norm(x, res, nw, 1e-5)[0] if norm else x
-                y = torch.nn.functional.linear(a, w)
-                return ops.silu_and_mul(y) if silu else y
+                for w in ws:
+                    a = ops.fused_add_rms_norm(x, res, nw, 1e-5)[0] if norm else x
+                    y = torch.nn.functional.linear(a, w)
+                    if silu:
+                        ops.silu_and_mul(y)
 
-            want = ref.gemv(x, w, None, **kw)[0].float()
-            moved = w.numel() * 2
-            ms = bench_ms(unfused)
-            rows_out.append([name, m, 0, 0, 0, False, round(ms * 1e3, 1), round(moved / ms / 1e6), 0.0])
-            for bn, bk, warps, late in itertools.product((8, 16, 32), (256, 512), (4, 8), (False, True)):
-                gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE = bn, bk, warps, late
+            want = ref.gemv(x, ws[0], None, **kw)[0].float()
+            us = bench_ms(unfused) * 1e3 / copies
+            rows_out.append([name, m, 0, 0, 0, False, round(us, 1), round(moved / us / 1e3), 0.0])
+            print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
+            timed = []
+            for t in (tilings if i == 0 else [t for _, t in best[:3]]):
                 try:
-                    got = gm.gemv(x, w, **kw)[0].float()
+                    got = gm.gemv(x, ws[0], tiling=t, **kw)[0].float()
                     err = ((got - want).abs() / (1 + want.abs())).max().item()
-                    ms = bench_ms(lambda: gm.gemv(x, w, **kw), reps=30)
-                    rows_out.append([name, m, bn, bk, warps, late, round(ms * 1e3, 1), round(moved / ms / 1e6), err])
+                    us = bench_ms(lambda: [gm.gemv(x, w, tiling=t, **kw) for w in ws], reps=30) * 1e3 / copies
+                    timed.append((us, t))
+                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.prefetch, round(us, 1),
+                                     round(moved / us / 1e3), err])
                 except Exception as exc:  # a configuration that does not compile or fit
-                    rows_out.append([name, m, bn, bk, warps, late, repr(exc)[:80], None, None])
-        del w
-    gm.BLOCK_N, gm.BLOCK_K, gm.NUM_WARPS, gm.LATE_REDUCE = saved
-    return {"rows [weight, rows, block_n, block_k, warps, late_reduce, us, weight GB/s, max error]": rows_out}
+                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.prefetch, repr(exc)[:80], None, None])
+                print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
+            if i == 0:
+                best = sorted(timed, key=lambda p: p[0])
+        del ws
+        torch.cuda.empty_cache()
+    return {"rows [weight, rows, block_n, block_k, warps, prefetch, us, weight GB/s, max error]": rows_out}
 
 
 def extend_sweep(s: Shapes) -> dict:

@@ -74,12 +74,13 @@ class SchedulerPhases:
 
 
 def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
-                  kv_cache_dtype: str = "auto", trace_dir: Path | None = None, quantization: str | None = None) -> dict:
+                  kv_cache_dtype: str = "auto", trace_dir: Path | None = None, quantization: str | None = None,
+                  fused_gemv: bool = False) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
               max_model_len=ctx + _STEPS_RUN * steps + 512, max_batched_tokens=8192, enable_prefix_cache=False,
-              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization, fused_decode_gemv=fused_gemv)
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     for p in torch.randint(0, min(128000, eng.model_config.vocab_size), (batch, ctx), generator=g).tolist():
@@ -140,7 +141,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
     if running != batch:
         raise RuntimeError(f"{batch - running} of {batch} sequences ended before the last timed step")
     return {"batch": batch, "ctx": ctx, "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
-            "overlap": overlap,
+            "overlap": overlap, "fused_gemv": fused_gemv,
             **timing, "gpu_ms_per_step": gpu_total, "gpu_idle_ms_per_step": gpu_idle,
             "decode_kv_gb_per_step": round(kv_bytes / 1e9, 2),
             "decode_stage1_tb_per_s": round(kv_bytes / stage1 / 1e6, 2) if stage1 else None,
@@ -328,6 +329,8 @@ def main() -> int:
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
                    help="profile with these DecodeTuning fields over the default (repeatable, one run each), "
                         "e.g. '{\"block_n\": 128, \"defer_sum\": true}'")
+    p.add_argument("--fused-gemv", action="store_true",
+                   help="EngineConfig.fused_decode_gemv (TANDEM_FUSED_GEMV names the projections)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write a Chrome trace (host and device) of three decode steps per batch size here")
     a = p.parse_args()
@@ -343,7 +346,8 @@ def main() -> int:
             for b in map(int, a.batch.split(",")) if a.mixed is None else ():
                 with decode_tuning(tuning):
                     res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None,
-                                             a.kv_cache_dtype, Path(a.trace) if a.trace else None, a.quantization))
+                                             a.kv_cache_dtype, Path(a.trace) if a.trace else None, a.quantization,
+                                             fused_gemv=a.fused_gemv))
                 if tuning is not None:
                     res[-1]["tuning"] = json.loads(tuning)
                 print(json.dumps(res[-1]), flush=True)

@@ -146,6 +146,17 @@ def run_decode_b1_no_pdl(ctx: Context) -> dict:
     return run_decode_b1(ctx)
 
 
+def run_decode_b1_fused_gemv(ctx: Context) -> dict:
+    """decode_b1 with EngineConfig.fused_decode_gemv: the projections TANDEM_FUSED_GEMV names (else
+    engine.model.DEFAULT_FUSED_GEMV) as Triton GEMVs (tandem_kernels.gemv), the others cuBLAS."""
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B, decode_b1
+    from engine.model import fused_gemv_projections
+
+    return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True),
+            "fused_gemv_projections": sorted(fused_gemv_projections())}
+
+
 CUBLAS_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # torch's own on Hopper: 32 MiB
 
 
@@ -472,6 +483,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),
             "decode_b1 with CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch's workspace: split-K GEMMs allowed)"),
+    Section("decode_b1_fused_gemv", "", 75, 35, "child", run_decode_b1_fused_gemv,
+            "decode_b1 with fused_decode_gemv (TANDEM_FUSED_GEMV: which projections; TANDEM_GEMV_TILING)"),
     Section("decode_b1_fused_rotary", "", 75, 35, "child", _fused_rotary(run_decode_b1),
             "decode_b1 with TANDEM_FUSED_ROTARY=1 (rotary + the step's K/V store inside decode attention)"),
     Section("offline_bf16_fused_rotary", "", 150, 120, "child", _fused_rotary(lambda c: _offline(c, "auto", None)),

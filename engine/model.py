@@ -5,7 +5,8 @@ maps Hugging Face names onto them. Attention reads and writes the paged KV cache
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -14,7 +15,10 @@ from engine.attention import AttentionMetadata, attend, fused_rotary_enabled
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from tandem_kernels import ops
-from tandem_kernels.ops import GEMV_MAX_ROWS
+from tandem_kernels.ops import GEMV_MAX_ROWS, GEMV_PROJECTIONS
+
+FUSED_GEMV_ENV = "TANDEM_FUSED_GEMV"  # comma-separated projections fused_decode_gemv fuses (A/B runs)
+DEFAULT_FUSED_GEMV = frozenset(GEMV_PROJECTIONS)
 
 
 class RMSNorm(nn.Module):
@@ -110,18 +114,23 @@ class DecoderLayer(nn.Module):
         # GLM-4 normalizes each sublayer's output before it joins the residual stream.
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
-        self.fused_decode = False  # see enable_fused_decode
+        self.fused_decode: frozenset[str] = frozenset()  # see enable_fused_decode
 
-    def enable_fused_decode(self) -> bool:
-        """Run decode steps of at most GEMV_MAX_ROWS tokens as four fused GEMVs (tandem_kernels.ops.gemv:
-        the norms in front of qkv and gate_up, SiLU-and-multiply behind gate_up). Projections a
-        tensor-parallel rewrite replaced (their forward carries a collective), and biases other
-        than qkv's, keep the unfused path. Returns whether it is on."""
+    def enable_fused_decode(self, projections: Iterable[str] | None = None) -> bool:
+        """Run decode steps of at most GEMV_MAX_ROWS tokens with `projections` (of GEMV_PROJECTIONS;
+        None: fused_gemv_projections()) as fused GEMVs (tandem_kernels.ops.gemv: qkv with the norm
+        in front, gate_up with the norm in front and SiLU-and-multiply behind); the others keep
+        their unfused ops. A projection a rewrite replaced (tensor-parallel or FP8: no longer an
+        nn.Linear), or one other than qkv with a bias, keeps the unfused path. Returns whether any
+        projection is fused."""
         attn, mlp = self.self_attn, self.mlp
-        plain = (all(type(m) is nn.Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-                 and all(m.bias is None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
-        self.fused_decode = plain
-        return plain
+        linears = {"qkv": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        wanted = fused_gemv_projections() if projections is None else frozenset(projections)
+        if not wanted <= set(GEMV_PROJECTIONS):
+            raise ValueError(f"fused GEMV projections must be among {GEMV_PROJECTIONS}, got {sorted(wanted)}")
+        self.fused_decode = frozenset(name for name in wanted if type(linears[name]) is nn.Linear
+                                      and (name == "qkv" or linears[name].bias is None))
+        return bool(self.fused_decode)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
         if self.fused_decode and meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS:
@@ -140,23 +149,47 @@ class DecoderLayer(nn.Module):
             x = self.post_mlp_layernorm(x)
         return x, residual
 
-
     def _fused_decode(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
-        attn, mlp = self.self_attn, self.mlp
-        eps = self.input_layernorm.eps
-        qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
-                                     norm_weight=self.input_layernorm.weight, eps=eps)
-        residual = x if residual is None else new_residual
-        o, _ = ops.gemv(attn.core(positions, qkv, kv_cache, meta, cos_sin_cache), attn.o_proj.weight)
+        """forward's semantics with the projections in self.fused_decode as fused GEMVs."""
+        attn, mlp, fused = self.self_attn, self.mlp, self.fused_decode
+        norm = self.input_layernorm
+        if "qkv" in fused:
+            qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
+                                         norm_weight=norm.weight, eps=norm.eps, projection="qkv")
+            residual = x if residual is None else new_residual
+        else:
+            if residual is None:
+                residual, x = x, norm(x)
+            else:
+                x, residual = norm(x, residual)
+            qkv = attn.qkv_proj(x)
+        a = attn.core(positions, qkv, kv_cache, meta, cos_sin_cache)
+        o = ops.gemv(a, attn.o_proj.weight, projection="o_proj")[0] if "o_proj" in fused else attn.o_proj(a)
         if self.post_self_attn_layernorm is not None:
             o = self.post_self_attn_layernorm(o)
-        act, residual = ops.gemv(o, mlp.gate_up_proj.weight, residual=residual,
-                                 norm_weight=self.post_attention_layernorm.weight,
-                                 eps=self.post_attention_layernorm.eps, silu_pair=True)
-        x, _ = ops.gemv(act, mlp.down_proj.weight)
+        norm = self.post_attention_layernorm
+        if "gate_up" in fused:
+            act, residual = ops.gemv(o, mlp.gate_up_proj.weight, residual=residual, norm_weight=norm.weight,
+                                     eps=norm.eps, silu_pair=True, projection="gate_up")
+        else:
+            h, residual = norm(o, residual)
+            act = mlp.act(mlp.gate_up_proj(h))
+        x = ops.gemv(act, mlp.down_proj.weight, projection="down")[0] if "down" in fused else mlp.down_proj(act)
         if self.post_mlp_layernorm is not None:
             x = self.post_mlp_layernorm(x)
         return x, residual
+
+
+def fused_gemv_projections() -> frozenset[str]:
+    """The projections fused_decode_gemv fuses: FUSED_GEMV_ENV's comma-separated names where set
+    (A/B runs), else DEFAULT_FUSED_GEMV."""
+    raw = os.environ.get(FUSED_GEMV_ENV)
+    if raw is None:
+        return DEFAULT_FUSED_GEMV
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    if not names <= set(GEMV_PROJECTIONS):
+        raise ValueError(f"{FUSED_GEMV_ENV}: names must be among {GEMV_PROJECTIONS}, got {raw!r}")
+    return names
 
 
 LayerHook = Callable[[int], None]

@@ -1,11 +1,17 @@
 """Triton matrix-vector products for decode at small batch, with their neighbours fused in.
 
 At batch 1 a decoder layer is a handful of weight-streaming GEMVs separated by small kernels
-(the RMSNorm over x + residual before qkv and gate_up, SiLU-and-multiply after gate_up, the
-split-K reductions cuBLAS adds), each costing a launch and a round trip through memory for a few
-KB of activations. `gemv` does one GEMV with the norm as its prologue (every program re-reads the
-few rows of x, which stay in L2) and SiLU-and-multiply as its epilogue (a program owns matching
-gate and up rows), so a layer needs four weight kernels and nothing between them.
+(the RMSNorm over x + residual before qkv and gate_up, SiLU-and-multiply after gate_up), each
+costing a launch and a round trip through memory for a few KB of activations. `gemv` does one
+GEMV with the norm as its prologue (every program re-reads the few rows of x, which stay in L2)
+and SiLU-and-multiply as its epilogue (a program owns matching gate and up rows).
+
+Under programmatic dependent launch (triton_common.pdl_begin) a kernel's programs may start
+while the kernel before them still runs, and wait for it before they read what it wrote. A
+GEMV's weights are written by no kernel, so with `GemvTiling.prefetch` each program loads its
+first weight tile before that wait: the weight stream starts under the tail of the kernel before
+(cuBLAS, launched without PDL, starts only after it). In the loop each program then loads its
+next tile before it multiplies the current one.
 
 Semantics equal tandem_kernels.reference.gemv: the unfused ops in sequence, with the same roundings
 (the normalized activations and the GEMV outputs are rounded to x.dtype where the unfused path
@@ -13,17 +19,74 @@ stores them), up to the order of the fp32 accumulation.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS
+from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
-BLOCK_N = 16
-BLOCK_K = 512
-NUM_WARPS = 4
-LATE_REDUCE = False
+TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """How a GEMV is launched; every choice keeps its semantics.
+
+    block_n: weight rows a program owns (its output columns).
+    block_k: weight columns a loop step loads at one row of x (divided by the padded row count).
+    num_warps: warps a program.
+    late_reduce: keep per-lane partial sums over the K tile and reduce across lanes once at the
+      end (more registers, no shuffles in the loop); else reduce every tile.
+    prefetch: load the first weight tile before waiting on the kernel before (PDL), and each next
+      tile before multiplying the current one (two tiles a program in flight).
+    """
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    late_reduce: bool = False
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
+
+
+# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS). Each keeps the default until
+# `bench/kernel_bench.py --gemv-sweep` says otherwise (BENCHMARKS.md §28).
+TILINGS: dict[str, GemvTiling] = {name: GemvTiling() for name in PROJECTIONS}
+
+
+def tiling_for(projection: str) -> GemvTiling:
+    """The tiling of `projection` (one of PROJECTIONS), with TILING_ENV's fields over it where set."""
+    if projection not in TILINGS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    return _overridden(TILINGS[projection], projection, os.environ.get(TILING_ENV, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _overridden(base: GemvTiling, projection: str, fields: str) -> GemvTiling:
+    if not fields.strip():
+        return base
+    try:
+        spec = json.loads(fields)
+        if not isinstance(spec, dict):
+            raise TypeError("not an object")
+        if any(k in TILINGS for k in spec):  # {projection: fields}
+            spec = spec.get(projection, {})
+        return dataclasses.replace(base, **spec)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{TILING_ENV}: expected a JSON object of GemvTiling fields (or of them by projection), "
+                         f"got {fields!r}: {exc}") from None
 
 
 @triton.jit
@@ -41,20 +104,43 @@ def _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv,
     return x.to(tl.float32)
 
 
+@triton.jit
+def _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR: tl.constexpr):
+    """A program's weight tile at columns k (and its up rows' with SILU_PAIR; else the same tile)."""
+    mask = r_mask[:, None] & (k < K)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=mask, other=0.0)
+    if SILU_PAIR:
+        wu = tl.load(up_rows + k[None, :], mask=mask, other=0.0)
+    else:
+        wu = w
+    return w, wu
+
+
+@triton.jit
+def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
+    if LATE_REDUCE:
+        return acc + a[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
     ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, LATE_REDUCE: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N_OUT
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * w_s0
+    up_rows = w_ptr + (rows[:, None] + up_offset).to(tl.int64) * w_s0
+    if PREFETCH:  # no kernel writes the weights: the first tile's loads need not wait (module docstring)
+        w_next, wu_next = _weight_tile(w_rows, up_rows, r_mask, tl.arange(0, BLOCK_K), K, SILU_PAIR)
+    pdl_begin(PDL)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < M
     inv = tl.zeros([BLOCK_M], tl.float32)
     if NORM:  # rsqrt(mean(s^2) + eps) of each row s = x (+ residual), s rounded as the unfused sum is
         ss = tl.zeros([BLOCK_M], tl.float32)
@@ -65,8 +151,6 @@ def _gemv_kernel(
             s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, ADD_RES)
             ss += tl.sum(s * s, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    # LATE_REDUCE: keep per-lane partial sums over the K tile and reduce across lanes once at the
-    # end (more registers, no shuffles in the loop); else reduce every tile.
     if LATE_REDUCE:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
@@ -76,25 +160,20 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
+        if PREFETCH:  # this tile arrived (or is arriving); ask for the next before using it
+            w, wu = w_next, wu_next
+            w_next, wu_next = _weight_tile(w_rows, up_rows, r_mask, k + BLOCK_K, K, SILU_PAIR)
+        else:
+            w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
         mask = m_mask[:, None] & k_mask[None, :]
         a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
         if ADD_RES:
             if pid == 0:  # one program writes the new residual stream x + residual
                 s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, True)
                 tl.store(new_res_ptr + m[:, None] * nres_s0 + k[None, :], s.to(new_res_ptr.dtype.element_ty), mask=mask)
-        w_mask = r_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * w_s0 + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if LATE_REDUCE:
-            acc += a[:, None, :] * w[None, :, :]
-        else:
-            acc += tl.sum(a[:, None, :] * w[None, :, :], 2)
+        acc = _accumulate(acc, a, w, LATE_REDUCE)
         if SILU_PAIR:
-            wu = tl.load(w_ptr + (rows[:, None] + up_offset).to(tl.int64) * w_s0 + k[None, :], mask=w_mask,
-                         other=0.0).to(tl.float32)
-            if LATE_REDUCE:
-                acc_up += a[:, None, :] * wu[None, :, :]
-            else:
-                acc_up += tl.sum(a[:, None, :] * wu[None, :, :], 2)
+            acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
     if LATE_REDUCE:
         acc2 = tl.sum(acc, 2)
         up2 = tl.sum(acc_up, 2)
@@ -117,9 +196,10 @@ def _gemv_kernel(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    silu_pair: bool = False,
+    silu_pair: bool = False, tiling: GemvTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See tandem_kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K]."""
+    """See tandem_kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K].
+    tiling: the launch shape (None: GemvTiling()); results agree across tilings to rounding."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     m_rows, k_dim = x.shape
@@ -129,6 +209,7 @@ def gemv(
         raise ValueError("residual needs norm_weight and the shape of x")
     if silu_pair and weight.shape[0] % 2:
         raise ValueError(f"silu_pair: weight needs an even number of rows, got {weight.shape[0]}")
+    t = tiling or GemvTiling()
     x = x.contiguous()
     weight = weight.contiguous()
     n_out = weight.shape[0] // 2 if silu_pair else weight.shape[0]
@@ -138,14 +219,14 @@ def gemv(
         return out, new_res
     res = residual.contiguous() if residual is not None else x
     block_m = max(1, next_pow2(m_rows))
-    block_k = max(16, min(BLOCK_K // block_m, next_pow2(k_dim)))
-    _gemv_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+    block_k = max(16, min(t.block_k // block_m, next_pow2(k_dim)))
+    _gemv_kernel[(triton.cdiv(n_out, t.block_n),)](
         x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
         weight, bias if bias is not None else x, out,
         m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
         weight.stride(0), out.stride(0), n_out, float(eps),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, NORM=norm_weight is not None,
-        ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair, LATE_REDUCE=LATE_REDUCE,
-        num_warps=NUM_WARPS, **pdl_launch(x.device),
+        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+        ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair, LATE_REDUCE=t.late_reduce,
+        PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device),
     )
     return out, new_res

@@ -25,6 +25,7 @@ ENV_VAR = "TANDEM_KERNELS"
 _MODES = ("auto", "reference", "triton")
 
 GEMV_MAX_ROWS = 8  # rows of x a fused decode GEMV (gemv) takes; larger batches belong to the GEMM
+GEMV_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's GEMVs, by the names gemv tiles them by
 
 # Reference functions with no Triton version: plain re-exports.
 rope_cos_sin_cache = reference.rope_cos_sin_cache
@@ -99,14 +100,16 @@ def fused_add_rms_norm(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    silu_pair: bool = False,
+    silu_pair: bool = False, projection: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows)."""
+    """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows). projection (one of
+    GEMV_PROJECTIONS): the Triton launch takes that projection's tiling (gemv.tiling_for)."""
     if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair)
     if _use_triton(x):
-        return _triton("gemv", "gemv")(x, weight, bias, **kw)
+        tiling = _triton("gemv", "tiling_for")(projection) if projection is not None else None
+        return _triton("gemv", "gemv")(x, weight, bias, tiling=tiling, **kw)
     return reference.gemv(x, weight, bias, **kw)
 
 

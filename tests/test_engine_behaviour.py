@@ -233,3 +233,21 @@ def test_fused_decode_gemvs_keep_the_tokens(tiny_models, family):
         want = [o.token_ids for o in plain.generate(prompts[:n], GREEDY)]
         assert [o.token_ids for o in fused.generate(prompts[:n], GREEDY)] == want
     assert_no_leak(fused)
+
+
+@pytest.mark.parametrize("projections", [("qkv",), ("qkv", "o_proj"), ("o_proj", "down"), ("gate_up",)])
+def test_some_projections_fused_keep_the_tokens(tiny_models, monkeypatch, projections):
+    """TANDEM_FUSED_GEMV fuses only the projections it names; the others run their unfused ops
+    in the same layer, and the tokens stay the unfused engine's (qwen3: q/k norms, qkv bias)."""
+    prompts = random_prompts(3, [9, 30, 17], seed=11)
+    want = [o.token_ids for o in LLM(tiny_models["qwen3"], num_kv_blocks=64).generate(prompts, GREEDY)]
+    monkeypatch.setenv("TANDEM_FUSED_GEMV", ",".join(projections))
+    fused = LLM(tiny_models["qwen3"], num_kv_blocks=64, fused_decode_gemv=True)
+    assert all(layer.fused_decode == frozenset(projections) for layer in fused.engine.model.layers)
+    assert [o.token_ids for o in fused.generate(prompts, GREEDY)] == want
+
+
+def test_fused_gemv_names_a_bad_projection(tiny_models, monkeypatch):
+    monkeypatch.setenv("TANDEM_FUSED_GEMV", "qkv,mlp")
+    with pytest.raises(ValueError, match="TANDEM_FUSED_GEMV"):
+        LLM(tiny_models["llama"], num_kv_blocks=64, fused_decode_gemv=True)

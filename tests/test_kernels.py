@@ -190,14 +190,17 @@ def case_gemv() -> None:
         (torch.bfloat16, 5, (33, 64), False, False, True, False),
         (torch.float32, 2, (2 * 20, 70), True, True, True, True),
     ]
-    for late, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product((False, True), cases):
-        gm.LATE_REDUCE = late
-        what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} late={late}"
+    # The default; per-lane sums without the prefetch; short tiles (many loop steps, a ragged last
+    # one) with the next tile loaded ahead; a program of more rows than some weights have.
+    tilings = [gm.GemvTiling(), gm.GemvTiling(late_reduce=True, prefetch=False),
+               gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8)]
+    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
+        what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
         kw = dict(residual=rand(rows, k, dtype=dtype) if res else None,
                   norm_weight=(torch.rand(k) + 0.5).to(dtype) if norm else None, eps=1e-5, silu_pair=silu)
         b = rand(n, dtype=dtype) if bias else None
-        got, got_res = ops.gemv(x, w, b, **kw)
+        got, got_res = gm.gemv(x, w, b, tiling=t, **kw)
         want, want_res = ref.gemv(x, w, b, **kw)
         assert got.shape == want.shape and got.dtype == dtype, what
         # SiLU(gate) * up multiplies two GEMV outputs, each rounded (by truncation in the
