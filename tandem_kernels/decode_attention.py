@@ -76,6 +76,9 @@ class DecodeTuning:
       max and its P operand cross the warps through shared memory, behind barriers, every tile;
       here nothing does, at an accumulator per warp in registers. defer_sum and lazy_rescale do
       not apply.
+    prefetch: load each program's first K/V tile before waiting on the kernel before (PDL), the
+      step's own token excepted (the 2-D tile only, and not with rotary_store_and_decode's store;
+      see _decode_stage1).
     """
 
     block_n: int = 64
@@ -89,6 +92,7 @@ class DecodeTuning:
     narrow_offsets: bool = False
     unsigned_index: bool = False
     warp_split: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
@@ -124,6 +128,14 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt
 # 64 / 1,024: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
 FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True)
 FP8_WIDE_FROM = 5.5  # (sequence, KV head) pairs an SM: between batch 80 (4.8, loses) and 96 (5.8, wins)
+# Where a batch is too small to keep the memory busy (batch x KV heads <= PREFETCH_UPTO programs an
+# SM: batch 8 and below on Llama-3.1-8B / H200) a program's time is its chain of dependent loads,
+# and the first tile is loaded before the PDL wait (DecodeTuning.prefetch). The tile held over the
+# wait costs bf16 registers (95 -> 164 a thread: 3 programs an SM, so the splits aim at 3); FP8,
+# held to 4 an SM by shared memory, stays at 4 (96 -> 123 registers).
+PREFETCH_UPTO = 0.5
+BF16_PREFETCH_TUNING = dataclasses.replace(BF16_TUNING, prefetch=True, resident=3)
+FP8_PREFETCH_TUNING = dataclasses.replace(FP8_TUNING, prefetch=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is
 # clamped to the fp16 range first).
 FP8_F16 = True
@@ -212,10 +224,14 @@ def cache_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple
 
 def default_tuning(cache_dtype: torch.dtype, programs: int = 0, sms: int = 1) -> DecodeTuning:
     """The tuning of a launch on a `cache_dtype` cache with `programs` (sequence, KV head) pairs on
-    `sms` SMs, with TUNING_ENV's fields over it where that is set. FP8 caches take FP8_WIDE_TUNING
-    from FP8_WIDE_FROM pairs an SM; 0 pairs: FP8_TUNING."""
+    `sms` SMs, with TUNING_ENV's fields over it where that is set. Up to PREFETCH_UPTO pairs an SM
+    (at least one): the prefetching tunings; FP8 caches take FP8_WIDE_TUNING from FP8_WIDE_FROM
+    pairs an SM; 0 pairs: BF16_TUNING or FP8_TUNING."""
+    small = 0 < programs <= PREFETCH_UPTO * sms
     if cache_dtype != torch.float8_e4m3fn:
-        base = BF16_TUNING
+        base = BF16_PREFETCH_TUNING if small else BF16_TUNING
+    elif small:
+        base = FP8_PREFETCH_TUNING
     else:
         base = FP8_WIDE_TUNING if programs >= FP8_WIDE_FROM * sms else FP8_TUNING
     return _overridden(base, os.environ.get(TUNING_ENV, ""))
@@ -357,11 +373,12 @@ def stage1_launch(
             float(scale) * k_scale * LOG2E, float(v_scale)]
     if step is None:  # the step's arguments are not read: any pointer, no strides
         args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
-        consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False)
+        consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False,
+                      PREFETCH=tuning.prefetch and not tuning.warp_split)
     else:
         args += [step.k, step.v, step.positions, step.cos_sin_cache, step.slot_mapping,
                  step.k.stride(0), step.k.stride(1), step.v.stride(0), step.v.stride(1),
                  step.cos_sin_cache.stride(0), k_scale]
         consts.update(ROTARY=True, ROT=step.rotary_dim, IS_NEOX=step.is_neox, STORE_FP8=fp8,
-                      SOFT_ROUND=fp8 and soft_fp8_round())
+                      SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=False)
     return (bsz, k_cache.shape[2], splits), args, consts

@@ -89,6 +89,64 @@ def _load_kv(ptr, offs, DTYPE: tl.constexpr, OPAQUE: tl.constexpr, mask):
     return widen(tl.load(ptr + offs, mask=mask, other=0.0), DTYPE, OPAQUE)
 
 
+@triton.jit
+def _tile_offsets(bt_row, n0, end, kvh, d, d_mask, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr):
+    """(K offsets, V offsets, mask) of the tile of tokens n0 .. n0 + BLOCK_N (those before `end`)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < end
+    index, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
+    blk = tl.load(bt_row + index, mask=n_mask, other=0).to(tl.int64)
+    if NARROW:
+        blk = blk.to(tl.int32)
+    k_offs = (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :]
+    v_offs = (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :]
+    return k_offs, v_offs, n_mask[:, None] & d_mask[None, :]
+
+
+@triton.jit
+def _tile_step(q, k, v, v_cache_ptr, v_offs, kv_mask, n_mask, m_i, l_i, l_lanes, acc, qk_scale,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_V: tl.constexpr, DEFER_SUM: tl.constexpr,
+               LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, V_READY: tl.constexpr):
+    """_decode_stage1's online-softmax update by one K/V tile: k loaded, v too with V_READY (else
+    loaded here at v_offs, after the scores, as the loop has always placed it)."""
+    s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_tile = tl.max(s, 1)
+    # The rescale by alpha: lazily (when some row's max grew past LAZY_LOG2, accumulator
+    # included), or every tile (the accumulator's in the same expression as its P·V dot).
+    if LAZY:  # every row has a live key in the tile, so m_tile is finite; the first tile rescales
+        if tl.max(m_tile - m_i, 0) > LAZY_LOG2:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            if DEFER_SUM:
+                l_lanes = l_lanes * alpha[:, None]
+            else:
+                l_i = l_i * alpha
+            m_i = m_new
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - m_new)
+        if DEFER_SUM:
+            l_lanes = l_lanes * alpha[:, None]
+        else:
+            l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    if DEFER_SUM:
+        l_lanes += p
+    else:
+        l_i += tl.sum(p, 1)
+    if not V_READY:
+        v = _load_kv(v_cache_ptr, v_offs, q.dtype, OPAQUE_V, kv_mask)
+    if LAZY:
+        acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
+    else:
+        acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
+    return m_i, l_i, l_lanes, acc
+
+
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
@@ -103,16 +161,31 @@ def _decode_stage1(
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    """PREFETCH (not with ROTARY): the program's first K/V tile is loaded before the PDL wait,
+    but for the step's own token (position ctx - 1), which the kernel before (rotary and store)
+    writes; that row is read after the wait. The contexts, the block tables (copied in before the
+    step) and every other cached token are written by no kernel of the step."""
+    if PREFETCH:
+        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < D
+        k0_offs, v0_offs, first_mask = _tile_offsets(bt_ptr + b * bt_s0, start, end, kvh, d, d_mask,
+                                                     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                                     BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
+        early = first_mask & (start + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
+        k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
+        v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
     pdl_begin(PDL)
-    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+    if not PREFETCH:
+        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < D
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
         h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + h
-        d = tl.arange(0, D_PAD)
         h_mask = h < GROUP
-        d_mask = d < D
         if ROTARY:
             q = _step_token(q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
                             kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
@@ -128,8 +201,19 @@ def _decode_stage1(
         l_lanes = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # DEFER_SUM: the row sums, lane by lane
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
-        blk_next = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
-        for n0 in range(start, end, BLOCK_N):
+        loop_start = start
+        if PREFETCH:  # the first tile, loaded before the wait, with the step's own row read now
+            if start < end:
+                mine = first_mask & (start + tl.arange(0, BLOCK_N) == ctx - 1)[:, None]
+                k0 = tl.where(mine, tl.load(k_cache_ptr + k0_offs, mask=mine, other=0.0), k0)
+                v0 = tl.where(mine, tl.load(v_cache_ptr + v0_offs, mask=mine, other=0.0), v0)
+                m_i, l_i, l_lanes, acc = _tile_step(
+                    q, widen(k0, q.dtype, OPAQUE_K), widen(v0, q.dtype, OPAQUE_V), v_cache_ptr, v0_offs, first_mask,
+                    start + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
+                    PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
+            loop_start = start + BLOCK_N
+        blk_next = first_tile_blocks(bt_row, loop_start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
+        for n0 in range(loop_start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs < end
             blk, blk_next = next_tile_blocks(blk_next, bt_row, n0, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD,
@@ -140,40 +224,10 @@ def _decode_stage1(
                 blk = blk.to(tl.int32)
             k = _load_kv(k_cache_ptr, (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :],
                          q.dtype, OPAQUE_K, kv_mask)
-            s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_tile = tl.max(s, 1)
-            # The rescale by alpha: lazily (when some row's max grew past LAZY_LOG2, accumulator
-            # included), or every tile (the accumulator's in the same expression as its P·V dot).
-            if LAZY:  # every row has a live key in the tile, so m_tile is finite; the first tile rescales
-                if tl.max(m_tile - m_i, 0) > LAZY_LOG2:
-                    m_new = tl.maximum(m_i, m_tile)
-                    alpha = tl.exp2(m_i - m_new)
-                    acc = acc * alpha[:, None]
-                    if DEFER_SUM:
-                        l_lanes = l_lanes * alpha[:, None]
-                    else:
-                        l_i = l_i * alpha
-                    m_i = m_new
-            else:
-                m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_new)
-                if DEFER_SUM:
-                    l_lanes = l_lanes * alpha[:, None]
-                else:
-                    l_i = l_i * alpha
-                m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            if DEFER_SUM:
-                l_lanes += p
-            else:
-                l_i += tl.sum(p, 1)
-            v = _load_kv(v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
-                         q.dtype, OPAQUE_V, kv_mask)
-            if LAZY:
-                acc += dot(p.to(q.dtype), v, PRECISION, UPCAST)
-            else:
-                acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, PRECISION, UPCAST)
+            m_i, l_i, l_lanes, acc = _tile_step(
+                q, k, k, v_cache_ptr, (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :], kv_mask,
+                n_mask, m_i, l_i, l_lanes, acc, qk_scale, PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2,
+                False)
         if DEFER_SUM:
             l_i = tl.sum(l_lanes, 1)
         has = l_i > 0.0
@@ -202,14 +256,14 @@ def _decode_stage1_warps(
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr, WARPS: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr, WARPS: tl.constexpr,
 ):
     """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
     each row of it one warp's, with its own running max, sum and accumulator; they merge after
     the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
     accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
     its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
-    (DEFER_SUM and LAZY are not used)."""
+    (DEFER_SUM, LAZY and PREFETCH are not used)."""
     pdl_begin(PDL)
     b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros

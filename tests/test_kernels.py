@@ -250,14 +250,16 @@ def case_decode_tunings() -> None:
         b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 9
         stages = 3 if block_n == 16 else 2  # half the shapes with the block-table entries read a tile ahead
         what = (f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition} "
-                f"num_stages={stages} narrow_offsets={block_n == 16} unsigned_index={min_partition == 16}")
+                f"num_stages={stages} narrow_offsets={block_n == 16} unsigned_index={min_partition == 16} "
+                f"prefetch={cvt != 'v'}")
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
         tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages,
                                  narrow_offsets=block_n == 16,  # half with 32-bit K/V offsets,
-                                 unsigned_index=min_partition == 16)  # half with unsigned table math
+                                 unsigned_index=min_partition == 16,  # half with unsigned table math
+                                 prefetch=cvt != "v")  # a third with the first tile loaded in the loop
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
@@ -301,7 +303,8 @@ def case_decode_softmax_variants() -> None:
     for cdt, defer, lazy, min_partition in itertools.product(
             (torch.bfloat16, FP8), (False, True), (False, True), (16, 256)):
         b, hq, hk, d, bs, width = 2, 8, 2, 32, 16, 10
-        what = f"decode softmax cache={cdt} defer_sum={defer} lazy_rescale={lazy} min_partition={min_partition}"
+        what = (f"decode softmax cache={cdt} defer_sum={defer} lazy_rescale={lazy} min_partition={min_partition} "
+                f"prefetch={not defer}")
         lens = [width * bs - 7, int(torch.randint(bs, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         grown = kc.float()
@@ -312,7 +315,7 @@ def case_decode_softmax_variants() -> None:
         q = rand(b, hq, d, dtype=torch.bfloat16)
         ctx = torch.tensor(lens, dtype=torch.int32)
         tuning = da.DecodeTuning(block_n=16, min_partition=min_partition, opaque_cvt="v" if cdt == FP8 else "",
-                                 defer_sum=defer, lazy_rescale=lazy)
+                                 defer_sum=defer, lazy_rescale=lazy, prefetch=not defer)
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
         close(got, want, torch.bfloat16, what, scale=2.0)
@@ -362,11 +365,16 @@ def case_decode_warp_split() -> None:
         raise AssertionError("an unknown field in TANDEM_DECODE_TUNING must raise ValueError")
     del os.environ[da.TUNING_ENV]
     assert da.default_tuning(FP8) == da.FP8_TUNING
-    # FP8 batches that fill the GPU on their own take the warp-split tuning; bf16 keeps one tuning.
+    # FP8 batches that fill the GPU on their own take the warp-split tuning; batches of at most
+    # PREFETCH_UPTO pairs an SM load their first tile before the PDL wait (both caches).
     full = math.ceil(da.FP8_WIDE_FROM * 132)
     assert da.default_tuning(FP8, full - 1, 132) == da.FP8_TUNING
     assert da.default_tuning(FP8, full, 132) == da.FP8_WIDE_TUNING and da.FP8_WIDE_TUNING.warp_split
     assert da.default_tuning(torch.bfloat16, 10 * full, 132) == da.BF16_TUNING
+    small = int(da.PREFETCH_UPTO * 132)
+    for cdt, plain in ((torch.bfloat16, da.BF16_TUNING), (FP8, da.FP8_TUNING)):
+        assert da.default_tuning(cdt, small, 132).prefetch and da.default_tuning(cdt, 8, 132).prefetch
+        assert da.default_tuning(cdt, small + 1, 132) == plain and not plain.prefetch
     try:
         da.DecodeTuning(block_n=32, num_warps=4, warp_split=True)
     except ValueError as exc:
