@@ -340,12 +340,15 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
             continue
         w = placement.worker(p.name)
         try:
-            blocks = p.stats().total_kv_blocks
+            stats = p.stats()
+            blocks, running = stats.total_kv_blocks, stats.max_running
         except Exception as exc:  # the banner must not fail the start
             logger.warning("%s: no Stats (%s)", p.name, exc)
-            blocks = 0
-        running = default_max_running(a.max_running, a.num_kv_blocks, blocks, block, max_model_len,
-                                       "cuda" if w.gpus else "cpu")
+            blocks = running = 0
+        # The engine's own figure (a derived one may have been lowered after its graphs were timed);
+        # derived here only for a worker that does not report it.
+        running = running or default_max_running(a.max_running, a.num_kv_blocks, blocks, block, max_model_len,
+                                                 "cuda" if w.gpus else "cpu")
         p.info.setdefault("max_running", running)
         where = f"GPU {','.join(map(str, w.gpus))} ({w.memory_fraction:.0%} of memory)" if w.gpus else "CPU"
         metrics = f", metrics :{p.info['metrics_port']}" if p.info.get("metrics_port") else ""

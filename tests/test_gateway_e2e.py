@@ -285,3 +285,9 @@ def test_metrics_count_requests_tokens_and_queues(gateway: GatewayThread, client
                  "tandem_gateway_inter_token_seconds_count", "tandem_gateway_errors_total"):
         assert name.encode() in body, name
     assert json.dumps(gateway.call(gateway.gateway.service.stats))
+
+
+def test_stats_report_the_engines_max_running(worker) -> None:
+    """Stats carries the sequences the worker's engine runs at once (the launcher's banner and the
+    gateway's in-flight cap read it): here the --max-running the worker was given."""
+    assert worker.stats().max_running == 64

@@ -36,6 +36,7 @@ def stats_to_proto(
         role=ROLE_TO_PROTO[role],
         free_kv_blocks=snap.available_blocks,
         total_kv_blocks=snap.total_blocks,
+        max_running=snap.max_running,
         running=snap.running,
         waiting=snap.waiting + snap.swapped,
         queued_prefill_tokens=snap.queued_prefill_tokens,

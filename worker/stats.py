@@ -23,9 +23,11 @@ class StatsSnapshot:
     what a new request can get without preempting anyone. Once every request has ended,
     `available_blocks == total_blocks` (the leak invariant the tests check).
     held: reserved (decode) or prefilled-and-awaiting-release (prefill) requests.
+    max_running: the sequences the engine runs at once (Engine.max_running, after any lowering).
     """
 
     total_blocks: int = 0
+    max_running: int = 0
     free_blocks: int = 0
     evictable_blocks: int = 0
     cached_blocks: int = 0
@@ -61,6 +63,7 @@ def take_snapshot(engine: Engine, steps: int, generated_tokens: int) -> StatsSna
     cache = engine.cache.stats()
     return StatsSnapshot(
         total_blocks=engine.num_total_blocks,
+        max_running=engine.max_running,
         free_blocks=engine.num_free_blocks,
         evictable_blocks=cache.evictable_blocks,
         cached_blocks=cache.cached_blocks,
