@@ -227,5 +227,9 @@ class CausalLM(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] in the model's dtype, as the LM head's GEMM writes them: the sampler widens
+        to float32 only where it computes (penalties, temperature, log-probs); a greedy row's
+        argmax is the same on either. (Widening every row here cost an FP8 decode step of 512
+        rows a 263 MB copy, ~0.19 ms, and its argmax twice the bytes; BENCHMARKS.md §28.)"""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.matmul(hidden, weight.t()).float()
+        return torch.matmul(hidden, weight.t())

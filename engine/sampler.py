@@ -81,7 +81,9 @@ class Sampler:
     """Samples one token per row from logits of shape [batch, padded_vocab].
 
     Only the first `vocab_size` columns are candidates (the rest is the model's padding).
-    Work runs in float32 on the logits' device; stages no row needs are skipped, and the
+    Logits come in any float dtype (the model's: CausalLM.logits); a greedy row takes their
+    argmax as they are, and penalties, temperature, filters and log-probs run in float32 on the
+    logits' device. Stages no row needs are skipped, and the
     results reach the host in a single device-to-host copy. Rows without a seed draw from
     a sampler-level generator seeded with `seed` (random when None).
     """
@@ -222,7 +224,7 @@ class Sampler:
         need_p = any(p.top_p < 1.0 for p in params)
         need_min_p = any(p.min_p > 0.0 for p in params)
 
-        x = x.float() / temperature  # a fresh float32 tensor: everything below may write into it
+        x = x / temperature  # a fresh float32 tensor (temperature is float32): everything below may write into it
         if need_p or (need_k and any(p.top_k <= 0 or p.top_k > _TOPK_ONLY_MAX_K for p in params)):
             x = self._filter_sorted(
                 x, top_k if need_k else None, top_p if need_p else None, min_p if need_min_p else None

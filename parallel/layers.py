@@ -112,11 +112,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
-    """Full float32 logits [rows, vocab_size] on every rank from this rank's padded vocab rows."""
+    """Full logits [rows, vocab_size] (hidden's dtype, as CausalLM.logits) on every rank from this
+    rank's padded vocab rows."""
     local = torch.matmul(hidden, weight.t())  # local: [rows, padded shard]
     if tp.world_size == 1:
-        return local[:, :vocab_size].float()
+        return local[:, :vocab_size]
     rows, shard = local.shape
     gathered = tp.all_gather(local)  # [world * rows, shard], rank-major
     full = gathered.view(tp.world_size, rows, shard).permute(1, 0, 2).reshape(rows, tp.world_size * shard)
-    return full[:, :vocab_size].float()
+    return full[:, :vocab_size]

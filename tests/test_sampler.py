@@ -46,6 +46,19 @@ def test_greedy_is_argmax(dtype):
     assert out.logprobs == [None] * 16
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, seed=5, top_p=0.8),
+                                    SamplingParams(temperature=1.2, seed=9, top_k=40, logprobs=3),
+                                    SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2)])
+def test_bf16_logits_sample_as_their_float32_widening(params):
+    """The model hands the sampler its own dtype (CausalLM.logits): every row, sampled, penalised
+    or with log-probs, gets what the same values widened to float32 would give."""
+    logits = _logits(6, 700, seed=4, dtype=torch.bfloat16)
+    rows = [_row(params, prompt=(5, 9, 11), output=(3, 5)) for _ in range(6)]
+    got, want = Sampler(700, seed=1)(logits, rows), Sampler(700, seed=1)(logits.float(), rows)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
+
+
 def test_greedy_ties_pick_lowest_index():
     logits = torch.zeros(2, 20)
     logits[0, [7, 3, 12]] = 5.0
