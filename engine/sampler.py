@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from tandem.types import SamplingParams
+from tandem_kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Sampler:
         if len(sampled) == batch:
             tokens = self._sample(x, rows)
         else:
-            tokens = x.argmax(dim=-1)  # greedy answer for every row; sampled rows overwrite it
+            tokens = ops.argmax_rows(x)  # greedy answer for every row; sampled rows overwrite it
             if sampled:
                 index = _index(sampled, device)
                 tokens[index] = self._sample(x[index], [rows[i] for i in sampled])
@@ -242,7 +243,7 @@ class Sampler:
 
         probs = torch.softmax(x, dim=-1)
         noise = self._noise(probs.shape, rows, device)
-        return probs.div_(noise).argmax(dim=-1)
+        return ops.argmax_rows(probs.div_(noise))
 
     @staticmethod
     def _filter_sorted(

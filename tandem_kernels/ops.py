@@ -113,6 +113,13 @@ def gemv(
     return reference.gemv(x, weight, bias, **kw)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """See tandem_kernels.reference.argmax_rows."""
+    if _use_triton(x):
+        return _triton("argmax", "argmax_rows")(x)
+    return reference.argmax_rows(x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See tandem_kernels.reference.silu_and_mul."""
     if _use_triton(x):

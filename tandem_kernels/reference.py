@@ -45,6 +45,14 @@ def gemv(
     return (silu_and_mul(y) if silu_pair else y), new_residual
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] -> [rows] int64: each row's first index of its largest value (NaN counts as
+    larger than every number), as torch.argmax."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"x must be [rows, cols] with cols >= 1, got shape {tuple(x.shape)}")
+    return x.argmax(dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
     gate, up = x.chunk(2, dim=-1)

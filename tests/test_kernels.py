@@ -219,6 +219,29 @@ def case_gemv() -> None:
         raise AssertionError("more than MAX_ROWS rows must raise ValueError")
 
 
+def case_argmax_rows() -> None:
+    """Row argmax against torch's on fresh random rows: bf16 (many ties) and float32, one row and
+    several, a ragged last chunk, a strided view, ties across chunks, NaN and all -inf rows."""
+    from tandem_kernels import argmax as am, reference as ref
+
+    for dtype, rows, cols in ((torch.bfloat16, 1, 10_000), (torch.float32, 5, 8193), (torch.bfloat16, 3, 37),
+                              (torch.float16, 2, 4096)):
+        x = (torch.randn(rows, cols + 3) * 4).to(dtype)[:, :cols]  # padded rows: a view of stride cols + 3
+        if rows > 1:
+            x[1, 17] = x[1, cols - 2] = x[1].max() + 1  # a tie across chunks (where cols > CHUNK): the first wins
+            x[-1] = float("-inf")
+        assert torch.equal(am.argmax_rows(x), ref.argmax_rows(x)), (dtype, rows, cols)
+    x = torch.randn(2, 9000)
+    x[0, 5000] = float("nan")
+    assert am.argmax_rows(x)[0].item() == 5000
+    try:
+        am.argmax_rows(torch.empty(2, 0))
+    except ValueError as exc:
+        assert "cols" in str(exc)
+    else:
+        raise AssertionError("an empty row must raise ValueError")
+
+
 def case_fused_decode_engine() -> None:
     """The engine with fused decode GEMVs gives the unfused engine's greedy tokens, every kernel
     in Triton (interpreted), for a plain layer (llama) and one with qkv bias (qwen2)."""
