@@ -54,7 +54,9 @@ def _run(engine: Engine) -> float:
     engine.admit(prompt(min(37, long), 1), params, ids[0])
     engine.step()  # one sequence's prefill; its decodes follow
     engine.admit(prompt(long, 2), params, ids[1])
-    engine.admit(prompt(min(17, long), 3), params, ids[2])
+    # One sampled request: the sampling path's kernels (filters, its argmax over float32) too.
+    engine.admit(prompt(min(17, long), 3), SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0,
+                                                          top_p=0.95, seed=0), ids[2])
     while engine.has_unfinished():  # several prefills beside a decode, then decodes
         engine.step()
     engine.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix
