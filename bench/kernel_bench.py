@@ -367,7 +367,8 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
             "lazy_rescale, narrow_offsets, unsigned_index, GB/s, err]": rows}
 
 
-def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20) -> dict:
+def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20, weights: tuple[str, ...] = (),
+               tilings: list | None = None) -> dict:
     """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through
     F.linear plus the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights.
 
@@ -376,16 +377,23 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20)
     L2), one after another, and the time is the graph's over the copies. Tilings: every
     block_n x block_k x warps with prefetch and three without, at the first row count; the three
     fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, prefetch,
-    us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0."""
+    us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0.
+    `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
     from tandem_kernels import gemv as gm
     from tandem_kernels import ops
 
     h, inter = 4096, 14336
     cases = {"qkv": (6144, h, True, False), "o_proj": (h, h, False, False),
              "gate_up": (2 * inter, h, True, True), "down": (h, inter, False, False)}
-    tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
-               for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
-    tilings += [gm.GemvTiling(block_n=bn, block_k=bk, prefetch=False) for bn, bk in ((4, 1024), (8, 512), (8, 1024))]
+    if tilings is None:
+        tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
+                   for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
+        tilings += [gm.GemvTiling(block_n=bn, block_k=bk, prefetch=False) for bn, bk in ((4, 1024), (8, 512), (8, 1024))]
+    if weights:
+        unknown = set(weights) - set(cases)
+        if unknown:
+            raise ValueError(f"--gemv-weights: unknown {sorted(unknown)}; choose from {sorted(cases)}")
+        cases = {k: v for k, v in cases.items() if k in weights}
     rows_out: list[list] = []
     for name, (n, k, norm, silu) in cases.items():
         moved = n * k * 2
@@ -516,12 +524,23 @@ def _decode_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return shapes
 
 
+def _gemv_tilings(specs: list[str] | None) -> list | None:
+    if not specs:
+        return None
+    from tandem_kernels.gemv import GemvTiling
+
+    return [GemvTiling(**json.loads(t)) for t in specs]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, on CPU")
     ap.add_argument("--sweep", action="store_true", help="also time alternative attention tile configs")
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
+    ap.add_argument("--gemv-weights", default="", help="with --gemv-sweep: these weights only (qkv,o_proj,gate_up,down)")
+    ap.add_argument("--gemv-tiling", action="append", default=None, metavar="JSON",
+                    help="with --gemv-sweep: time these GemvTiling fields instead of the grid (repeatable)")
     ap.add_argument("--extend-sweep", action="store_true",
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
     ap.add_argument("--extend-tiles", action="store_true",
@@ -557,7 +576,8 @@ def main() -> int:
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
             print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes, args.decode_spread)
                                  if args.decode_sweep else {}),
-                              **(gemv_sweep() if args.gemv_sweep else {}),
+                              **(gemv_sweep(weights=tuple(w for w in args.gemv_weights.split(",") if w),
+                                            tilings=_gemv_tilings(args.gemv_tiling)) if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {}),
                               **(extend_tiles(Shapes()) if args.extend_tiles else {})}))
             return 0
