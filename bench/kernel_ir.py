@@ -1,6 +1,7 @@
 """What Triton builds for the attention kernels on a Hopper GPU, from any machine (no GPU needed).
 
     python bench/kernel_ir.py [--batch 384 --ctx 1024] [--tuning JSON ...] [--dump DIR] [--pdl] [--rotary]
+    (at --batch 8 or below, the four decode GEMVs of tandem_kernels.gemv too)
 
 The decode kernel is reported at its cache's default tuning, then at the tuning the engine picks
 for --batch where that differs (FP8 caches' FP8_WIDE_TUNING at full batches), then at each --tuning.
@@ -229,6 +230,27 @@ def silu_and_mul_fp8(rows: int, inter: int, deferred: bool, persist: int = 0):
     return compile_for_hopper(act._silu_and_mul_fp8_kernel, args, consts)
 
 
+# A Llama-3.1-8B layer's decode GEMVs: (outputs, inputs, norm in front, SiLU-and-multiply behind).
+GEMV_SHAPES = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, False),
+               "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
+
+
+def gemv(projection: str, rows: int, pdl: bool):
+    """The fused decode GEMV of `projection` (its tiling: tandem_kernels.gemv.tiling_for) over
+    `rows` rows, compiled."""
+    from tandem_kernels import gemv as gm
+
+    n, k, norm, silu = GEMV_SHAPES[projection]
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(rows, k, **meta), torch.empty(n, k, **meta)
+    out = torch.empty(rows, n // 2 if silu else n, **meta)
+    _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
+                                     torch.empty(k, **meta) if norm else None, 1e-5, silu, gm.tiling_for(projection),
+                                     out, torch.empty_like(x) if norm else None)
+    consts.update(PDL=pdl, launch_pdl=pdl)
+    return compile_for_hopper(gm._gemv_kernel, args, consts)
+
+
 def report(compiled, dump: Path | None = None, name: str = "") -> dict:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -266,7 +288,7 @@ def main() -> int:
                 tuning = dataclasses.replace(tuning, **json.loads(fields))
             name = f"decode_{label}" + ("" if fields is None else f"_{len(rows)}")
             rows.append({"kernel": "decode_stage1", "cache": label, "tuning": dataclasses.asdict(tuning),
-                         "pdl": a.pdl, "rotary": a.rotary,
+                         "pdl": a.pdl, "rotary": a.rotary, "name": name,
                          **report(decode_stage1(cache, a.batch, a.ctx, tuning, pdl=a.pdl, rotary=a.rotary), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
         saved = ea.BLOCKS_AHEAD
@@ -283,6 +305,12 @@ def main() -> int:
                      **report(silu_and_mul_fp8(a.batch, 14336, deferred, persist), dump,
                               f"silu_fp8_{int(deferred)}_{persist}")})
         print(json.dumps(rows[-1]), flush=True)
+    if a.batch <= 8:  # decode batches the fused GEMVs take (ops.GEMV_MAX_ROWS)
+        for projection in GEMV_SHAPES:
+            rows.append({"kernel": "gemv", "cache": "", "projection": projection, "pdl": a.pdl,
+                         "name": f"gemv_{projection}", **report(gemv(projection, a.batch, a.pdl), dump,
+                                                                 f"gemv_{projection}")})
+            print(json.dumps(rows[-1]), flush=True)
     return 0
 
 

@@ -202,31 +202,41 @@ def gemv(
     tiling: the launch shape (None: GemvTiling()); results agree across tilings to rounding."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m_rows, k_dim = x.shape
+    m_rows = x.shape[0]
     if m_rows > MAX_ROWS:
         raise ValueError(f"x: at most {MAX_ROWS} rows, got {m_rows}")
     if residual is not None and (norm_weight is None or residual.shape != x.shape):
         raise ValueError("residual needs norm_weight and the shape of x")
     if silu_pair and weight.shape[0] % 2:
         raise ValueError(f"silu_pair: weight needs an even number of rows, got {weight.shape[0]}")
-    t = tiling or GemvTiling()
     x = x.contiguous()
-    weight = weight.contiguous()
     n_out = weight.shape[0] // 2 if silu_pair else weight.shape[0]
     out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(x) if residual is not None else None
     if m_rows == 0:
         return out, new_res
+    grid, args, consts = gemv_launch(x, weight.contiguous(), bias, residual, norm_weight, eps, silu_pair,
+                                     tiling or GemvTiling(), out, new_res)
+    _gemv_kernel[grid](*args, **consts)
+    return out, new_res
+
+
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                norm_weight: torch.Tensor | None, eps: float, silu_pair: bool, t: GemvTiling, out: torch.Tensor,
+                new_res: torch.Tensor | None) -> tuple[tuple[int], list, dict]:
+    """_gemv_kernel's launch for checked, contiguous x and weight: (grid, positional args, keyword
+    constants incl. num_warps). One home for `gemv` and for bench/kernel_ir.py, which compiles the
+    kernel as a launch specializes it, on tensors of the meta device."""
+    m_rows, k_dim = x.shape
+    n_out = out.shape[1]
     res = residual.contiguous() if residual is not None else x
     block_m = max(1, next_pow2(m_rows))
     block_k = max(16, min(t.block_k // block_m, next_pow2(k_dim)))
-    _gemv_kernel[(triton.cdiv(n_out, t.block_n),)](
-        x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
-        weight, bias if bias is not None else x, out,
-        m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
-        weight.stride(0), out.stride(0), n_out, float(eps),
-        BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair, LATE_REDUCE=t.late_reduce,
-        PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device),
-    )
-    return out, new_res
+    args = [x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
+            weight, bias if bias is not None else x, out,
+            m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
+            weight.stride(0), out.stride(0), n_out, float(eps)]
+    consts = dict(BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
+                  ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
+                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
+    return (triton.cdiv(n_out, t.block_n),), args, consts

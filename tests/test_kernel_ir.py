@@ -128,3 +128,30 @@ def test_pipelining_reads_buffers_and_waits():
     assert pipelining(ir) == {"staged_tiles": 3, "groups_in_flight": [4]}
     assert pipelining("%t = ttg.async_copy_global_to_local %p, %a") == {"staged_tiles": 1, "groups_in_flight": []}
     assert pipelining("tt.load") == {"staged_tiles": 0, "groups_in_flight": []}
+
+
+def test_small_batch_pdl_builds_load_what_no_kernel_writes_before_the_wait(tmp_path):
+    """At batch 1 the decode kernel takes the prefetching tuning (DecodeTuning.prefetch): under
+    PDL its PTX loads the split's context, block-table entries and first K/V tile before it waits
+    for the kernel before (griddepcontrol.wait), and every other load after; the decode GEMVs
+    load their first weight tile before it. A compiler that moved them behind the wait would
+    lose the overlap silently; this fails instead."""
+    built = kernel_ir("--pdl", "--batch", "1", "--ctx", "1024", "--dump", str(tmp_path))
+    for cache in ("bf16", "fp8e4nv"):
+        row = pick(built, "decode_stage1", cache, prefetch=True)
+        assert row["pdl"] is True, row
+        assert row["spilled_bytes"] == 0, row
+        ptx = (tmp_path / f"{row['name']}.ptx").read_text()
+        wait = ptx.find("griddepcontrol.wait")
+        early = ptx[:wait].count("ld.global")
+        assert wait > 0 and early >= 4, (cache, early)  # context, table entries, K and V tiles
+        assert ptx[wait:].count("ld.global") > 0, cache  # q, the step's own row, the loop's tiles
+    # The fused decode GEMVs (tandem_kernels.gemv, prefetch on by default): weights before the
+    # wait, the activations after it; no spills.
+    for projection in ("qkv", "o_proj", "gate_up", "down"):
+        row = pick(built, "gemv", "", projection=projection)
+        assert row["spilled_bytes"] == 0, row
+        ptx = (tmp_path / f"{row['name']}.ptx").read_text()
+        wait = ptx.find("griddepcontrol.wait")
+        assert wait > 0 and ptx[:wait].count("ld.global") >= 1, projection
+        assert ptx[wait:].count("ld.global") >= 2, projection  # x (and the norm's residual), the next tiles
