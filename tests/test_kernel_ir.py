@@ -131,12 +131,13 @@ def test_pipelining_reads_buffers_and_waits():
 
 
 def test_small_batch_pdl_builds_load_what_no_kernel_writes_before_the_wait(tmp_path):
-    """At batch 1 the decode kernel takes the prefetching tuning (DecodeTuning.prefetch): under
-    PDL its PTX loads the split's context, block-table entries and first K/V tile before it waits
+    """With the prefetching tuning (DecodeTuning.prefetch) at batch 1, the decode kernel's PTX under
+    PDL loads the split's context, block-table entries and first K/V tile before it waits
     for the kernel before (griddepcontrol.wait), and every other load after; the decode GEMVs
     load their first weight tile before it. A compiler that moved them behind the wait would
     lose the overlap silently; this fails instead."""
-    built = kernel_ir("--pdl", "--batch", "1", "--ctx", "1024", "--dump", str(tmp_path))
+    built = kernel_ir("--pdl", "--batch", "1", "--ctx", "1024", "--dump", str(tmp_path),
+                      "--tuning", '{"prefetch": true, "resident": 3}')
     for cache in ("bf16", "fp8e4nv"):
         row = pick(built, "decode_stage1", cache, prefetch=True)
         assert row["pdl"] is True, row
