@@ -34,6 +34,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """A layer's attention: its projections, and `core` between them (DecoderLayer.forward runs
+    them, each projection through cuBLAS or a fused decode GEMV)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -45,16 +48,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.o_proj(self.core(positions, self.qkv_proj(x), kv_cache, meta, cos_sin_cache))
 
     def core(
         self,
@@ -93,14 +86,13 @@ class SiluAndMul(nn.Module):
 
 
 class MLP(nn.Module):
+    """A layer's MLP: gate_up, act, down (DecoderLayer.forward runs them, as for Attention)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -133,25 +125,11 @@ class DecoderLayer(nn.Module):
         return bool(self.fused_decode)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
-        if self.fused_decode and meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS:
-            return self._fused_decode(positions, x, residual, kv_cache, meta, cos_sin_cache)
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta, cos_sin_cache)
-        if self.post_self_attn_layernorm is not None:
-            x = self.post_self_attn_layernorm(x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
-        if self.post_mlp_layernorm is not None:
-            x = self.post_mlp_layernorm(x)
-        return x, residual
-
-    def _fused_decode(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
-        """forward's semantics with the projections in self.fused_decode as fused GEMVs."""
-        attn, mlp, fused = self.self_attn, self.mlp, self.fused_decode
+        """One layer: x, residual -> x, residual. In decode steps of at most GEMV_MAX_ROWS tokens
+        the projections in self.fused_decode run as fused GEMVs, with the norm in front of qkv and
+        gate_up and the SiLU-and-multiply behind gate_up folded in; every other op is the same."""
+        fused = self.fused_decode if meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS else frozenset()
+        attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         if "qkv" in fused:
             qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
