@@ -379,12 +379,11 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, prefetch,
     us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0.
     `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
+    from bench.kernel_ir import GEMV_SHAPES
     from tandem_kernels import gemv as gm
     from tandem_kernels import ops
 
-    h, inter = 4096, 14336
-    cases = {"qkv": (6144, h, True, False), "o_proj": (h, h, False, False),
-             "gate_up": (2 * inter, h, True, True), "down": (h, inter, False, False)}
+    cases = dict(GEMV_SHAPES)
     if tilings is None:
         tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
                    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]

@@ -230,7 +230,8 @@ def silu_and_mul_fp8(rows: int, inter: int, deferred: bool, persist: int = 0):
     return compile_for_hopper(act._silu_and_mul_fp8_kernel, args, consts)
 
 
-# A Llama-3.1-8B layer's decode GEMVs: (outputs, inputs, norm in front, SiLU-and-multiply behind).
+# A Llama-3.1-8B layer's decode GEMVs: (outputs, inputs, norm in front, SiLU-and-multiply behind);
+# kernel_bench --gemv-sweep times the same.
 GEMV_SHAPES = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, False),
                "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
 
@@ -305,11 +306,13 @@ def main() -> int:
                      **report(silu_and_mul_fp8(a.batch, 14336, deferred, persist), dump,
                               f"silu_fp8_{int(deferred)}_{persist}")})
         print(json.dumps(rows[-1]), flush=True)
-    if a.batch <= 8:  # decode batches the fused GEMVs take (ops.GEMV_MAX_ROWS)
+    from tandem_kernels.ops import GEMV_MAX_ROWS
+
+    if a.batch <= GEMV_MAX_ROWS:  # decode batches the fused GEMVs take
         for projection in GEMV_SHAPES:
-            rows.append({"kernel": "gemv", "cache": "", "projection": projection, "pdl": a.pdl,
-                         "name": f"gemv_{projection}", **report(gemv(projection, a.batch, a.pdl), dump,
-                                                                 f"gemv_{projection}")})
+            name = f"gemv_{projection}"
+            rows.append({"kernel": "gemv", "cache": "", "projection": projection, "pdl": a.pdl, "name": name,
+                         **report(gemv(projection, a.batch, a.pdl), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
     return 0
 
