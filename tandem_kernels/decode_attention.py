@@ -21,8 +21,6 @@ the two in turn (reference.rotary_store_and_decode).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,8 +32,8 @@ import triton.language as tl
 from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
 from tandem_kernels.reference import attention_output
 from tandem_kernels.rotary import check_rotary_args
-from tandem_kernels.triton_common import (interpreting, next_pow2, num_sms, pdl_begin, pdl_launch, soft_fp8_round,
-                                          upcast_dots)
+from tandem_kernels.triton_common import (env_overridden, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch,
+                                          soft_fp8_round, upcast_dots)
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
@@ -237,17 +235,7 @@ def default_tuning(cache_dtype: torch.dtype, programs: int = 0, sms: int = 1) ->
         base = FP8_PREFETCH_TUNING
     else:
         base = FP8_WIDE_TUNING if programs >= FP8_WIDE_FROM * sms else FP8_TUNING
-    return _overridden(base, os.environ.get(TUNING_ENV, ""))
-
-
-@functools.lru_cache(maxsize=None)
-def _overridden(base: DecodeTuning, fields: str) -> DecodeTuning:
-    if not fields.strip():
-        return base
-    try:
-        return dataclasses.replace(base, **json.loads(fields))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{TUNING_ENV}: expected a JSON object of DecodeTuning fields, got {fields!r}: {exc}") from None
+    return env_overridden(base, TUNING_ENV, os.environ.get(TUNING_ENV, ""))
 
 
 def paged_decode_attention(

@@ -19,9 +19,6 @@ stores them), up to the order of the fp32 accumulation.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import os
 from dataclasses import dataclass
 
@@ -30,7 +27,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
-from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
+from tandem_kernels.triton_common import env_overridden, next_pow2, pdl_begin, pdl_launch
 
 TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
 
@@ -70,23 +67,7 @@ def tiling_for(projection: str) -> GemvTiling:
     """The tiling of `projection` (one of PROJECTIONS), with TILING_ENV's fields over it where set."""
     if projection not in TILINGS:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    return _overridden(TILINGS[projection], projection, os.environ.get(TILING_ENV, ""))
-
-
-@functools.lru_cache(maxsize=None)
-def _overridden(base: GemvTiling, projection: str, fields: str) -> GemvTiling:
-    if not fields.strip():
-        return base
-    try:
-        spec = json.loads(fields)
-        if not isinstance(spec, dict):
-            raise TypeError("not an object")
-        if any(k in TILINGS for k in spec):  # {projection: fields}
-            spec = spec.get(projection, {})
-        return dataclasses.replace(base, **spec)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{TILING_ENV}: expected a JSON object of GemvTiling fields (or of them by projection), "
-                         f"got {fields!r}: {exc}") from None
+    return env_overridden(TILINGS[projection], TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
 
 
 @triton.jit

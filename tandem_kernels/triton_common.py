@@ -5,7 +5,9 @@ tandem_kernels.ops) import this file.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import os
 
 import torch
@@ -26,6 +28,28 @@ def interpreting() -> bool:
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def env_overridden(base, env: str, fields: str, key: str | None = None, keys: tuple[str, ...] = ()):
+    """`base` (a frozen dataclass: a kernel's tuning) with the fields the JSON object `fields`
+    (the value of the variable `env`) gives. With `key`, an object whose names include any of
+    `keys` gives each key its own fields, and this `key` takes its entry (none: base). Empty
+    `fields`: base. A bad object or field raises ValueError naming `env`. Cached: the variable
+    is read at every launch."""
+    if not fields.strip():
+        return base
+    try:
+        spec = json.loads(fields)
+        if not isinstance(spec, dict):
+            raise TypeError("not an object")
+        if key is not None and any(k in keys for k in spec):
+            spec = spec.get(key, {})
+        return dataclasses.replace(base, **spec)
+    except (ValueError, TypeError) as exc:
+        by_key = " (or of them by name)" if keys else ""
+        raise ValueError(f"{env}: expected a JSON object of {type(base).__name__} fields{by_key}, "
+                         f"got {fields!r}: {exc}") from None
 
 
 @functools.lru_cache(maxsize=None)
