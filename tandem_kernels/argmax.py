@@ -46,7 +46,7 @@ def _argmax_rows(val_ptr, idx_ptr, out_ptr, chunks, cols, CHUNKS_PAD: tl.constex
     v = tl.load(val_ptr + row * chunks + c, mask=mask, other=float("-inf"))
     index = tl.load(idx_ptr + row * chunks + c, mask=mask, other=cols)
     _, first = _first_best(v, index, cols)
-    tl.store(out_ptr + row, tl.minimum(first, cols - 1).to(tl.int64))
+    tl.store(out_ptr + row, first.to(tl.int64))  # padding (lanes, chunks) is -inf at index cols: never first
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
