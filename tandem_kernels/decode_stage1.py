@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tandem_kernels.rotary import rotary_cos_sin, rotary_lanes, rotate_rows, store_at_slot
 from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blocks_at, next_tile_blocks,
-                                          next_tile_blocks_at, pdl_begin, token_place, widen)
+                                          next_tile_blocks_at, pdl_begin, tile_blocks_at, token_place, widen)
 
 # Integer arguments that change from step to step (block-table width, split count).
 # Triton would compile a variant for each of their value classes (1, a multiple of 16, other),
@@ -95,8 +95,8 @@ def _tile_offsets(bt_row, n0, end, kvh, d, d_mask, kc_s0, kc_s1, kc_s2, vc_s0, v
     """(K offsets, V offsets, mask) of the tile of tokens n0 .. n0 + BLOCK_N (those before `end`)."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < end
-    index, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
-    blk = tl.load(bt_row + index, mask=n_mask, other=0).to(tl.int64)
+    blk = tile_blocks_at(bt_row, n0, tl.arange(0, BLOCK_N), end, BLOCK_SIZE, True, UNSIGNED)
+    _, slot_off = token_place(offs, BLOCK_SIZE, UNSIGNED)
     if NARROW:
         blk = blk.to(tl.int32)
     k_offs = (blk * kc_s0 + slot_off * kc_s1 + kvh * kc_s2)[:, None] + d[None, :]
