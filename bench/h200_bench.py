@@ -105,7 +105,7 @@ def gpu_parity(tmp: Path, families: list[str]) -> dict:
     for fam in families:
         d = make_random_model(tmp / f"tiny-{fam}", fam, hidden_size=256, intermediate_size=512,
                               num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-        llm = LLM(str(d), num_kv_blocks=256, max_running=8)
+        llm = LLM(str(d), num_kv_blocks=256, max_running=8, fused_decode_gemv=False)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 77)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
@@ -215,16 +215,23 @@ def fp8_parity(tmp: Path) -> dict:
             "varied": len({t for o in deferred for t in o})}
 
 
-def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> dict:
-    """Batch-1 decode time per token against the weight-read floor; `fused`: with the fused
-    decode GEMVs (EngineConfig.fused_decode_gemv)."""
+def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False, batch: int = 1) -> dict:
+    """Decode time per step at `batch` sequences (128-token prompts, 200 timed steps after 5)
+    against the weight-read floor (every weight read once a step; the KV the step reads, under
+    1% of it here, is left out); `fused`: with the fused decode GEMVs
+    (EngineConfig.fused_decode_gemv). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=1, max_model_len=4096,
-              num_kv_blocks=512, fused_decode_gemv=fused)
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=4096,
+              num_kv_blocks=512 * batch, fused_decode_gemv=fused)
     eng = llm.engine
-    eng.admit(list(range(100, 228)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
-    eng.step()  # prefill
+    for i in range(batch):
+        eng.admit(list(range(100 + i, 228 + i)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+    for _ in range(100):  # the prompts' prefills (one step at these lengths)
+        eng.step()
+        stats = eng.stats()
+        if stats.waiting == 0 and stats.queued_prefill_tokens == 0:
+            break
     for _ in range(5):
         eng.step()
     torch.cuda.synchronize()
@@ -233,14 +240,15 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False) -> di
     for _ in range(n):
         eng.step()
     torch.cuda.synchronize()
-    per_token = (time.perf_counter() - t) / n
+    per_step = (time.perf_counter() - t) / n
     floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
     for request_id in eng.request_ids():
         eng.abort(request_id)
     del llm
     torch.cuda.empty_cache()
-    return {"decode_b1_ms_per_token": round(per_token * 1e3, 3), "weight_read_floor_ms": round(floor * 1e3, 3),
-            "decode_b1_roofline_fraction": round(floor / per_token, 3)}
+    name = f"decode_b{batch}"
+    return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
+            "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3)}
 
 
 def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:

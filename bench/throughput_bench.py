@@ -14,7 +14,7 @@ Two device calls, each under 9 minutes on one H200 (the device's limit is 10 per
 
 (copy call A's file to bench/results/h200_throughput.json before call B; `--merge` keeps its
 sections and the summary is recomputed over both.) `--dry-run` prints the sections, their
-groups and budgets and exits; `--only` / `--skip` take section names or the groups A and B.
+groups and budgets and exits; `--only` / `--skip` take section names or the groups A, B and S.
 
 Sections by group (their budgets and expected seconds: --dry-run):
 - A: ceilings (device copy GB/s, bf16 and FP8 matmul TFLOP/s), decode_b1 (bench/h200_bench.py's
@@ -27,6 +27,13 @@ Sections by group (their budgets and expected seconds: --dry-run):
   max_rate (Poisson rates upwards until TTFT P99 > 500 ms or TPOT P99 > 25 ms or a request fails,
   then bisection), colocated and online_colocated (the same on `tandem up --colocated`),
   offline_subset (the offline engine with its defaults on the same 512 prompts, bench/up_bench.py).
+- S (batch 1 and small batches, BENCHMARKS.md §28's changes each against the default in one run):
+  gpu_parity (h200_bench's), decode_b1, decode_b1_attn_prefetch (decode attention's first tile
+  before the PDL wait), gemv_sweep (fused GEMV tilings vs cuBLAS at qkv, o_proj, down on cold
+  weights), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those projections as fused
+  GEMVs with the sweep's fastest tilings), decode_b4 (4 sequences: the online TPOT's batch) and
+  its attn_prefetch and fused_qkv_o variants. `small_batch` in the JSON (and lines printed
+  before the table) holds each variant's ms and its ratio to its batch's default.
 - Not in a group: env (versions, device; needs no GPU), max_rate_colocated.
 
 Each GPU section runs in its own child process (a fresh CUDA context; killed with its process
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import logging
@@ -91,6 +99,7 @@ class Context:
     ceilings: dict
     deadline: float  # time.time() by which the section must end
     clusters: "Clusters | None" = None
+    earlier: dict = dataclasses.field(default_factory=dict)  # the results so far (a later section may read one)
 
     def left(self) -> float:
         return self.deadline - time.time()
@@ -155,6 +164,82 @@ def run_decode_b1_fused_gemv(ctx: Context) -> dict:
 
     return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True),
             "fused_gemv_projections": sorted(fused_gemv_projections())}
+
+
+# ---- group S: batch-1 and small-batch decode, each change of BENCHMARKS.md §28 against the default
+# in one run (the fused GEMVs with the sweep's fastest tiling of each weight).
+
+SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's first tile before the PDL wait
+# The tilings gemv_sweep times at qkv, o_proj and down (GemvTiling fields; the first is the default).
+GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 1024}, {"block_n": 8, "block_k": 1024},
+                   {"block_n": 8, "block_k": 1024, "prefetch": False})
+GEMV_AB_WEIGHTS = ("qkv", "o_proj", "down")
+
+
+def run_gpu_parity(ctx: Context) -> dict:
+    """bench/h200_bench.py's gpu_parity: greedy tokens against transformers, and the fused GEMVs
+    and prefill graphs against the plain engine, on random tiny llama / qwen3 / glm4 models."""
+    _need_cuda()
+    from bench.h200_bench import gpu_parity
+
+    return gpu_parity(ctx.work / "parity", ["llama", "qwen3", "glm4"])
+
+
+def run_gemv_sweep(ctx: Context) -> dict:
+    """kernel_bench's --gemv-sweep over GEMV_AB_TILINGS at GEMV_AB_WEIGHTS, 1 and 4 rows, with
+    `best_tilings`: each weight's fastest tiling at 1 row, as TANDEM_GEMV_TILING takes it."""
+    _need_cuda()
+    from bench.kernel_bench import gemv_sweep
+    from tandem_kernels.gemv import GemvTiling
+
+    res = gemv_sweep(weights=GEMV_AB_WEIGHTS, tilings=[GemvTiling(**t) for t in GEMV_AB_TILINGS])
+    rows = next(v for k, v in res.items() if k.startswith("rows"))
+    return {**res, **best_tilings(rows)}
+
+
+def best_tilings(rows: list[list]) -> dict:
+    """From gemv_sweep's rows [weight, rows, block_n, block_k, warps, prefetch, us, GB/s, err]:
+    `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
+    `gemv_us_at_1_row` {weight: {"cublas": us, "fused": us}}."""
+    best: dict[str, tuple[float, dict]] = {}
+    us: dict[str, dict] = {}
+    for weight, m, block_n, block_k, warps, prefetch, t, *_ in rows:
+        if m != 1 or not isinstance(t, (int, float)):
+            continue
+        if block_n == 0:  # the unfused row: cuBLAS and the separate norm / SiLU kernels
+            us.setdefault(weight, {})["cublas"] = t
+        elif weight not in best or t < best[weight][0]:
+            best[weight] = (t, {"block_n": block_n, "block_k": block_k, "num_warps": warps, "prefetch": prefetch})
+    for weight, (t, _) in best.items():
+        us.setdefault(weight, {})["fused"] = t
+    return {"best_tilings": {w: fields for w, (_, fields) in best.items()}, "gemv_us_at_1_row": us}
+
+
+def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable[[Context], dict]:
+    """A section: h200_bench's decode_b1 at `batch` sequences; `tuning`: TANDEM_DECODE_TUNING's
+    fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs with
+    the earlier gemv_sweep's best tilings (TANDEM_GEMV_TILING) where this run measured them."""
+    def section(ctx: Context) -> dict:
+        _need_cuda()
+        from bench.h200_bench import LLAMA31_8B, decode_b1
+        from engine.model import FUSED_GEMV_ENV
+        from tandem_kernels.decode_attention import TUNING_ENV
+        from tandem_kernels.gemv import TILING_ENV
+
+        extra: dict[str, Any] = {}
+        if tuning:
+            os.environ[TUNING_ENV] = json.dumps(tuning)
+            extra["decode_tuning"] = tuning
+        if fused:
+            os.environ[FUSED_GEMV_ENV] = fused
+            extra["fused_gemv_projections"] = fused
+            tilings = _get(ctx.earlier, "gemv_sweep", "best_tilings")
+            if tilings:
+                os.environ[TILING_ENV] = json.dumps(tilings)
+                extra["gemv_tilings"] = tilings
+        return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=bool(fused), batch=batch), **extra}
+
+    return section
 
 
 CUBLAS_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # torch's own on Hopper: 32 MiB
@@ -479,6 +564,22 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "`tandem up --prefill-memory-ratio 0.25 --max-model-len 8192`: decode gets 72% of the GPU, prefill 18% "
             "(too little KV for one 131,072-token request, hence the shorter limit)"),
     # Experiments beside the table's rows (BENCHMARKS.md §15-17), each against its row in the same run:
+    # Group S (BENCHMARKS.md §28): batch 1 and 4 with each small-batch change against decode_b1 / decode_b4.
+    Section("gpu_parity", "S", 120, 50, "child", run_gpu_parity,
+            "greedy tokens vs transformers; fused GEMVs and prefill graphs vs the plain engine"),
+    Section("decode_b1_attn_prefetch", "S", 75, 35, "child", _decode(1, SMALL_BATCH_TUNING),
+            "decode_b1, decode attention's first K/V tile before the PDL wait (TANDEM_DECODE_TUNING)"),
+    Section("gemv_sweep", "S", 120, 50, "child", run_gemv_sweep,
+            "fused GEMV tilings vs cuBLAS at qkv, o_proj, down (cold weights); the fastest of each"),
+    Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
+            "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
+    Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),
+            "decode_b1, qkv, o_proj and down as fused GEMVs"),
+    Section("decode_b4", "S", 75, 35, "child", _decode(4), "4 sequences (the online TPOT's batch), ms a step"),
+    Section("decode_b4_attn_prefetch", "S", 75, 35, "child", _decode(4, SMALL_BATCH_TUNING),
+            "decode_b4 with decode attention's first tile before the wait"),
+    Section("decode_b4_fused_qkv_o", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj"),
+            "decode_b4, qkv and o_proj as fused GEMVs"),
     Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),
@@ -504,7 +605,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("offline_fp8_2d_tile", "", 125, 100, "child", lambda c: _offline_2d_tile(c, "fp8"),
             "offline_fp8 with FP8_TUNING at every batch (no warp-split kernel; TANDEM_DECODE_TUNING)"),
 ]}
-GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B")}
+GROUPS = {g: [n for n, s in SECTIONS.items() if s.group == g] for g in ("A", "B", "S")}
+GROUPS["S"].insert(1, "decode_b1")  # S compares its variants with A's batch-1 row, in the same run
 
 # key -> (comparison, goal) from the issue's "Done when"
 GOALS: dict[str, tuple[str, float]] = {
@@ -590,6 +692,22 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
     return summary
 
 
+def small_batch(sections: dict) -> dict:
+    """Group S's decode rows: {section: {"ms", "vs_default"}}, ms a step (a token at batch 1) and
+    the default's ms over it (> 1: the variant is faster), against decode_b1 / decode_b4 as
+    the same file holds them."""
+    out = {}
+    for name in GROUPS["S"]:
+        if not name.startswith("decode_b"):
+            continue
+        batch = name.split("_")[1]  # "b1", "b4"
+        key = f"decode_{batch}_ms_per_{'token' if batch == 'b1' else 'step'}"
+        ms = _get(sections, name, key)
+        if ms is not None:
+            out[name] = {"ms": ms, "vs_default": _ratio(_get(sections, f"decode_{batch}", key), ms)}
+    return out
+
+
 def _round(x: Any) -> Any:
     return round(x, 2) if isinstance(x, float) else x
 
@@ -615,7 +733,7 @@ def run_child(section: Section, ctx: Context, timeout_s: float) -> dict:
     out.unlink(missing_ok=True)
     spec.write_text(json.dumps({"section": section.name, "args": vars(ctx.args), "model_dir": str(ctx.model_dir),
                                 "work": str(ctx.work), "ceilings": ctx.ceilings, "deadline": time.time() + timeout_s,
-                                "out": str(out)}))
+                                "out": str(out), "earlier": ctx.earlier}, default=str))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec)], cwd=REPO, env=env,
                             start_new_session=True)
@@ -633,7 +751,8 @@ def run_child(section: Section, ctx: Context, timeout_s: float) -> dict:
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     args = argparse.Namespace(**spec["args"])
-    ctx = Context(args, Path(spec["model_dir"]), Path(spec["work"]), spec["ceilings"], spec["deadline"])
+    ctx = Context(args, Path(spec["model_dir"]), Path(spec["work"]), spec["ceilings"], spec["deadline"],
+                  earlier=spec.get("earlier", {}))
     try:
         res = SECTIONS[spec["section"]].fn(ctx)
     except Exception as exc:
@@ -667,7 +786,7 @@ def _names(text: str, flag: str) -> list[str]:
             out.append(item)
         else:
             raise argparse.ArgumentTypeError(f"{flag}: unknown section or group {item!r} "
-                                             f"(groups: A, B; sections: {', '.join(SECTIONS)})")
+                                             f"(groups: A, B, S; sections: {', '.join(SECTIONS)})")
     return out
 
 
@@ -714,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "bench/results/h200_throughput.json"), help="where the JSON goes")
     p.add_argument("--merge", default=None, metavar="FILE", help="start from this results file (an earlier group)")
-    p.add_argument("--only", default="", help="comma list of sections or groups (A, B) to run; default: all")
+    p.add_argument("--only", default="", help="comma list of sections or groups (A, B, S) to run; default: all")
     p.add_argument("--skip", default="", help="comma list of sections or groups to leave out")
     p.add_argument("--budget", default="", help="per-section time budgets, NAME=SECONDS,... (see --dry-run)")
     p.add_argument("--deadline-s", type=_positive(float), default=560.0,
@@ -765,9 +884,9 @@ def plan(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[Sectio
 
 
 def print_plan(steps: list[tuple[Section, float]], deadline_s: float) -> None:
-    print(f"{'section':<20} {'group':<5} {'budget_s':>8} {'expect_s':>8}  {'runs in':<8} what")
+    print(f"{'section':<28} {'group':<5} {'budget_s':>8} {'expect_s':>8}  {'runs in':<8} what")
     for s, b in steps:
-        print(f"{s.name:<20} {s.group or '-':<5} {b:>8g} {s.expect_s:>8g}  {s.where:<8} {s.what}")
+        print(f"{s.name:<28} {s.group or '-':<5} {b:>8g} {s.expect_s:>8g}  {s.where:<8} {s.what}")
     print(f"expected {sum(s.expect_s for s, _ in steps):g} s in all (budgets sum to {sum(b for _, b in steps):g}); "
           f"no section starts or runs past --deadline-s {deadline_s:g}")
 
@@ -802,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         run_record["ratios"] = run_ratios(sections, list(run_record["section_seconds"]))  # what this run measured
         result.update(summarize(sections, result["runs"]))
+        result["small_batch"] = small_batch(sections)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="throughput-bench-") as tmp:
@@ -822,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
                     clusters.close()  # GPU sections get the whole device
                 ceil = sections.get("ceilings") if isinstance(sections.get("ceilings"), dict) else None
                 ceil = ceil if ceil and "copy_GBps" in ceil else {**DEFAULT_CEILINGS, "assumed": True}
-                ctx = Context(a, model_dir, work, ceil, time.time() + min(budget, left), clusters)
+                ctx = Context(a, model_dir, work, ceil, time.time() + min(budget, left), clusters, sections)
                 log(f"== {section.name} (budget {min(budget, left):.0f} s)")
                 t = time.time()
                 res = run_section(section, ctx)
@@ -838,6 +958,8 @@ def main(argv: list[str] | None = None) -> int:
     run_record["total_s"] = round(time.time() - t0, 1)
     write()
     log(f"wrote {out}")
+    for name, row in result["small_batch"].items():  # group S's rows, before the issue's table
+        print(f"{name:<28} {row['ms']:>8.3f} ms  default/this {row['vs_default']}", flush=True)
     print(format_table(summarize(sections, result["runs"])), flush=True)
     return 1 if failed else 0
 

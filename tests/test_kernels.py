@@ -217,6 +217,30 @@ def case_gemv() -> None:
         assert "rows" in str(exc)
     else:
         raise AssertionError("more than MAX_ROWS rows must raise ValueError")
+    # TANDEM_GEMV_TILING: fields over every projection's tiling, or fields by projection (the
+    # others keep theirs); a bad object, field or value raises ValueError naming the variable.
+    base = {name: gm.tiling_for(name) for name in gm.PROJECTIONS}
+    os.environ[gm.TILING_ENV] = '{"block_k": 1024}'
+    assert all(gm.tiling_for(name) == dataclasses.replace(base[name], block_k=1024) for name in gm.PROJECTIONS)
+    os.environ[gm.TILING_ENV] = '{"qkv": {"block_n": 4, "prefetch": false}, "down": {"num_warps": 8}}'
+    assert gm.tiling_for("qkv") == dataclasses.replace(base["qkv"], block_n=4, prefetch=False)
+    assert gm.tiling_for("down") == dataclasses.replace(base["down"], num_warps=8)
+    assert gm.tiling_for("o_proj") == base["o_proj"] and gm.tiling_for("gate_up") == base["gate_up"]
+    for bad in ('{"block_kk": 512}', '[8, 512]', '{"qkv": {"block_n": 6}}', 'block_n=8'):
+        os.environ[gm.TILING_ENV] = bad
+        try:
+            gm.tiling_for("qkv")
+        except ValueError as exc:
+            assert gm.TILING_ENV in str(exc) or "power of two" in str(exc), (bad, exc)
+        else:
+            raise AssertionError(f"{gm.TILING_ENV}={bad!r} must raise ValueError")
+    del os.environ[gm.TILING_ENV]
+    try:
+        gm.tiling_for("lm_head")
+    except ValueError as exc:
+        assert "projection" in str(exc)
+    else:
+        raise AssertionError("an unknown projection must raise ValueError")
 
 
 def case_argmax_rows() -> None:

@@ -220,3 +220,47 @@ def test_untimed_buckets_section_turns_timing_off_before_its_run(monkeypatch) ->
     assert tb.run_offline_bf16_untimed_buckets("ctx") == {"ok": 1}
     assert seen == [("auto", None, False)]
     assert tb.SECTIONS["offline_bf16_untimed_buckets"].where == "child"
+
+
+def test_group_s_runs_the_sweep_before_the_fused_sections_and_compares_with_decode_b1():
+    r = run("--dry-run", "--only", "S")
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[0] for line in r.stdout.splitlines()[1:-1]]
+    assert names[0] == "decode_b1" and "gpu_parity" in names and "decode_b4" in names
+    assert names.index("gemv_sweep") < min(names.index(n) for n in names if "fused" in n)
+    assert "offline_bf16" not in names
+
+
+def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
+    rows = [  # [weight, rows, block_n, block_k, warps, prefetch, us, GB/s, err]
+        ["qkv", 1, 0, 0, 0, False, 19.0, 2600, 0.0],
+        ["qkv", 1, 8, 512, 4, True, 15.5, 3200, 1e-3],
+        ["qkv", 1, 4, 1024, 4, True, 14.2, 3500, 1e-3],
+        ["qkv", 1, 8, 1024, 4, False, "CompilationError(...)", None, None],
+        ["qkv", 4, 8, 512, 4, True, 9.0, 5500, 1e-3],  # 4 rows: not the batch-1 choice
+        ["down", 1, 0, 0, 0, False, 32.0, 3700, 0.0],
+        ["down", 1, 8, 512, 8, False, 36.0, 3300, 1e-3],
+    ]
+    got = tb.best_tilings(rows)
+    assert got["best_tilings"] == {"qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "prefetch": True},
+                                   "down": {"block_n": 8, "block_k": 512, "num_warps": 8, "prefetch": False}}
+    assert got["gemv_us_at_1_row"] == {"qkv": {"cublas": 19.0, "fused": 14.2}, "down": {"cublas": 32.0, "fused": 36.0}}
+    # What TANDEM_GEMV_TILING takes: {projection: GemvTiling fields}.
+    from tandem_kernels.gemv import GemvTiling
+
+    assert GemvTiling(**got["best_tilings"]["qkv"]).block_k == 1024
+
+
+def test_small_batch_rows_are_each_variant_against_its_batch_default():
+    sections = {
+        "decode_b1": {"decode_b1_ms_per_token": 4.5},
+        "decode_b1_fused_qkv_o": {"decode_b1_ms_per_token": 4.2},
+        "decode_b1_attn_prefetch": {"error": "RuntimeError: ..."},
+        "decode_b4": {"decode_b4_ms_per_step": 4.8},
+        "decode_b4_fused_qkv_o": {"decode_b4_ms_per_step": 5.0},
+    }
+    got = tb.small_batch(sections)
+    assert set(got) == {"decode_b1", "decode_b1_fused_qkv_o", "decode_b4", "decode_b4_fused_qkv_o"}
+    assert got["decode_b1_fused_qkv_o"] == {"ms": 4.2, "vs_default": round(4.5 / 4.2, 3)}
+    assert got["decode_b4_fused_qkv_o"]["vs_default"] < 1 < got["decode_b1_fused_qkv_o"]["vs_default"]
+    assert got["decode_b1"]["vs_default"] == 1.0
