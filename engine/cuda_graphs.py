@@ -11,6 +11,9 @@ at 512; BENCHMARKS.md §17), and a padding row costs a decode step little beside
 buckets above the batch cap up to the next power of two as candidates (`spare_buckets`), and a
 bucket that is not faster than some larger one is dropped (`fastest_buckets`): its batches run
 the larger graph. TANDEM_TIMED_BUCKETS=0 keeps every bucket up to the cap, untimed.
+
+With TANDEM_NANO_BATCH=1 a bucket of at least engine.nano_batch.MIN_ROWS rows captures its step as
+two halves on two streams, one half's attention beside the other's GEMMs (engine/nano_batch.py).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.nano_batch import MIN_ROWS as NANO_MIN_ROWS, nano_batch_enabled, overlapped_forward, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +160,16 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # Streams of the overlapped halves (TANDEM_NANO_BATCH), shared by the buckets that split.
+        self.nano_streams = Streams(dev) if nano_batch_enabled() and dev.type == "cuda" else None
+
+    def _forward(self, bs: int) -> Callable[[], torch.Tensor]:
+        """Bucket `bs`'s step over the static buffers: the model's forward, or its overlapped
+        halves (engine/nano_batch.py) where TANDEM_NANO_BATCH asks and the bucket is large enough."""
+        args = (self.input_ids[:bs], self.positions[:bs], self.kv_cache.layers, self._meta(bs))
+        if self.nano_streams is not None and bs >= NANO_MIN_ROWS:
+            return lambda: overlapped_forward(self.model, *args, streams=self.nano_streams)
+        return lambda: self.model(*args)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -167,11 +181,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller ones reuse its memory pool."""
-        layers = self.kv_cache.layers
         for bs in reversed(self.buckets):
-            meta = self._meta(bs)
-            graph, self.outputs[bs] = capture_graph(
-                lambda: self.model(self.input_ids[:bs], self.positions[:bs], layers, meta), self.pool)
+            graph, self.outputs[bs] = capture_graph(self._forward(bs), self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph

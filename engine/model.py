@@ -127,21 +127,34 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
         """One layer: x, residual -> x, residual. In decode steps of at most GEMV_MAX_ROWS tokens
         the projections in self.fused_decode run as fused GEMVs, with the norm in front of qkv and
-        gate_up and the SiLU-and-multiply behind gate_up folded in; every other op is the same."""
-        fused = self.fused_decode if meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS else frozenset()
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
+        gate_up and the SiLU-and-multiply behind gate_up folded in; every other op is the same.
+        The three phases are the layer's order of ops; engine/nano_batch.py runs them apart."""
+        fused = self.fused_projections(x, meta)
+        qkv, residual = self.before_attention(x, residual, fused)
+        a = self.self_attn.core(positions, qkv, kv_cache, meta, cos_sin_cache)
+        return self.after_attention(a, residual, fused)
+
+    def fused_projections(self, x: torch.Tensor, meta: AttentionMetadata) -> frozenset[str]:
+        """The projections this step runs as fused GEMVs: self.fused_decode in decode steps of at
+        most GEMV_MAX_ROWS tokens, else none."""
+        return self.fused_decode if meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS else frozenset()
+
+    def before_attention(self, x, residual, fused: frozenset[str]):
+        """The input norm (adding x to the residual stream) and the qkv projection: -> qkv, residual."""
+        attn, norm = self.self_attn, self.input_layernorm
         if "qkv" in fused:
             qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
                                          norm_weight=norm.weight, eps=norm.eps, projection="qkv")
-            residual = x if residual is None else new_residual
+            return qkv, (x if residual is None else new_residual)
+        if residual is None:
+            residual, x = x, norm(x)
         else:
-            if residual is None:
-                residual, x = x, norm(x)
-            else:
-                x, residual = norm(x, residual)
-            qkv = attn.qkv_proj(x)
-        a = attn.core(positions, qkv, kv_cache, meta, cos_sin_cache)
+            x, residual = norm(x, residual)
+        return attn.qkv_proj(x), residual
+
+    def after_attention(self, a, residual, fused: frozenset[str]):
+        """o_proj, the MLP and the norms between: attention output a, residual -> x, residual."""
+        attn, mlp = self.self_attn, self.mlp
         o = ops.gemv(a, attn.o_proj.weight, projection="o_proj")[0] if "o_proj" in fused else attn.o_proj(a)
         if self.post_self_attn_layernorm is not None:
             o = self.post_self_attn_layernorm(o)

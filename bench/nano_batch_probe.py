@@ -1,0 +1,164 @@
+"""Does a full decode batch gain from two halves on two streams (engine/nano_batch.py)? One graph
+each, replayed on the same inputs (Llama-3.1-8B shape, dummy weights, every sequence at `--ctx`
+tokens on distinct blocks of random K/V):
+
+- plain: the model's forward (what the decode graphs capture today);
+- halves: the two halves one after the other on one stream (what splitting alone costs: each
+  GEMM at half the rows, every weight read twice);
+- overlapped: the halves on two streams, one half's attention beside the other's GEMMs.
+
+Prints and writes a JSON row per configuration: ms a replay of each graph, plain over
+overlapped (> 1: the overlap pays), and how far the overlapped step's hidden states and
+greedy tokens are from the plain step's (the GEMMs' accumulation order differs at half the rows).
+
+    python3 bench/nano_batch_probe.py --out $OUT/nano_batch.json                   # the three configurations below
+    python3 bench/nano_batch_probe.py --config fp8:fp8:512:1536 --config bf16:auto:384:1536
+
+A configuration is WEIGHTS:KV:BATCH:CTX (weights bf16 or fp8, KV auto or fp8). Needs a CUDA
+device; one H200 runs the defaults in about a minute and a half.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The offline rows' decode steps: FP8 weights + KV at 512 rows, bf16 weights + FP8 KV at 512, bf16 at 384.
+DEFAULT_CONFIGS = ("fp8:fp8:512:1536", "bf16:fp8:512:1536", "bf16:auto:384:1536")
+
+
+def parse_config(text: str) -> tuple[str, str, int, int]:
+    """WEIGHTS:KV:BATCH:CTX -> (weights, kv, batch, ctx); ArgumentTypeError naming what is wrong."""
+    parts = text.split(":")
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"--config: expected WEIGHTS:KV:BATCH:CTX, got {text!r}")
+    weights, kv, batch, ctx = parts
+    if weights not in ("bf16", "fp8"):
+        raise argparse.ArgumentTypeError(f"--config: weights must be bf16 or fp8, got {weights!r}")
+    if kv not in ("auto", "fp8"):
+        raise argparse.ArgumentTypeError(f"--config: KV must be auto or fp8, got {kv!r}")
+    try:
+        b, c = int(batch), int(ctx)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--config: BATCH and CTX must be integers, got {text!r}") from None
+    if b < 2 or c < 1:
+        raise argparse.ArgumentTypeError(f"--config: BATCH must be >= 2 and CTX >= 1, got {text!r}")
+    return weights, kv, b, c
+
+
+def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int) -> dict:
+    from engine import LLM
+    from engine.attention import AttentionMetadata
+    from engine.cuda_graphs import capture_graph, time_each
+    from engine.nano_batch import Streams, overlapped_forward
+
+    block_size = 16
+    per_seq = -(-ctx // block_size)
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=ctx + 64,
+              num_kv_blocks=batch * per_seq + 8, kv_cache_dtype=kv, quantization="fp8" if weights == "fp8" else None,
+              cuda_graphs=False, warm_up=False, enable_prefix_cache=False, block_size=block_size)
+    runner = llm.engine.runner
+    model, layers = runner.model, runner.kv_cache.layers
+    dev = layers[0][0].device
+    for k, v in layers:  # random contexts (values of the size real K/V have)
+        for t in (k, v):
+            if t.dtype == torch.float8_e4m3fn:
+                t.copy_(torch.randn(t.shape, device=dev, dtype=torch.bfloat16))
+            else:
+                t.normal_()
+    blocks = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
+    last = ctx - 1
+    meta = AttentionMetadata(
+        slot_mapping=(blocks[:, last // block_size].long() * block_size + last % block_size),
+        block_tables=blocks, query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev), is_decode=True,
+        k_scale=runner.kv_cache.k_scale, v_scale=runner.kv_cache.v_scale)
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
+    pos = torch.full((batch,), last, dtype=torch.int64, device=dev)
+    runs, outs = {}, {}
+    with torch.inference_mode():
+        variants = {
+            "plain": lambda: model(ids, pos, layers, meta),
+            "halves": lambda: overlapped_forward(model, ids, pos, layers, meta, Streams(dev, parallel=False)),
+            "overlapped": lambda: overlapped_forward(model, ids, pos, layers, meta, streams),
+        }
+        streams = Streams(dev)
+        if dev.type == "cuda":
+            pool = None
+            for name, forward in variants.items():
+                graph, outs[name] = capture_graph(forward, pool)
+                pool = pool or graph.pool()
+                runs[name] = graph.replay
+            torch.cuda.synchronize()
+            ms = time_each(runs)
+            for run in runs.values():  # the outputs of one replay each, on the same cache
+                run()
+            torch.cuda.synchronize()
+        else:  # a tiny model on a CPU (the tests): eager, timed once each, for the row's shape
+            ms = {}
+            for name, forward in variants.items():
+                t = time.perf_counter()
+                outs[name] = forward()
+                ms[name] = (time.perf_counter() - t) * 1e3
+        plain, over = outs["plain"].float(), outs["overlapped"].float()
+        rel = ((over - plain).norm() / plain.norm()).item()
+        same_tokens = (model.logits(outs["overlapped"]).argmax(-1) == model.logits(outs["plain"]).argmax(-1))
+    row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
+           "ms": {k: round(v, 3) for k, v in ms.items()},
+           "plain_over_overlapped": round(ms["plain"] / ms["overlapped"], 3),
+           "plain_over_halves": round(ms["plain"] / ms["halves"], 3),
+           "hidden_rel_diff": float(f"{rel:.2e}"), "greedy_same": round(same_tokens.float().mean().item(), 4)}
+    del llm, runner, runs, outs
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", type=parse_config, default=None,
+                   help="WEIGHTS:KV:BATCH:CTX, repeatable (default: %s)" % ", ".join(DEFAULT_CONFIGS))
+    p.add_argument("--out", default=None, help="write the rows here as JSON")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a Hugging Face model directory instead of the Llama-3.1-8B shape (dummy weights either "
+                        "way); without a CUDA device a tiny one runs eagerly, as the tests do")
+    a = p.parse_args(argv)
+    if a.model is not None and not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model: no config.json in {a.model}")
+    if not torch.cuda.is_available() and a.model is None:
+        print("nano_batch_probe: needs a CUDA device (or --model, a tiny model to run on the CPU)", file=sys.stderr)
+        return 2
+    from bench.h200_bench import LLAMA31_8B, write_model
+
+    configs = a.config or [parse_config(c) for c in DEFAULT_CONFIGS]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="nano-batch-") as tmp:
+        model_dir = Path(a.model) if a.model else write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
+        for weights, kv, batch, ctx in configs:
+            t = time.time()
+            try:
+                row = probe(model_dir, weights, kv, batch, ctx)
+            except Exception as exc:  # record and go on: one configuration's failure must not hide the others
+                row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
+                       "error": f"{type(exc).__name__}: {exc}"[:500]}
+            row["wall_s"] = round(time.time() - t, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"command": " ".join(["python3", "bench/nano_batch_probe.py", *(argv or sys.argv[1:])]),
+                                           "rows": rows}, indent=1) + "\n")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
