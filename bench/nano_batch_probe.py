@@ -5,10 +5,15 @@ tokens on distinct blocks of random K/V):
 - plain: the model's forward (what the decode graphs capture today);
 - halves: the two halves one after the other on one stream (what splitting alone costs: each
   GEMM at half the rows, every weight read twice);
-- overlapped: the halves on two streams, one half's attention beside the other's GEMMs.
+- overlapped: the halves on two streams, one half's attention beside the other's GEMMs;
+- overlapped_carveoutN (--carveout N): overlapped, with cuBLAS told to leave N SMs free for
+  the attention beside it.
+
+`eager_ms` times plain and overlapped without a graph too: a graph replays every node at its
+launch stream's priority, so only eager steps see the GEMM stream's higher priority.
 
 Prints and writes a JSON row per configuration: ms a replay of each graph, plain over
-overlapped (> 1: the overlap pays), and how far the overlapped step's hidden states and
+overlapped and over halves (> 1: faster than plain), and how far the overlapped step's hidden states and
 greedy tokens are from the plain step's (the GEMMs' accumulation order differs at half the rows).
 
     python3 bench/nano_batch_probe.py --out $OUT/nano_batch.json                   # the three configurations below
@@ -33,6 +38,21 @@ sys.path.insert(0, str(REPO))
 
 # The offline rows' decode steps: FP8 weights + KV at 512 rows, bf16 weights + FP8 KV at 512, bf16 at 384.
 DEFAULT_CONFIGS = ("fp8:fp8:512:1536", "bf16:fp8:512:1536", "bf16:auto:384:1536")
+DEFAULT_CARVEOUTS = (33, 66)  # a quarter and a half of an H200's 132 SMs
+
+
+def carved(sms: int, forward):
+    """`forward` with cuBLAS(Lt)'s GEMMs told to leave `sms` SMs free (torch's experimental
+    carveout, read as each GEMM is launched: a graph keeps what its capture chose)."""
+    def run():
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            return forward()
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+
+    return run
 
 
 def parse_config(text: str) -> tuple[str, str, int, int]:
@@ -54,7 +74,7 @@ def parse_config(text: str) -> tuple[str, str, int, int]:
     return weights, kv, b, c
 
 
-def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int) -> dict:
+def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveouts: tuple[int, ...] = ()) -> dict:
     from engine import LLM
     from engine.attention import AttentionMetadata
     from engine.cuda_graphs import capture_graph, time_each
@@ -90,6 +110,9 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int) -> dict:
             "halves": lambda: overlapped_forward(model, ids, pos, layers, meta, Streams(dev, parallel=False)),
             "overlapped": lambda: overlapped_forward(model, ids, pos, layers, meta, streams),
         }
+        for sms in carveouts if dev.type == "cuda" else ():
+            variants[f"overlapped_carveout{sms}"] = carved(
+                sms, lambda: overlapped_forward(model, ids, pos, layers, meta, streams))
         streams = Streams(dev)
         if dev.type == "cuda":
             pool = None
@@ -99,11 +122,13 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int) -> dict:
                 runs[name] = graph.replay
             torch.cuda.synchronize()
             ms = time_each(runs)
+            # Eager, where the GEMM stream's priority holds (a graph replays at its launch stream's).
+            eager_ms = time_each({name: variants[name] for name in ("plain", "overlapped")})
             for run in runs.values():  # the outputs of one replay each, on the same cache
                 run()
             torch.cuda.synchronize()
         else:  # a tiny model on a CPU (the tests): eager, timed once each, for the row's shape
-            ms = {}
+            ms, eager_ms = {}, {}
             for name, forward in variants.items():
                 t = time.perf_counter()
                 outs[name] = forward()
@@ -115,6 +140,8 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int) -> dict:
            "ms": {k: round(v, 3) for k, v in ms.items()},
            "plain_over_overlapped": round(ms["plain"] / ms["overlapped"], 3),
            "plain_over_halves": round(ms["plain"] / ms["halves"], 3),
+           "best_overlapped": min((k for k in ms if k.startswith("overlapped")), key=ms.__getitem__),
+           "eager_ms": {k: round(v, 3) for k, v in eager_ms.items()},
            "hidden_rel_diff": float(f"{rel:.2e}"), "greedy_same": round(same_tokens.float().mean().item(), 4)}
     del llm, runner, runs, outs
     if dev.type == "cuda":
@@ -128,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", action="append", type=parse_config, default=None,
                    help="WEIGHTS:KV:BATCH:CTX, repeatable (default: %s)" % ", ".join(DEFAULT_CONFIGS))
     p.add_argument("--out", default=None, help="write the rows here as JSON")
+    p.add_argument("--carveout", type=int, action="append", default=None, metavar="SMS",
+                   help="also time the overlapped step with cuBLAS told to leave SMS SMs free (its GEMMs run on "
+                        "the rest; repeatable; default: %s)" % ", ".join(map(str, DEFAULT_CARVEOUTS)))
     p.add_argument("--model", default=None, metavar="DIR",
                    help="a Hugging Face model directory instead of the Llama-3.1-8B shape (dummy weights either "
                         "way); without a CUDA device a tiny one runs eagerly, as the tests do")
@@ -140,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     from bench.h200_bench import LLAMA31_8B, write_model
 
     configs = a.config or [parse_config(c) for c in DEFAULT_CONFIGS]
+    a.carveout = DEFAULT_CARVEOUTS if a.carveout is None else a.carveout
+    if any(not 0 < c < 128 for c in a.carveout):
+        p.error(f"--carveout: SMs to leave free must be in [1, 127], got {a.carveout}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="nano-batch-") as tmp:
         model_dir = Path(a.model) if a.model else write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         for weights, kv, batch, ctx in configs:
             t = time.time()
             try:
-                row = probe(model_dir, weights, kv, batch, ctx)
+                row = probe(model_dir, weights, kv, batch, ctx, tuple(a.carveout))
             except Exception as exc:  # record and go on: one configuration's failure must not hide the others
                 row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
                        "error": f"{type(exc).__name__}: {exc}"[:500]}
