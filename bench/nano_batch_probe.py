@@ -7,7 +7,9 @@ tokens on distinct blocks of random K/V):
   GEMM at half the rows, every weight read twice);
 - overlapped: the halves on two streams, one half's attention beside the other's GEMMs;
 - overlapped_carveoutN (--carveout N): overlapped, with cuBLAS told to leave N SMs free for
-  the attention beside it.
+  the attention beside it;
+- overlapped_greenN (--green N, eager only): overlapped, the attention stream in a CUDA green
+  context of N SMs, so that the GEMMs have the others to themselves.
 
 `eager_ms` times plain and overlapped without a graph too: a graph replays every node at its
 launch stream's priority, so only eager steps see the GEMM stream's higher priority.
@@ -29,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ sys.path.insert(0, str(REPO))
 # The offline rows' decode steps: FP8 weights + KV at 512 rows, bf16 weights + FP8 KV at 512, bf16 at 384.
 DEFAULT_CONFIGS = ("fp8:fp8:512:1536", "bf16:fp8:512:1536", "bf16:auto:384:1536")
 DEFAULT_CARVEOUTS = (33, 66)  # a quarter and a half of an H200's 132 SMs
+DEFAULT_GREENS = (99,)  # SMs of the green context the attention keeps to (eager): three quarters
 
 
 def carved(sms: int, forward):
@@ -53,6 +57,20 @@ def carved(sms: int, forward):
             torch._C._set_sm_carveout_experimental(before)
 
     return run
+
+
+def green_streams(dev: torch.device, sms: int):
+    """engine.nano_batch.Streams whose attention stream belongs to a CUDA green context of `sms`
+    SMs (torch.cuda.green_contexts): the attention then keeps to those SMs and the GEMMs have the
+    rest to themselves. Raises where torch or the driver has no green contexts."""
+    from torch.cuda.green_contexts import GreenContext
+
+    from engine.nano_batch import Streams
+
+    streams = Streams(dev)
+    green = GreenContext.create(num_sms=sms, device_id=dev.index if dev.index is not None else 0)
+    streams.attn, streams.green = green.Stream(), green  # the context lives as long as its stream is used
+    return streams
 
 
 def parse_config(text: str) -> tuple[str, str, int, int]:
@@ -74,7 +92,8 @@ def parse_config(text: str) -> tuple[str, str, int, int]:
     return weights, kv, b, c
 
 
-def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveouts: tuple[int, ...] = ()) -> dict:
+def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveouts: tuple[int, ...] = (),
+          greens: tuple[int, ...] = ()) -> dict:
     from engine import LLM
     from engine.attention import AttentionMetadata
     from engine.cuda_graphs import capture_graph, time_each
@@ -103,27 +122,45 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveout
         k_scale=runner.kv_cache.k_scale, v_scale=runner.kv_cache.v_scale)
     ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
     pos = torch.full((batch,), last, dtype=torch.int64, device=dev)
-    runs, outs = {}, {}
+    runs, outs, errors = {}, {}, {}
     with torch.inference_mode():
+        streams = Streams(dev)
+        overlapped = lambda streams=streams: overlapped_forward(model, ids, pos, layers, meta, streams)  # noqa: E731
         variants = {
             "plain": lambda: model(ids, pos, layers, meta),
             "halves": lambda: overlapped_forward(model, ids, pos, layers, meta, Streams(dev, parallel=False)),
-            "overlapped": lambda: overlapped_forward(model, ids, pos, layers, meta, streams),
+            "overlapped": overlapped,
         }
-        for sms in carveouts if dev.type == "cuda" else ():
-            variants[f"overlapped_carveout{sms}"] = carved(
-                sms, lambda: overlapped_forward(model, ids, pos, layers, meta, streams))
-        streams = Streams(dev)
+        eager = {"plain": variants["plain"], "overlapped": overlapped}
         if dev.type == "cuda":
+            for sms in carveouts:
+                variants[f"overlapped_carveout{sms}"] = carved(sms, overlapped)
+            for sms in greens:
+                try:
+                    eager[f"overlapped_green{sms}"] = partial(overlapped, green_streams(dev, sms))
+                except Exception as exc:  # a torch or driver without green contexts
+                    errors[f"overlapped_green{sms}"] = f"{type(exc).__name__}: {exc}"[:300]
             pool = None
             for name, forward in variants.items():
-                graph, outs[name] = capture_graph(forward, pool)
+                try:
+                    graph, outs[name] = capture_graph(forward, pool)
+                except Exception as exc:  # record and go on: the other variants still say something
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                    continue
                 pool = pool or graph.pool()
                 runs[name] = graph.replay
             torch.cuda.synchronize()
             ms = time_each(runs)
             # Eager, where the GEMM stream's priority holds (a graph replays at its launch stream's).
-            eager_ms = time_each({name: variants[name] for name in ("plain", "overlapped")})
+            eager_runs = {}
+            for name, forward in eager.items():
+                try:
+                    forward()
+                    torch.cuda.synchronize()
+                    eager_runs[name] = forward
+                except Exception as exc:
+                    errors[name + "_eager"] = f"{type(exc).__name__}: {exc}"[:300]
+            eager_ms = time_each(eager_runs)
             for run in runs.values():  # the outputs of one replay each, on the same cache
                 run()
             torch.cuda.synchronize()
@@ -133,16 +170,20 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveout
                 t = time.perf_counter()
                 outs[name] = forward()
                 ms[name] = (time.perf_counter() - t) * 1e3
-        plain, over = outs["plain"].float(), outs["overlapped"].float()
-        rel = ((over - plain).norm() / plain.norm()).item()
-        same_tokens = (model.logits(outs["overlapped"]).argmax(-1) == model.logits(outs["plain"]).argmax(-1))
-    row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
-           "ms": {k: round(v, 3) for k, v in ms.items()},
-           "plain_over_overlapped": round(ms["plain"] / ms["overlapped"], 3),
-           "plain_over_halves": round(ms["plain"] / ms["halves"], 3),
-           "best_overlapped": min((k for k in ms if k.startswith("overlapped")), key=ms.__getitem__),
-           "eager_ms": {k: round(v, 3) for k, v in eager_ms.items()},
-           "hidden_rel_diff": float(f"{rel:.2e}"), "greedy_same": round(same_tokens.float().mean().item(), 4)}
+        row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx, "ms": {k: round(v, 3) for k, v in ms.items()},
+               "eager_ms": {k: round(v, 3) for k, v in eager_ms.items()}}
+        for name in ms:
+            if name != "plain" and "plain" in ms:
+                row[f"plain_over_{name}"] = round(ms["plain"] / ms[name], 3)
+        timed = [k for k in ms if k.startswith("overlapped")]
+        row["best_overlapped"] = min(timed, key=ms.__getitem__) if timed else None
+        if "plain" in outs and "overlapped" in outs:
+            plain, over = outs["plain"].float(), outs["overlapped"].float()
+            row["hidden_rel_diff"] = float(f"{((over - plain).norm() / plain.norm()).item():.2e}")
+            same = model.logits(outs["overlapped"]).argmax(-1) == model.logits(outs["plain"]).argmax(-1)
+            row["greedy_same"] = round(same.float().mean().item(), 4)
+        if errors:
+            row["errors"] = errors
     del llm, runner, runs, outs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -155,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", action="append", type=parse_config, default=None,
                    help="WEIGHTS:KV:BATCH:CTX, repeatable (default: %s)" % ", ".join(DEFAULT_CONFIGS))
     p.add_argument("--out", default=None, help="write the rows here as JSON")
+    p.add_argument("--green", type=int, action="append", default=None, metavar="SMS",
+                   help="also time eager overlapped steps whose attention keeps to a green context of SMS SMs "
+                        "(repeatable; default: %s)" % ", ".join(map(str, DEFAULT_GREENS)))
     p.add_argument("--carveout", type=int, action="append", default=None, metavar="SMS",
                    help="also time the overlapped step with cuBLAS told to leave SMS SMs free (its GEMMs run on "
                         "the rest; repeatable; default: %s)" % ", ".join(map(str, DEFAULT_CARVEOUTS)))
@@ -173,13 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     a.carveout = DEFAULT_CARVEOUTS if a.carveout is None else a.carveout
     if any(not 0 < c < 128 for c in a.carveout):
         p.error(f"--carveout: SMs to leave free must be in [1, 127], got {a.carveout}")
+    a.green = DEFAULT_GREENS if a.green is None else a.green
+    if any(c < 1 for c in a.green):
+        p.error(f"--green: a green context needs at least 1 SM, got {a.green}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="nano-batch-") as tmp:
         model_dir = Path(a.model) if a.model else write_model(Path(tmp) / "llama31-8b", LLAMA31_8B)
         for weights, kv, batch, ctx in configs:
             t = time.time()
             try:
-                row = probe(model_dir, weights, kv, batch, ctx, tuple(a.carveout))
+                row = probe(model_dir, weights, kv, batch, ctx, tuple(a.carveout), tuple(a.green))
             except Exception as exc:  # record and go on: one configuration's failure must not hide the others
                 row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
                        "error": f"{type(exc).__name__}: {exc}"[:500]}
