@@ -14,9 +14,11 @@ tokens on distinct blocks of random K/V):
 `eager_ms` times plain and overlapped without a graph too: a graph replays every node at its
 launch stream's priority, so only eager steps see the GEMM stream's higher priority.
 
-Prints and writes a JSON row per configuration: ms a replay of each graph, plain over
-overlapped and over halves (> 1: faster than plain), and how far the overlapped step's hidden states and
-greedy tokens are from the plain step's (the GEMMs' accumulation order differs at half the rows).
+Prints and writes a JSON row per configuration: ms a replay of each graph, plain's ms over
+each other variant's (`plain_over_<variant>`, > 1: faster than plain), the fastest overlapped
+variant, and how far the overlapped step's hidden states and greedy tokens are from the plain
+step's (the GEMMs' accumulation order differs at half the rows). A variant that fails is
+recorded under `errors` and the others are still measured.
 
     python3 bench/nano_batch_probe.py --out $OUT/nano_batch.json                   # the three configurations below
     python3 bench/nano_batch_probe.py --config fp8:fp8:512:1536 --config bf16:auto:384:1536
