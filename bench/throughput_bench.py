@@ -182,6 +182,7 @@ def run_gpu_parity(ctx: Context) -> dict:
     _need_cuda()
     from bench.h200_bench import gpu_parity
 
+    (ctx.work / "parity").mkdir(parents=True, exist_ok=True)
     return gpu_parity(ctx.work / "parity", ["llama", "qwen3", "glm4"])
 
 

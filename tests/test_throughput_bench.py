@@ -264,3 +264,41 @@ def test_small_batch_rows_are_each_variant_against_its_batch_default():
     assert got["decode_b1_fused_qkv_o"] == {"ms": 4.2, "vs_default": round(4.5 / 4.2, 3)}
     assert got["decode_b4_fused_qkv_o"]["vs_default"] < 1 < got["decode_b1_fused_qkv_o"]["vs_default"]
     assert got["decode_b1"]["vs_default"] == 1.0
+
+
+def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_results(monkeypatch, tmp_path):
+    """The wiring only (the measurement needs a GPU): what the child's environment holds when
+    h200_bench.decode_b1 runs, and what the section adds to its result."""
+    import argparse
+
+    from bench import h200_bench
+    from engine.model import FUSED_GEMV_ENV
+    from tandem_kernels.decode_attention import TUNING_ENV
+    from tandem_kernels.gemv import TILING_ENV
+
+    seen = {}
+
+    def fake_decode_b1(model_dir, cfg, ceil, fused=False, batch=1):
+        seen.update(fused=fused, batch=batch, env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV)})
+        return {f"decode_b{batch}_ms_per_step": 4.0}
+
+    monkeypatch.setattr(tb, "_need_cuda", lambda: None)
+    monkeypatch.setattr(h200_bench, "decode_b1", fake_decode_b1)
+    for name in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV):  # what the sections set goes at teardown
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    tilings = {"qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "prefetch": True}}
+    ctx = tb.Context(argparse.Namespace(), tmp_path, tmp_path, {"copy_GBps": 4000.0}, 0.0,
+                     earlier={"gemv_sweep": {"best_tilings": tilings}})
+    res = tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)
+    assert seen["fused"] is True and seen["batch"] == 4
+    assert seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj" and json.loads(seen["env"][TILING_ENV]) == tilings
+    assert seen["env"][TUNING_ENV] is None
+    assert res["gemv_tilings"] == tilings and res["fused_gemv_projections"] == "qkv,o_proj"
+    # Without a sweep in the results the fused GEMVs keep their default tiles; the prefetch
+    # section sets only the decode tuning.
+    for name in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV):
+        monkeypatch.delenv(name, raising=False)
+    tb.SECTIONS["decode_b1_attn_prefetch"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
+    assert seen["fused"] is False and seen["batch"] == 1
+    assert json.loads(seen["env"][TUNING_ENV]) == tb.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
