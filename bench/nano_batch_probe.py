@@ -8,8 +8,9 @@ tokens on distinct blocks of random K/V):
 - overlapped: the halves on two streams, one half's attention beside the other's GEMMs;
 - overlapped_carveoutN (--carveout N): overlapped, with cuBLAS told to leave N SMs free for
   the attention beside it;
-- overlapped_greenN (--green N, eager only): overlapped, the attention stream in a CUDA green
-  context of N SMs, so that the GEMMs have the others to themselves.
+- overlapped_greenN (--green N): overlapped, the attention stream in a CUDA green context of N
+  SMs, so that the GEMMs have the others to themselves (eager too; a graph keeps the context
+  where the driver captures it).
 
 `eager_ms` times plain and overlapped without a graph too: a graph replays every node at its
 launch stream's priority, so only eager steps see the GEMM stream's higher priority.
@@ -22,6 +23,7 @@ recorded under `errors` and the others are still measured.
 
     python3 bench/nano_batch_probe.py --out $OUT/nano_batch.json                   # the three configurations below
     python3 bench/nano_batch_probe.py --config fp8:fp8:512:1536 --config bf16:auto:384:1536
+    python3 bench/nano_batch_probe.py --config fp8:fp8:512:1536 --green 99 --green 110 --carveout 22
 
 A configuration is WEIGHTS:KV:BATCH:CTX (weights bf16 or fp8, KV auto or fp8). Needs a CUDA
 device; one H200 runs the defaults in about a minute and a half.
@@ -44,7 +46,9 @@ sys.path.insert(0, str(REPO))
 # The offline rows' decode steps: FP8 weights + KV at 512 rows, bf16 weights + FP8 KV at 512, bf16 at 384.
 DEFAULT_CONFIGS = ("fp8:fp8:512:1536", "bf16:fp8:512:1536", "bf16:auto:384:1536")
 DEFAULT_CARVEOUTS = (33, 66)  # a quarter and a half of an H200's 132 SMs
-DEFAULT_GREENS = (99,)  # SMs of the green context the attention keeps to (eager): three quarters
+# SMs of the green contexts the attention keeps to: none unless asked (--green 99: three quarters),
+# since a green context a driver mishandles may break the process's CUDA context for what follows.
+DEFAULT_GREENS: tuple[int, ...] = ()
 
 
 def carved(sms: int, forward):
@@ -137,9 +141,10 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveout
         if dev.type == "cuda":
             for sms in carveouts:
                 variants[f"overlapped_carveout{sms}"] = carved(sms, overlapped)
-            for sms in greens:
+            for sms in greens:  # last: a capture that fails here leaves the others measured
                 try:
                     eager[f"overlapped_green{sms}"] = partial(overlapped, green_streams(dev, sms))
+                    variants[f"overlapped_green{sms}"] = eager[f"overlapped_green{sms}"]
                 except Exception as exc:  # a torch or driver without green contexts
                     errors[f"overlapped_green{sms}"] = f"{type(exc).__name__}: {exc}"[:300]
             pool = None
@@ -199,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="WEIGHTS:KV:BATCH:CTX, repeatable (default: %s)" % ", ".join(DEFAULT_CONFIGS))
     p.add_argument("--out", default=None, help="write the rows here as JSON")
     p.add_argument("--green", type=int, action="append", default=None, metavar="SMS",
-                   help="also time eager overlapped steps whose attention keeps to a green context of SMS SMs "
-                        "(repeatable; default: %s)" % ", ".join(map(str, DEFAULT_GREENS)))
+                   help="also time overlapped steps whose attention keeps to a green context of SMS SMs "
+                        "(repeatable; default: none; run it after the others, in a call of its own)")
     p.add_argument("--carveout", type=int, action="append", default=None, metavar="SMS",
                    help="also time the overlapped step with cuBLAS told to leave SMS SMs free (its GEMMs run on "
                         "the rest; repeatable; default: %s)" % ", ".join(map(str, DEFAULT_CARVEOUTS)))
