@@ -11,8 +11,9 @@ MLP and next qkv, and the other way round:
 
 where qkv is DecoderLayer.before_attention, att Attention.core and post after_attention. The
 GEMM stream has the higher priority, so that its GEMMs take SMs as the attention's programs
-finish (in eager steps: a CUDA graph replays every node at its launch stream's priority). A half's GEMMs do half the rows (the weights are read twice a step); at these batches
-they stay compute-bound (FP8: 256 rows; bf16 at 384 rows is near its ridge, and may not gain).
+finish (in eager steps: a CUDA graph replays every node at its launch stream's priority). A
+half's GEMMs do half the rows (the weights are read twice a step); at these batches they stay
+compute-bound (FP8: 256 rows; bf16 at 384 rows is near its ridge, and may not gain).
 
 Rows are independent in a decode step, so the output is the plain forward's up to the GEMMs'
 order of accumulation at another row count. Tensors that cross streams (qkv, the attention
