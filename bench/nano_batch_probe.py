@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"command": " ".join(["python3", "bench/nano_batch_probe.py", *(argv or sys.argv[1:])]),
-                                           "rows": rows}, indent=1) + "\n")
+        command = " ".join(["python3", "bench/nano_batch_probe.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(a.out).write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -112,7 +112,8 @@ def test_the_probe_runs_its_three_variants_on_a_tiny_model(tiny_models: dict[str
         assert r["greedy_same"] == 1.0 and r["hidden_rel_diff"] < 1e-3  # the CPU runs the phases in order
 
 
-@pytest.mark.parametrize("config", ["bf16:fp8:6", "int4:auto:6:40", "bf16:fp16:6:40", "bf16:auto:1:40", "bf16:auto:x:40"])
+@pytest.mark.parametrize("config", ["bf16:fp8:6", "int4:auto:6:40", "bf16:fp16:6:40", "bf16:auto:1:40",
+                                    "bf16:auto:x:40"])
 def test_the_probe_names_a_bad_config(config, capsys):
     from bench import nano_batch_probe as probe
 

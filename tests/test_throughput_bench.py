@@ -279,7 +279,8 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     seen = {}
 
     def fake_decode_b1(model_dir, cfg, ceil, fused=False, batch=1):
-        seen.update(fused=fused, batch=batch, env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV)})
+        seen.update(fused=fused, batch=batch,
+                    env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV)})
         return {f"decode_b{batch}_ms_per_step": 4.0}
 
     monkeypatch.setattr(tb, "_need_cuda", lambda: None)
