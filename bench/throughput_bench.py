@@ -29,7 +29,7 @@ Sections by group (their budgets and expected seconds: --dry-run):
   offline_subset (the offline engine with its defaults on the same 512 prompts, bench/up_bench.py).
 - S (batch 1 and small batches, BENCHMARKS.md §28's changes each against the default in one run):
   gpu_parity (h200_bench's), decode_b1, decode_b1_attn_prefetch (decode attention's first tile
-  before the PDL wait), gemv_sweep (fused GEMV tilings vs cuBLAS at qkv, o_proj, down on cold
+  before the PDL wait), gemv_sweep (fused GEMV tilings vs cuBLAS at the four weights on cold
   weights), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those projections as fused
   GEMVs with the sweep's fastest tilings), decode_b4 (4 sequences: the online TPOT's batch) and
   its attn_prefetch and fused_qkv_o variants. `small_batch` in the JSON (and lines printed
@@ -170,10 +170,11 @@ def run_decode_b1_fused_gemv(ctx: Context) -> dict:
 # in one run (the fused GEMVs with the sweep's fastest tiling of each weight).
 
 SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's first tile before the PDL wait
-# The tilings gemv_sweep times at qkv, o_proj and down (GemvTiling fields; the first is the default).
+# The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
+# is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
 GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 1024}, {"block_n": 8, "block_k": 1024},
                    {"block_n": 8, "block_k": 1024, "prefetch": False})
-GEMV_AB_WEIGHTS = ("qkv", "o_proj", "down")
+GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 
 
 def run_gpu_parity(ctx: Context) -> dict:
@@ -584,7 +585,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("decode_b1_attn_prefetch", "S", 75, 35, "child", _decode(1, SMALL_BATCH_TUNING),
             "decode_b1, decode attention's first K/V tile before the PDL wait (TANDEM_DECODE_TUNING)"),
     Section("gemv_sweep", "S", 120, 50, "child", run_gemv_sweep,
-            "fused GEMV tilings vs cuBLAS at qkv, o_proj, down (cold weights); the fastest of each"),
+            "fused GEMV tilings vs cuBLAS at the four weights (cold); the fastest of each"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
     Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),
