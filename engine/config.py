@@ -23,6 +23,10 @@ KV_CACHE_LAYOUTS = ("nhd", "hnd")  # engine/kv_cache.py
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)  # engine/quant
 MAX_PREFILL_GRAPH_TOKENS = 8192  # the largest prefill_graph_tokens (its graphs' activations stay in their pool)
+# The context a running sequence is expected to hold: what a derived max_running plans for
+# (engine/memory.py, an SGLang-like derivation) and where overlapped decode halves are timed
+# (engine/nano_batch.py).
+EXPECTED_CONTEXT_TOKENS = 2048
 
 _DTYPES = {
     "float32": torch.float32,

@@ -14,9 +14,13 @@ the larger graph. TANDEM_TIMED_BUCKETS=0 keeps every bucket up to the cap, untim
 
 With TANDEM_NANO_BATCH=1 a bucket of at least engine.nano_batch.MIN_ROWS rows captures its step as
 two halves on two streams, one half's attention beside the other's GEMMs (engine/nano_batch.py).
+With TANDEM_NANO_BATCH=auto such a bucket captures both steps and, once the buckets are kept as
+above (on the plain steps), times them with every row at a full context (the overlap hides
+attention, which padding rows barely have) and keeps the faster.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,7 +32,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.nano_batch import MIN_ROWS as NANO_MIN_ROWS, nano_batch_enabled, overlapped_forward, Streams
+from engine.nano_batch import MIN_ROWS as NANO_MIN_ROWS
+from engine.nano_batch import TIMING_CONTEXT as NANO_TIMING_CONTEXT
+from engine.nano_batch import Streams, nano_batch_mode, overlapped_forward, overlapped_wins
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +112,7 @@ def smallest_bucket(buckets: list[int], n: int) -> int | None:
     return None
 
 
-def time_each(runs: dict[int, Callable[[], Any]]) -> dict[int, float]:
+def time_each(runs: dict[Any, Callable[[], Any]]) -> dict[Any, float]:
     """The ms each of `runs` takes on the current CUDA stream: TIMING_ROUNDS rounds over all of
     them, in turn forwards and backwards (so that a clock change, or another process's work on a
     shared GPU, falls on no one of them alone), in each the mean of TIMING_REPLAYS calls after
@@ -160,16 +166,25 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        # Streams of the overlapped halves (TANDEM_NANO_BATCH), shared by the buckets that split.
-        self.nano_streams = Streams(dev) if nano_batch_enabled() and dev.type == "cuda" else None
+        # Overlapped halves (TANDEM_NANO_BATCH): its mode, the streams shared by the buckets that
+        # split, the buckets whose kept graph is overlapped, and (auto) each candidate's graph
+        # and output until they are timed against the plain ones.
+        self.nano_mode = nano_batch_mode() if dev.type == "cuda" else "0"
+        self.nano_streams = Streams(dev) if self.nano_mode != "0" else None
+        self.nano_buckets: list[int] = []
+        self.nano_candidates: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _forward(self, bs: int) -> Callable[[], torch.Tensor]:
+    def _forward(self, bs: int, overlapped: bool = False) -> Callable[[], torch.Tensor]:
         """Bucket `bs`'s step over the static buffers: the model's forward, or its overlapped
-        halves (engine/nano_batch.py) where TANDEM_NANO_BATCH asks and the bucket is large enough."""
+        halves (engine/nano_batch.py)."""
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_cache.layers, self._meta(bs))
-        if self.nano_streams is not None and bs >= NANO_MIN_ROWS:
+        if overlapped:
             return lambda: overlapped_forward(self.model, *args, streams=self.nano_streams)
         return lambda: self.model(*args)
+
+    def _splits(self, bs: int) -> bool:
+        """Whether bucket `bs` may run as overlapped halves (TANDEM_NANO_BATCH, MIN_ROWS rows)."""
+        return self.nano_streams is not None and bs >= NANO_MIN_ROWS
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -182,14 +197,58 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller ones reuse its memory pool."""
         for bs in reversed(self.buckets):
-            graph, self.outputs[bs] = capture_graph(self._forward(bs), self.pool)
+            always = self.nano_mode == "1" and self._splits(bs)
+            graph, self.outputs[bs] = capture_graph(self._forward(bs, overlapped=always), self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
+            if always:
+                self.nano_buckets.append(bs)
+            elif self.nano_mode == "auto" and self._splits(bs):
+                self.nano_candidates[bs] = capture_graph(self._forward(bs, overlapped=True), self.pool)
         torch.cuda.synchronize()
         logger.info("captured decode graphs for batch sizes %s", self.buckets)
-        if self.timed:
+        if self.timed:  # on the plain graphs: the GEMMs' row counts, as without halves
             self.keep_fastest()
+        for bs in [b for b in self.nano_candidates if b not in self.graphs]:  # a dropped bucket's
+            del self.nano_candidates[bs]
+        if self.nano_candidates:
+            self.keep_faster_halves()
+
+    def keep_faster_halves(self) -> None:
+        """TANDEM_NANO_BATCH=auto: replay each candidate bucket's plain and overlapped graphs with
+        every row at a full context (`full_context`) and keep the overlapped one where it is
+        faster by more than BUCKET_MARGIN (`overlapped_wins`); the other graph is released."""
+        with self.full_context(max(self.nano_candidates)):
+            runs = {(bs, False): self.graphs[bs].replay for bs in self.nano_candidates}
+            runs.update({(bs, True): graph.replay for bs, (graph, _) in self.nano_candidates.items()})
+            times = time_each(runs)
+        plain = {bs: t for (bs, over), t in times.items() if not over}
+        overlapped = {bs: t for (bs, over), t in times.items() if over}
+        self.nano_buckets = overlapped_wins(plain, overlapped, BUCKET_MARGIN)
+        for bs in self.nano_buckets:
+            self.graphs[bs], self.outputs[bs] = self.nano_candidates[bs]
+        self.nano_candidates.clear()
+        logger.info("decode graphs as overlapped halves for %s (ms a replay at a full context, plain / overlapped: %s)",
+                    self.nano_buckets or "no bucket",
+                    {bs: f"{plain[bs]:.3f} / {overlapped[bs]:.3f}" for bs in sorted(plain)})
+
+    @contextlib.contextmanager
+    def full_context(self, rows: int):
+        """The static buffers' first `rows` rows at a context of NANO_TIMING_CONTEXT tokens (at
+        most what the block tables hold) on distinct blocks, as far as the pool has them, and
+        storing nothing (slot -1); back to padding rows (context 1, block 0) after."""
+        bsz = self.kv_cache.block_size
+        per_row = max(1, min(NANO_TIMING_CONTEXT // bsz, self.max_blocks))
+        ids = torch.arange(rows * per_row, device=self.block_tables.device) % self.kv_cache.num_blocks
+        self.block_tables[:rows, :per_row].copy_(ids.view(rows, per_row))
+        self.seq_lens[:rows].fill_(per_row * bsz)
+        self.slot_mapping.fill_(-1)
+        try:
+            yield
+        finally:
+            self.block_tables.zero_()
+            self.seq_lens.fill_(1)
 
     def time_replays(self) -> dict[int, float]:
         """Each captured bucket's replay time in ms (`time_each`), on the static inputs as capture

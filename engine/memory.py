@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EXPECTED_CONTEXT_TOKENS, EngineConfig, ModelConfig
 from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH, spare_buckets, timed_buckets_enabled
 from engine.kv_cache import KVCache
 from engine.prefill_graphs import buckets_up_to, graph_token_limit
@@ -42,8 +42,7 @@ GiB = 2**30
 NON_TORCH_BYTES = int(1.5 * GiB)
 GRAPH_BYTES_PER_BATCH_SIZE = 8 * 2**20  # each captured graph's own (non-pool) memory
 SAMPLER_BYTES_PER_LOGIT = 24  # fp32 probabilities, a sorted fp32 copy, int64 indices, fp32 noise
-# Running sequences: the context one is expected to hold (SGLang-like derivation), and the caps.
-EXPECTED_CONTEXT_TOKENS = 2048
+# Running sequences: the caps (the context one is expected to hold: config.EXPECTED_CONTEXT_TOKENS).
 MAX_RUNNING_CEILING_CUDA = 512  # derived max_running's cap (an explicit one may go to MAX_GRAPH_BATCH with graphs)
 MAX_RUNNING_CEILING_CPU = 256
 

@@ -22,8 +22,8 @@ to the writer's stream while the reader may still run. On a CPU the same phases 
 order, one after the other (no streams): what the tests check.
 
 Used by the decode graphs (engine/cuda_graphs.py) for buckets of at least MIN_ROWS rows when
-NANO_BATCH_ENV is "1"; a single-GPU engine only (a tensor-parallel layer's all-reduce is not
-split).
+NANO_BATCH_ENV is "1", or, with "auto", where it replays faster than the plain step at a full
+context; a single-GPU engine only (a tensor-parallel layer's all-reduce is not split).
 """
 from __future__ import annotations
 
@@ -34,17 +34,36 @@ import os
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import EXPECTED_CONTEXT_TOKENS
 
-NANO_BATCH_ENV = "TANDEM_NANO_BATCH"  # "1": decode graphs of >= MIN_ROWS rows run two halves overlapped
+# "1": decode graphs of >= MIN_ROWS rows run two halves overlapped; "auto": such a bucket captures
+# both and keeps the faster at a full context (engine/cuda_graphs.py); "0" (default): off until
+# measured on the device.
+NANO_BATCH_ENV = "TANDEM_NANO_BATCH"
+NANO_BATCH_MODES = ("0", "1", "auto")
 MIN_ROWS = 128
+# The context at which "auto" times a bucket's two steps: what a running sequence is expected to hold.
+TIMING_CONTEXT = EXPECTED_CONTEXT_TOKENS
+
+
+def nano_batch_mode() -> str:
+    """NANO_BATCH_ENV's value, one of NANO_BATCH_MODES (default "0")."""
+    value = os.environ.get(NANO_BATCH_ENV, "0")
+    if value not in NANO_BATCH_MODES:
+        raise ValueError(f"{NANO_BATCH_ENV} must be one of {', '.join(NANO_BATCH_MODES)}, got {value!r}")
+    return value
 
 
 def nano_batch_enabled() -> bool:
-    """Whether NANO_BATCH_ENV asks for overlapped halves ("1"; default "0": off until measured)."""
-    value = os.environ.get(NANO_BATCH_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{NANO_BATCH_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    """Whether NANO_BATCH_ENV asks for overlapped halves at all ("1" or "auto")."""
+    return nano_batch_mode() != "0"
+
+
+def overlapped_wins(plain_ms: dict[int, float], overlapped_ms: dict[int, float], margin: float) -> list[int]:
+    """The buckets whose overlapped step replays faster than their plain one by more than
+    `margin` (a share of the plain time; a difference within it is taken for noise and the plain
+    graph stays), from each one's timed replays."""
+    return sorted(b for b, t in overlapped_ms.items() if b in plain_ms and t < plain_ms[b] * (1 - margin))
 
 
 def split_meta(meta: AttentionMetadata, rows: slice) -> AttentionMetadata:

@@ -11,7 +11,8 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata
-from engine.nano_batch import NANO_BATCH_ENV, nano_batch_enabled, overlapped_forward, split_meta
+from engine.nano_batch import (NANO_BATCH_ENV, nano_batch_enabled, nano_batch_mode, overlapped_forward,
+                               overlapped_wins, split_meta)
 
 
 def _decode_step(lens: list[int], block_size: int, num_blocks: int, vocab: int, rng: random.Random):
@@ -89,13 +90,23 @@ def test_one_row_does_not_split(tiny_models: dict[str, Path]):
 
 
 def test_the_switch_is_off_by_default_and_names_itself_when_bad(monkeypatch):
-    monkeypatch.delenv(NANO_BATCH_ENV, raising=False)
-    assert nano_batch_enabled() is False
-    monkeypatch.setenv(NANO_BATCH_ENV, "1")
-    assert nano_batch_enabled() is True
+    monkeypatch.setenv(NANO_BATCH_ENV, "0")
+    monkeypatch.delenv(NANO_BATCH_ENV)
+    assert nano_batch_mode() == "0" and nano_batch_enabled() is False
+    for mode in ("1", "auto"):
+        monkeypatch.setenv(NANO_BATCH_ENV, mode)
+        assert nano_batch_mode() == mode and nano_batch_enabled() is True
     monkeypatch.setenv(NANO_BATCH_ENV, "yes")
     with pytest.raises(ValueError, match=NANO_BATCH_ENV):
         nano_batch_enabled()
+
+
+def test_auto_keeps_the_overlapped_graph_only_where_it_wins_past_the_margin():
+    plain = {128: 10.0, 256: 20.0, 384: 30.0, 512: 40.0}
+    overlapped = {128: 10.5, 256: 19.9, 384: 27.0, 512: 36.0, 640: 1.0}  # 640: no plain graph to beat
+    assert overlapped_wins(plain, overlapped, margin=0.02) == [384, 512]  # 256: within the margin
+    assert overlapped_wins(plain, overlapped, margin=0.0) == [256, 384, 512]
+    assert overlapped_wins(plain, {}, margin=0.02) == []
 
 
 def test_the_probe_runs_its_three_variants_on_a_tiny_model(tiny_models: dict[str, Path], tmp_path):
@@ -120,3 +131,25 @@ def test_the_probe_names_a_bad_config(config, capsys):
     with pytest.raises(SystemExit) as exc:
         probe.main(["--config", config])
     assert exc.value.code == 2 and "--config" in capsys.readouterr().err
+
+
+def test_auto_times_every_row_at_a_full_context_and_puts_the_padding_back(tiny_models: dict[str, Path]):
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.nano_batch import TIMING_CONTEXT
+
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=200, max_model_len=4096)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, max_batch=8, max_model_len=4096)  # no capture on a CPU
+    bs = runner.kv_cache.block_size
+    with graphs.full_context(6):
+        per_row = TIMING_CONTEXT // bs
+        assert graphs.seq_lens[:6].tolist() == [per_row * bs] * 6
+        tables = graphs.block_tables[:6, :per_row]
+        assert int(tables.max()) < runner.kv_cache.num_blocks
+        # distinct blocks while the pool has them (200 here: every row's first blocks differ)
+        assert len(set(tables[:, 0].tolist())) == 6 and len(set(tables[0].tolist())) == per_row
+        assert bool((graphs.slot_mapping == -1).all())  # the timed replays store nothing
+    assert bool((graphs.block_tables == 0).all()) and bool((graphs.seq_lens == 1).all())
+    short = DecodeGraphs(runner.model, runner.kv_cache, max_batch=8, max_model_len=100)
+    with short.full_context(2):  # no more than the tables hold
+        assert short.seq_lens[:2].tolist() == [short.max_blocks * bs] * 2
