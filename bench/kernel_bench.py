@@ -375,9 +375,10 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     As in a decode step, every call reads a weight no call before it read lately: each timed
     CUDA graph runs the GEMV over copies of the weight totalling at least `cold_bytes` (far past
     L2), one after another, and the time is the graph's over the copies. Tilings: every
-    block_n x block_k x warps with prefetch and three without, at the first row count; the three
-    fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, prefetch,
-    us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0.
+    block_n x block_k x warps with prefetch, six with late_reduce and three without prefetch, at
+    the first row count; the three
+    fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, late_reduce,
+    prefetch, us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0.
     `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
     from bench.kernel_ir import GEMV_SHAPES
     from tandem_kernels import gemv as gm
@@ -387,6 +388,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     if tilings is None:
         tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
                    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
+        tilings += [gm.GemvTiling(block_n=bn, block_k=bk, late_reduce=True) for bn in (4, 8, 16) for bk in (256, 512)]
         tilings += [gm.GemvTiling(block_n=bn, block_k=bk, prefetch=False) for bn, bk in ((4, 1024), (8, 512), (8, 1024))]
     if weights:
         unknown = set(weights) - set(cases)
@@ -414,7 +416,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
 
             want = ref.gemv(x, ws[0], None, **kw)[0].float()
             us = bench_ms(unfused) * 1e3 / copies
-            rows_out.append([name, m, 0, 0, 0, False, round(us, 1), round(moved / us / 1e3), 0.0])
+            rows_out.append([name, m, 0, 0, 0, False, False, round(us, 1), round(moved / us / 1e3), 0.0])
             print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             timed = []
             for t in (tilings if i == 0 else [t for _, t in best[:3]]):
@@ -423,16 +425,17 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
                     err = ((got - want).abs() / (1 + want.abs())).max().item()
                     us = bench_ms(lambda: [gm.gemv(x, w, tiling=t, **kw) for w in ws], reps=30) * 1e3 / copies
                     timed.append((us, t))
-                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.prefetch, round(us, 1),
-                                     round(moved / us / 1e3), err])
+                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.late_reduce, t.prefetch,
+                                     round(us, 1), round(moved / us / 1e3), err])
                 except Exception as exc:  # a configuration that does not compile or fit
-                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.prefetch, repr(exc)[:80], None, None])
+                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.late_reduce, t.prefetch,
+                                     repr(exc)[:80], None, None])
                 print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             if i == 0:
                 best = sorted(timed, key=lambda p: p[0])
         del ws
         torch.cuda.empty_cache()
-    return {"rows [weight, rows, block_n, block_k, warps, prefetch, us, weight GB/s, max error]": rows_out}
+    return {"rows [weight, rows, block_n, block_k, warps, late_reduce, prefetch, us, weight GB/s, max error]": rows_out}
 
 
 def extend_sweep(s: Shapes) -> dict:

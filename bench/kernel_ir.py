@@ -236,9 +236,9 @@ GEMV_SHAPES = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, F
                "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
 
 
-def gemv(projection: str, rows: int, pdl: bool):
-    """The fused decode GEMV of `projection` (its tiling: tandem_kernels.gemv.tiling_for) over
-    `rows` rows, compiled."""
+def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None):
+    """The fused decode GEMV of `projection` over `rows` rows, compiled: its tiling
+    (tandem_kernels.gemv.tiling_for) with `fields` (GemvTiling's) over it."""
     from tandem_kernels import gemv as gm
 
     n, k, norm, silu = GEMV_SHAPES[projection]
@@ -246,7 +246,8 @@ def gemv(projection: str, rows: int, pdl: bool):
     x, w = torch.empty(rows, k, **meta), torch.empty(n, k, **meta)
     out = torch.empty(rows, n // 2 if silu else n, **meta)
     _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
-                                     torch.empty(k, **meta) if norm else None, 1e-5, silu, gm.tiling_for(projection),
+                                     torch.empty(k, **meta) if norm else None, 1e-5, silu,
+                                     dataclasses.replace(gm.tiling_for(projection), **(fields or {})),
                                      out, torch.empty_like(x) if norm else None)
     consts.update(PDL=pdl, launch_pdl=pdl)
     return compile_for_hopper(gm._gemv_kernel, args, consts)
@@ -270,6 +271,9 @@ def main() -> int:
     p.add_argument("--pdl", action="store_true", help="the decode kernel as launched with programmatic dependent launch")
     p.add_argument("--rotary", action="store_true",
                    help="the decode kernel as rotary_store_and_decode launches it (rotary and the step's K/V store inside)")
+    p.add_argument("--gemv-tiling", action="append", default=None, metavar="JSON",
+                   help="at --batch <= 8, also report each GEMV with these GemvTiling fields over its own (repeatable)")
+    p.add_argument("--only-gemv", action="store_true", help="only the fused decode GEMVs (--batch <= 8)")
     a = p.parse_args()
     from tandem_kernels import decode_attention as da, extend_attention as ea
     from tandem_kernels.triton_common import interpreting
@@ -279,7 +283,7 @@ def main() -> int:
         return 2
     dump = Path(a.dump) if a.dump else None
     rows = []
-    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+    for cache in () if a.only_gemv else (torch.bfloat16, torch.float8_e4m3fn):
         label = _DTYPES[cache]
         at_batch = da.default_tuning(cache, a.batch * 8, 132)  # the engine's pick at --batch (8 KV heads, H100/H200)
         extra = [] if at_batch == da.default_tuning(cache) else [json.dumps(dataclasses.asdict(at_batch))]
@@ -301,7 +305,7 @@ def main() -> int:
             finally:
                 ea.BLOCKS_AHEAD = saved
             print(json.dumps(rows[-1]), flush=True)
-    for deferred, persist in ((False, 0), (True, 0), (False, 1)):  # the Llama-3.1-8B MLP's 14,336 outputs a row
+    for deferred, persist in () if a.only_gemv else ((False, 0), (True, 0), (False, 1)):  # 8B MLP: 14,336 outputs
         rows.append({"kernel": "silu_and_mul_fp8", "cache": "", "deferred": deferred, "persistent": bool(persist),
                      **report(silu_and_mul_fp8(a.batch, 14336, deferred, persist), dump,
                               f"silu_fp8_{int(deferred)}_{persist}")})
@@ -309,11 +313,13 @@ def main() -> int:
     from tandem_kernels.ops import GEMV_MAX_ROWS
 
     if a.batch <= GEMV_MAX_ROWS:  # decode batches the fused GEMVs take
-        for projection in GEMV_SHAPES:
-            name = f"gemv_{projection}"
-            rows.append({"kernel": "gemv", "cache": "", "projection": projection, "pdl": a.pdl, "name": name,
-                         **report(gemv(projection, a.batch, a.pdl), dump, name)})
-            print(json.dumps(rows[-1]), flush=True)
+        for i, fields in enumerate([None, *(a.gemv_tiling or [])]):
+            for projection in GEMV_SHAPES:
+                name = f"gemv_{projection}" + ("" if fields is None else f"_{i}")
+                extra = {} if fields is None else json.loads(fields)
+                rows.append({"kernel": "gemv", "cache": "", "projection": projection, "tiling": extra, "pdl": a.pdl,
+                             "name": name, **report(gemv(projection, a.batch, a.pdl, extra), dump, name)})
+                print(json.dumps(rows[-1]), flush=True)
     return 0
 
 

@@ -172,8 +172,10 @@ def run_decode_b1_fused_gemv(ctx: Context) -> dict:
 SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's first tile before the PDL wait
 # The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
 # is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
-GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 1024}, {"block_n": 8, "block_k": 1024},
-                   {"block_n": 8, "block_k": 1024, "prefetch": False})
+# late_reduce: a loop of 170 SASS instructions a tile for o_proj against 299 (kernel_ir, batch 1).
+GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 8, "block_k": 512, "late_reduce": True},
+                   {"block_n": 4, "block_k": 512, "late_reduce": True}, {"block_n": 8, "block_k": 256, "late_reduce": True},
+                   {"block_n": 4, "block_k": 1024}, {"block_n": 8, "block_k": 1024, "prefetch": False})
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -200,18 +202,19 @@ def run_gemv_sweep(ctx: Context) -> dict:
 
 
 def best_tilings(rows: list[list]) -> dict:
-    """From gemv_sweep's rows [weight, rows, block_n, block_k, warps, prefetch, us, GB/s, err]:
-    `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
+    """From gemv_sweep's rows [weight, rows, block_n, block_k, warps, late_reduce, prefetch, us,
+    GB/s, err]: `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
     `gemv_us_at_1_row` {weight: {"cublas": us, "fused": us}}."""
     best: dict[str, tuple[float, dict]] = {}
     us: dict[str, dict] = {}
-    for weight, m, block_n, block_k, warps, prefetch, t, *_ in rows:
+    for weight, m, block_n, block_k, warps, late, prefetch, t, *_ in rows:
         if m != 1 or not isinstance(t, (int, float)):
             continue
         if block_n == 0:  # the unfused row: cuBLAS and the separate norm / SiLU kernels
             us.setdefault(weight, {})["cublas"] = t
         elif weight not in best or t < best[weight][0]:
-            best[weight] = (t, {"block_n": block_n, "block_k": block_k, "num_warps": warps, "prefetch": prefetch})
+            best[weight] = (t, {"block_n": block_n, "block_k": block_k, "num_warps": warps, "late_reduce": late,
+                                "prefetch": prefetch})
     for weight, (t, _) in best.items():
         us.setdefault(weight, {})["fused"] = t
     return {"best_tilings": {w: fields for w, (_, fields) in best.items()}, "gemv_us_at_1_row": us}

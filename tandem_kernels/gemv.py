@@ -99,9 +99,13 @@ def _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR: tl.constexpr):
 
 @triton.jit
 def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
+    # One return, after an if/else: the compiler type-checks what follows an early return in a
+    # constexpr branch too, and the two sums differ in shape.
     if LATE_REDUCE:
-        return acc + a[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        acc = acc + a[:, None, :] * w.to(tl.float32)[None, :, :]
+    else:
+        acc = acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -156,3 +156,28 @@ def test_small_batch_pdl_builds_load_what_no_kernel_writes_before_the_wait(tmp_p
         wait = ptx.find("griddepcontrol.wait")
         assert wait > 0 and ptx[:wait].count("ld.global") >= 1, projection
         assert ptx[wait:].count("ld.global") >= 2, projection  # x (and the norm's residual), the next tiles
+
+
+@pytest.mark.parametrize("batch", ["1", "8"])
+def test_every_gemv_tiling_builds_for_the_gpu(batch):
+    """Each of GemvTiling's switches (late_reduce x prefetch) compiles for sm_90 at every
+    projection, without spills; with late_reduce the loop shuffles less than without (its lanes
+    keep their partial sums). The interpreter runs these tilings (tests/test_kernels.py) but does
+    not type-check a kernel as the compiler does: a late_reduce build that failed to compile
+    passed there."""
+    tilings = [{"late_reduce": late, "prefetch": prefetch} for late in (False, True) for prefetch in (False, True)]
+    built = kernel_ir("--pdl", "--batch", batch, "--only-gemv",
+                      *[a for t in tilings for a in ("--gemv-tiling", json.dumps(t))])
+
+    def row(projection: str, fields: dict) -> dict:
+        found = [r for r in built if r["projection"] == projection and r["tiling"] == fields]
+        assert len(found) == 1, (projection, fields)
+        return found[0]
+
+    for projection in ("qkv", "o_proj", "gate_up", "down"):
+        for fields in tilings:
+            assert row(projection, fields)["spilled_bytes"] == 0, (projection, fields)
+        for prefetch in (False, True):
+            late = row(projection, {"late_reduce": True, "prefetch": prefetch})["loop_mix"]["shuffle"]
+            every = row(projection, {"late_reduce": False, "prefetch": prefetch})["loop_mix"]["shuffle"]
+            assert late < every, (projection, prefetch, late, every)
