@@ -253,6 +253,25 @@ def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None):
     return compile_for_hopper(gm._gemv_kernel, args, consts)
 
 
+def argmax(rows: int, dtype: torch.dtype, vocab: int = 128256) -> list:
+    """The greedy row argmax's two kernels (tandem_kernels.argmax) over `rows` logits rows of
+    `dtype` as argmax_rows launches them, compiled."""
+    from tandem_kernels import argmax as am
+
+    meta = dict(device="meta")
+    shape = am.launch_shape(vocab)
+    chunks = shape["chunks"]
+    x = torch.empty(rows, vocab, dtype=dtype, **meta)
+    vals = torch.empty(rows, chunks, dtype=torch.float32, **meta)
+    idx = torch.empty(rows, chunks, dtype=torch.int32, **meta)
+    out = torch.empty(rows, dtype=torch.int64, **meta)
+    pdl = dict(PDL=True, launch_pdl=True)
+    return [compile_for_hopper(am._argmax_chunks, [x, vals, idx, vocab, vocab, chunks],
+                               dict(CHUNK=shape["CHUNK"], num_warps=shape["num_warps"], **pdl)),
+            compile_for_hopper(am._argmax_rows, [vals, idx, out, chunks, vocab],
+                               dict(CHUNKS_PAD=shape["CHUNKS_PAD"], num_warps=1, **pdl))]
+
+
 def report(compiled, dump: Path | None = None, name: str = "") -> dict:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -310,6 +329,10 @@ def main() -> int:
                      **report(silu_and_mul_fp8(a.batch, 14336, deferred, persist), dump,
                               f"silu_fp8_{int(deferred)}_{persist}")})
         print(json.dumps(rows[-1]), flush=True)
+    for dtype in () if a.only_gemv else (torch.bfloat16, torch.float32):  # logits as the sampler gets them
+        for stage, compiled in enumerate(argmax(a.batch, dtype), 1):
+            rows.append({"kernel": f"argmax_stage{stage}", "cache": _DTYPES[dtype], **resources(compiled)})
+            print(json.dumps(rows[-1]), flush=True)
     from tandem_kernels.ops import GEMV_MAX_ROWS
 
     if a.batch <= GEMV_MAX_ROWS:  # decode batches the fused GEMVs take

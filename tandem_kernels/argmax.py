@@ -49,6 +49,16 @@ def _argmax_rows(val_ptr, idx_ptr, out_ptr, chunks, cols, CHUNKS_PAD: tl.constex
     tl.store(out_ptr + row, first.to(tl.int64))  # padding (lanes, chunks) is -inf at index cols: never first
 
 
+def launch_shape(cols: int) -> dict:
+    """How argmax_rows splits a row of `cols` columns: CHUNK (columns a stage-1 program), chunks
+    (stage-1 programs a row), CHUNKS_PAD (stage 2's lanes) and stage 1's warps. One home for the
+    launcher and bench/kernel_ir.py."""
+    chunk = min(CHUNK, next_pow2(cols))
+    chunks = triton.cdiv(cols, chunk)
+    return {"CHUNK": chunk, "chunks": chunks, "CHUNKS_PAD": max(2, next_pow2(chunks)),
+            "num_warps": 4 if chunk >= 1024 else 1}
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, cols] (any float dtype, unit column stride) -> [rows] int64: see the module docstring."""
     if x.dim() != 2 or x.shape[1] == 0:
@@ -59,12 +69,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    chunk = min(CHUNK, next_pow2(cols))
-    chunks = triton.cdiv(cols, chunk)
+    shape = launch_shape(cols)
+    chunks = shape["chunks"]
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
     pdl = pdl_launch(x.device)
-    _argmax_chunks[(rows, chunks)](x, vals, idx, cols, x.stride(0), chunks, CHUNK=chunk,
-                                   num_warps=4 if chunk >= 1024 else 1, **pdl)
-    _argmax_rows[(rows,)](vals, idx, out, chunks, cols, CHUNKS_PAD=max(2, next_pow2(chunks)), num_warps=1, **pdl)
+    _argmax_chunks[(rows, chunks)](x, vals, idx, cols, x.stride(0), chunks, CHUNK=shape["CHUNK"],
+                                   num_warps=shape["num_warps"], **pdl)
+    _argmax_rows[(rows,)](vals, idx, out, chunks, cols, CHUNKS_PAD=shape["CHUNKS_PAD"], num_warps=1, **pdl)
     return out

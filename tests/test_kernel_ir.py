@@ -181,3 +181,12 @@ def test_every_gemv_tiling_builds_for_the_gpu(batch):
             late = row(projection, {"late_reduce": True, "prefetch": prefetch})["loop_mix"]["shuffle"]
             every = row(projection, {"late_reduce": False, "prefetch": prefetch})["loop_mix"]["shuffle"]
             assert late < every, (projection, prefetch, late, every)
+
+
+def test_the_greedy_argmax_builds_for_the_gpu(rows):
+    """Both argmax kernels (on by default for every greedy row) compile for sm_90 for the logits'
+    dtypes the sampler sees (the model's, float32 after penalties), without spills."""
+    for cache in ("bf16", "fp32"):
+        for stage in (1, 2):
+            row = pick(rows, f"argmax_stage{stage}", cache)
+            assert row["spilled_bytes"] == 0 and row["programs_per_sm"] >= 1, row
