@@ -985,6 +985,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {out}")
     for name, row in result["small_batch"].items():  # group S's rows, before the table
         print(f"{name:<28} {row['ms']:>8.3f} ms  default/this {row['vs_default']}", flush=True)
+    for weight, us in (_get(sections, "gemv_sweep", "gemv_us_at_1_row") or {}).items():
+        tiling = (_get(sections, "gemv_sweep", "best_tilings") or {}).get(weight)
+        print(f"gemv {weight:<23} cuBLAS {us.get('cublas')} us, fused {us.get('fused')} us ({tiling})", flush=True)
     print(format_table(summarize(sections, result["runs"])), flush=True)
     return 1 if failed else 0
 
