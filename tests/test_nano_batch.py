@@ -13,6 +13,7 @@ from engine import LLM
 from engine.attention import AttentionMetadata
 from engine.nano_batch import (NANO_BATCH_ENV, nano_batch_enabled, nano_batch_mode, overlapped_forward,
                                overlapped_wins, split_meta)
+from tests.same_cache import assert_same_writes, from_the_same_cache
 
 
 def _decode_step(lens: list[int], block_size: int, num_blocks: int, vocab: int, rng: random.Random):
@@ -51,22 +52,11 @@ def test_two_halves_compute_what_the_forward_computes(tiny_models: dict[str, Pat
         lens = [rng.randint(1, 90) for _ in range(n)]
         ids, pos, meta = _decode_step(lens, runner.kv_cache.block_size, layers[0][0].shape[0],
                                       model.config.vocab_size, rng)
-        before = [(k.clone(), v.clone()) for k, v in layers]
-        with torch.inference_mode():
-            want = model(ids, pos, layers, meta)
-            want_kv = [(k.clone(), v.clone()) for k, v in layers]
-            for (k, v), (k0, v0) in zip(layers, before):
-                k.copy_(k0)
-                v.copy_(v0)
-            got = overlapped_forward(model, ids, pos, layers, meta)
+        want, want_kv, got, before = from_the_same_cache(
+            layers, lambda: model(ids, pos, layers, meta), lambda: overlapped_forward(model, ids, pos, layers, meta))
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{family} {options} n={n}: {m}")
-        written = torch.zeros(layers[0][0].flatten(0, 1).shape[0], dtype=torch.bool)
-        written[meta.slot_mapping] = True
-        for (k, v), (wk, wv), (k0, _) in zip(layers, want_kv, before):  # the step's own K/V, in the same slots
-            torch.testing.assert_close(k.float(), wk.float(), atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v.float(), wv.float(), atol=1e-4, rtol=1e-4)
-            assert torch.equal(k.flatten(0, 1)[~written].float(), k0.flatten(0, 1)[~written].float())
+        assert_same_writes(layers, want_kv, before, meta.slot_mapping, tol=1e-4)  # the step's own K/V, same slots
 
 
 def test_split_meta_takes_its_rows(tiny_models: dict[str, Path]):

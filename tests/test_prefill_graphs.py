@@ -14,6 +14,7 @@ from engine import LLM, EngineConfig
 from engine.attention import AttentionMetadata
 from engine.prefill_graphs import DEFAULT_BUCKETS, MAX_SEQS, PrefillGraphs, buckets_up_to
 from engine.scheduler import PrefillAlone
+from tests.same_cache import assert_same_writes, from_the_same_cache
 from worker.config import PREFILL_GRAPH_TOKENS, build_parser, config_from_args
 
 
@@ -62,26 +63,12 @@ def test_the_padded_step_computes_what_the_step_computes(tiny_models: dict[str, 
         n = ids.shape[0]
         bucket = graphs.fits(n, meta)
         assert bucket == min(b for b in graphs.buckets if b >= n)
-        before = [(k.clone(), v.clone()) for k, v in layers]
-        with torch.inference_mode():
-            want = model(ids, pos, layers, meta)
-            want_kv = [(k.clone(), v.clone()) for k, v in layers]
-            for (k, v), (k0, v0) in zip(layers, before):
-                k.copy_(k0)
-                v.copy_(v0)
-            sid, spos, smeta = graphs.stage(ids, pos, meta, bucket)
-            assert sid.shape[0] == bucket and smeta.query_start_loc.shape[0] == MAX_SEQS + 1
-            got = model(sid, spos, layers, smeta)[:n]
+        sid, spos, smeta = graphs.stage(ids, pos, meta, bucket)
+        assert sid.shape[0] == bucket and smeta.query_start_loc.shape[0] == MAX_SEQS + 1
+        want, want_kv, got, before = from_the_same_cache(
+            layers, lambda: model(ids, pos, layers, meta), lambda: model(sid, spos, layers, smeta)[:n])
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for (k, v), (wk, wv) in zip(layers, want_kv):  # the same slots written, no other
-            torch.testing.assert_close(k, wk, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(v, wv, atol=1e-5, rtol=1e-5)
-        written = meta.slot_mapping
-        for (k, _), (k0, _) in zip(layers, before):
-            flat, flat0 = k.flatten(0, 1), k0.flatten(0, 1)
-            untouched = torch.ones(flat.shape[0], dtype=torch.bool)
-            untouched[written] = False
-            assert torch.equal(flat[untouched], flat0[untouched])
+        assert_same_writes(layers, want_kv, before, meta.slot_mapping, tol=1e-5)  # the same slots written, no other
 
 
 def test_which_steps_replay_a_graph(tiny_models: dict[str, Path]) -> None:
