@@ -137,20 +137,24 @@ def overlapped_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
     metas = [split_meta(meta, rows) for rows in halves]
     pos = [positions[rows] for rows in halves]
     layers, cos_sin = model.layers, model.cos_sin_cache
+    residuals: list = [None, None]
+    fused: list = [None, None]
+    qkv: list = [None, None]
+    qkv_ready: list = [None, None]
+
+    def start(h: int, layer) -> None:  # on the GEMM stream: half h's norm and qkv in `layer`, handed on
+        fused[h] = layer.fused_projections(xs[h], metas[h])
+        qkv[h], residuals[h] = layer.before_attention(xs[h], residuals[h], fused[h])
+        streams.handed(qkv[h], "attn")
+        qkv_ready[h] = streams.mark()
+
     streams.fork()
     with streams.on("gemm"):
         x = model.embed_tokens(input_ids)
         xs = [x[rows] for rows in halves]
-        residuals: list = [None, None]
-        fused = [layers[0].fused_projections(xs[h], metas[h]) for h in (0, 1)]
-        qkv: list = [None, None]
-        qkv_ready: list = [None, None]
         for h in (0, 1):
-            qkv[h], residuals[h] = layers[0].before_attention(xs[h], residuals[h], fused[h])
-            streams.handed(qkv[h], "attn")
-            qkv_ready[h] = streams.mark()
+            start(h, layers[0])
     for i, layer in enumerate(layers):
-        last = i + 1 == len(layers)
         attended: list = [None, None]
         done: list = [None, None]
         for h in (0, 1):  # half A's attention, then B's, on the attention stream
@@ -163,12 +167,8 @@ def overlapped_forward(model, input_ids: torch.Tensor, positions: torch.Tensor,
             with streams.on("gemm"):
                 streams.after(done[h])
                 xs[h], residuals[h] = layer.after_attention(attended[h], residuals[h], fused[h])
-                if not last:
-                    nxt = layers[i + 1]
-                    fused[h] = nxt.fused_projections(xs[h], metas[h])
-                    qkv[h], residuals[h] = nxt.before_attention(xs[h], residuals[h], fused[h])
-                    streams.handed(qkv[h], "attn")
-                    qkv_ready[h] = streams.mark()
+                if i + 1 < len(layers):
+                    start(h, layers[i + 1])
     with streams.on("gemm"):
         out = torch.cat([model.norm(xs[h], residuals[h])[0] for h in (0, 1)])
     streams.join()
