@@ -250,44 +250,46 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable
 CUBLAS_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # torch's own on Hopper: 32 MiB
 
 
-def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
-    """`run` with torch's cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set before this
-    child's first GEMM), where an engine's process has none by default (engine/cublas.py): cuBLAS
-    may then choose its split-K kernels again (BENCHMARKS.md §17, §24-25: batch-1 decode 1.3-1.4%
-    slower with them). For a cluster section, run the whole bench with the variable set: the
-    workers inherit it."""
+def _with_env(run: Callable[[Context], dict], env: Callable[[], dict[str, str]]) -> Callable[[Context], dict]:
+    """`run` with `env()`'s variables set in this child before it builds its engine (engine
+    modules read them there; `env` is called in the child, so its imports stay out of the
+    parent). For a cluster section, run the whole bench with them set: the workers inherit them."""
     def section(ctx: Context) -> dict:
-        os.environ.update(CUBLAS_WORKSPACE)
+        os.environ.update(env())
         return run(ctx)
 
     return section
+
+
+def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """`run` with torch's cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), where an engine's
+    process has none by default (engine/cublas.py): cuBLAS may then choose its split-K kernels
+    again (BENCHMARKS.md §17, §24-25: batch-1 decode 1.3-1.4% slower with them)."""
+    return _with_env(run, lambda: CUBLAS_WORKSPACE)
 
 
 def _fused_rotary(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
-    """`run` with TANDEM_FUSED_ROTARY=1 in this child: decode-only steps rotate and store their
-    K/V inside the decode attention kernel (engine/attention.py). For a cluster section, run the
-    whole bench with the variable set: the workers inherit it."""
-    def section(ctx: Context) -> dict:
+    """`run` with TANDEM_FUSED_ROTARY=1: decode-only steps rotate and store their K/V inside the
+    decode attention kernel (engine/attention.py)."""
+    def env() -> dict[str, str]:
         from engine.attention import FUSED_ROTARY_ENV
 
-        os.environ[FUSED_ROTARY_ENV] = "1"
-        return run(ctx)
+        return {FUSED_ROTARY_ENV: "1"}
 
-    return section
+    return _with_env(run, env)
 
 
 def _nano_batch(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
-    """`run` with TANDEM_NANO_BATCH=auto in this child: a decode graph of at least
-    engine.nano_batch.MIN_ROWS rows runs two halves on two streams, one half's attention beside
-    the other's GEMMs, where that replays faster than the plain step at a full context
-    (engine/nano_batch.py, engine/cuda_graphs.py; the engine's log names the buckets)."""
-    def section(ctx: Context) -> dict:
+    """`run` with TANDEM_NANO_BATCH=auto: a decode graph of at least engine.nano_batch.MIN_ROWS
+    rows runs two halves on two streams, one half's attention beside the other's GEMMs, where that
+    replays faster than the plain step at a full context (engine/nano_batch.py,
+    engine/cuda_graphs.py; the engine's log names the buckets)."""
+    def env() -> dict[str, str]:
         from engine.nano_batch import NANO_BATCH_ENV
 
-        os.environ[NANO_BATCH_ENV] = "auto"
-        return run(ctx)
+        return {NANO_BATCH_ENV: "auto"}
 
-    return section
+    return _with_env(run, env)
 
 
 def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
