@@ -320,6 +320,79 @@ def case_decode_tunings() -> None:
         raise AssertionError("an unknown opaque_cvt must raise ValueError")
 
 
+def case_decode_persistent_grid() -> None:
+    """A persistent stage 1 (DecodeTuning.programs: fewer programs than (sequence, KV head,
+    split) items, each running its share in turn) gives the reference's result, for the 2-D and
+    the warp-split loops, bf16 and FP8 caches, one split and several, one program and a count
+    that divides nothing; with the step's rotary and K/V store inside too (the store's owner is
+    found from the item, not the grid). Under sm_budget a launch takes the persistent grid sized
+    to the budget, and its splits are chosen for the budget's SMs."""
+    from tandem_kernels import decode_attention as da, reference as ref
+
+    for cdt, warp_split, min_partition, programs in itertools.product(
+            (torch.bfloat16, FP8), (False, True), (16, 256), (1, 5)):
+        b, hq, hk, d, bs, width = 3, 8, 2, 32, 16, 9
+        what = (f"decode persistent cache={cdt} warp_split={warp_split} min_partition={min_partition} "
+                f"programs={programs}")
+        lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
+        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+        q = rand(b, hq, d, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        tuning = da.DecodeTuning(block_n=32, num_warps=2, min_partition=min_partition, warp_split=warp_split,
+                                 opaque_cvt="v" if cdt == FP8 else "", programs=programs, prefetch=True)
+        splits = da.choose_splits(b, hk, width * bs, 132, tuning)
+        grid, _, consts = da.stage1_launch(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning, splits,
+                                           torch.empty_like(q), torch.empty(b, hq, splits, d),
+                                           torch.empty(b, hq, splits))
+        assert consts["PERSIST"] and grid == (programs, 1, 1) and not consts["PREFETCH"], (what, grid)
+        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+        assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
+        want = ref.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, what, scale=2.0)
+
+        # The step's own token rotated and stored by the item whose split holds it.
+        k = rand(b, hk, d, dtype=torch.bfloat16)
+        v = rand(b, hk, d, dtype=torch.bfloat16)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        cos_sin = ref.rope_cos_sin_cache(width * bs + 1, d, inv)
+        pos = (ctx - 1).clamp(min=0).long()
+        slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, p in enumerate(pos.tolist())])
+        slots[1] = -1  # the padded row (context 0) stores nothing
+        mine_k, mine_v, ref_k, ref_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        got = da.rotary_store_and_decode(q, k, v, pos, cos_sin, mine_k, mine_v, slots, d, True, table, ctx,
+                                         d ** -0.5, 0.5, 1.5, tuning=tuning)
+        ref.rotary_store_and_decode(q, k, v, pos, cos_sin, ref_k, ref_v, slots, d, True, table, ctx,
+                                    d ** -0.5, 0.5, 1.5)
+        q_rot = ref.apply_rotary(q, pos, cos_sin, d, True)  # as case_rotary_store_and_decode compares
+        want = ref.paged_decode_attention(q_rot, mine_k, mine_v, table, ctx, d ** -0.5, 0.5, 1.5)
+        close(got, want, torch.bfloat16, f"{what} rotary", scale=4.0, rscale=4.0)
+        written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+        kept = slots[slots >= 0]
+        written[kept // bs, kept % bs] = True
+        for mine, theirs, start, name in ((mine_k, ref_k, kc, "k"), (mine_v, ref_v, vc, "v")):
+            (fp8_close if cdt == FP8 else lambda a, c, w: close(a, c, torch.bfloat16, w, 3.0))(
+                mine, theirs, f"{what} rotary {name} cache")
+            assert torch.equal(mine[~written].view(torch.uint8), start[~written].view(torch.uint8)), \
+                f"{what}: {name} slots it should not write changed"
+            assert not torch.equal(mine[written].view(torch.uint8), start[written].view(torch.uint8)), \
+                f"{what}: {name} not stored"
+    # sm_budget: a budget below the GPU's SMs gives a persistent grid of budget x resident programs.
+    for budget, cdt in ((40, FP8), (40, torch.bfloat16), (0, FP8), (200, FP8)):
+        with da.sm_budget(budget):
+            tuning, sms = da.budgeted_tuning(cdt, 64 * 8, 132, None)
+        if 0 < budget < 132:
+            assert sms == budget and tuning.programs == budget * tuning.resident and not tuning.prefetch
+        else:
+            assert sms == 132 and tuning.programs == 0, (budget, tuning)
+    assert da.budgeted_tuning(FP8, 64 * 8, 132, None)[1] == 132  # the budget ends with its block
+    try:
+        da.DecodeTuning(programs=-1)
+    except ValueError as exc:
+        assert "programs" in str(exc)
+    else:
+        raise AssertionError("a negative program count must raise ValueError")
+
+
 def case_decode_narrow_offsets_only_where_they_fit() -> None:
     """narrow_offsets (32-bit K/V addresses) is taken only where every offset the cache views
     allow fits in 31 bits: an engine-sized FP8 pool does, a view one block past 2**31 elements
