@@ -81,10 +81,11 @@ class DecodeTuning:
       or `programs`; see _decode_stage1).
     programs: a persistent grid: at most this many stage-1 programs, each running its share of
       the (sequence, KV head, split) items in turn, so that the kernel holds at most
-      programs / persistent_resident SMs and leaves the rest to kernels of another stream
+      programs / resident SMs and leaves the rest to kernels of another stream
       (engine/nano_batch.py sets it through `sm_budget`); 0: a program per item.
-    persistent_resident: the persistent build's programs an SM (its outer loop costs registers:
-      kernel_ir reports it); 0: `resident`. sm_budget sizes the grid with it.
+    persistent_registers: registers a thread the persistent build is held to (Triton's maxnreg),
+      where its outer loop would cost an SM programs (so that `resident` still fit); 0: the
+      compiler's choice.
     """
 
     block_n: int = 64
@@ -100,7 +101,7 @@ class DecodeTuning:
     warp_split: bool = False
     prefetch: bool = False
     programs: int = 0
-    persistent_resident: int = 0
+    persistent_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
@@ -136,8 +137,10 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt
 # 1,536) and offline_fp8kv runs +5%; below that its programs fill too little of a round, or its
 # splits are shorter, and FP8_TUNING's read faster (batch 80 / 1,024 tokens: 2,691 vs 2,811; batch
 # 64 / 1,024: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
+# Its persistent build (sm_budget) takes 160 registers a thread, 6 programs an SM; held to 128 it
+# keeps 8, without spills (kernel_ir, Triton 3.9).
 FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True,
-                                      persistent_resident=6)  # persistent: 160 registers, not 122
+                                      persistent_registers=128)
 FP8_WIDE_FROM = 5.5  # (sequence, KV head) pairs an SM: between batch 80 (4.8, loses) and 96 (5.8, wins)
 # Where a batch is too small to keep the memory busy, a program's time is its chain of dependent
 # loads, and the prefetching tunings load the first tile before the PDL wait (DecodeTuning.prefetch)
@@ -162,7 +165,7 @@ _SM_BUDGET: contextvars.ContextVar[int] = contextvars.ContextVar("decode_attenti
 def sm_budget(sms: int):
     """Decode attention launched inside keeps to `sms` SMs where its items would take more: its
     tuning and split count are chosen as for a GPU of `sms` SMs, and its stage 1 is a persistent
-    grid of `sms` x the programs an SM holds of it (DecodeTuning.programs, persistent_resident), so that a kernel of
+    grid of `sms` x the tuning's resident programs (DecodeTuning.programs), so that a kernel of
     another stream can take the other SMs meanwhile (engine/nano_batch.py). 0: the whole GPU."""
     if sms < 0:
         raise ValueError(f"sm_budget: sms must be >= 0 (0: the whole GPU), got {sms}")
@@ -184,8 +187,7 @@ def budgeted_tuning(cache_dtype: torch.dtype, pairs: int, sms: int, tuning: Deco
         sms = budget
     tuning = tuning or default_tuning(cache_dtype, pairs, sms)
     if kept and not tuning.programs:
-        per_sm = tuning.persistent_resident or tuning.resident
-        tuning = dataclasses.replace(tuning, programs=budget * per_sm, prefetch=False)
+        tuning = dataclasses.replace(tuning, programs=budget * tuning.resident, prefetch=False)
     return tuning, sms
 
 
@@ -421,4 +423,6 @@ def stage1_launch(
                       SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=False)
     args += [splits, bsz, k_cache.shape[2]]
     consts["PERSIST"] = persist
+    if persist and tuning.persistent_registers and not interpreting():
+        consts["maxnreg"] = tuning.persistent_registers
     return ((tuning.programs, 1, 1) if persist else (bsz, k_cache.shape[2], splits)), args, consts

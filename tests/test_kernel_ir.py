@@ -198,14 +198,16 @@ def test_persistent_decode_builds_for_the_gpu():
     warp-split loop at the full FP8 batch, under PDL."""
     from tandem_kernels.decode_attention import FP8_WIDE_TUNING
 
-    wide = '{"programs": 704, "block_n": 32, "num_warps": 2, "resident": 8, "warp_split": true}'
+    wide = ('{"programs": 704, "block_n": 32, "num_warps": 2, "resident": 8, "warp_split": true, '
+            '"persistent_registers": %d}' % FP8_WIDE_TUNING.persistent_registers)
     built = kernel_ir("--batch", "512", "--pdl", "--tuning", '{"programs": 528}', "--tuning", wide)
     for warp_split in (False, True):
         persistent = pick(built, "decode_stage1", "fp8e4nv", warp_split=warp_split, programs=528 + 176 * warp_split)
         per_item = pick(built, "decode_stage1", "fp8e4nv", warp_split=warp_split, programs=0)
         assert persistent["spilled_bytes"] == 0 and persistent["programs_per_sm"] >= 4, persistent
-        if warp_split:  # what sm_budget sizes its grid by
-            assert persistent["programs_per_sm"] >= FP8_WIDE_TUNING.persistent_resident, persistent
+        if warp_split:  # held to FP8_WIDE_TUNING.persistent_registers: the programs an SM its grid is sized by
+            assert persistent["registers"] <= FP8_WIDE_TUNING.persistent_registers, persistent
+            assert persistent["programs_per_sm"] >= FP8_WIDE_TUNING.resident, persistent
         for key in ("staged_tiles", "groups_in_flight"):
             assert persistent[key] == per_item[key], (warp_split, key, persistent[key], per_item[key])
     bf16 = pick(built, "decode_stage1", "bf16", programs=528)

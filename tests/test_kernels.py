@@ -376,13 +376,12 @@ def case_decode_persistent_grid() -> None:
                 f"{what}: {name} slots it should not write changed"
             assert not torch.equal(mine[written].view(torch.uint8), start[written].view(torch.uint8)), \
                 f"{what}: {name} not stored"
-    # sm_budget: a budget below the GPU's SMs gives a persistent grid of budget x the programs an SM holds.
+    # sm_budget: a budget below the GPU's SMs gives a persistent grid of budget x resident programs.
     for budget, cdt in ((40, FP8), (40, torch.bfloat16), (0, FP8), (200, FP8)):
         with da.sm_budget(budget):
             tuning, sms = da.budgeted_tuning(cdt, 64 * 8, 132, None)
         if 0 < budget < 132:
-            per_sm = tuning.persistent_resident or tuning.resident
-            assert sms == budget and tuning.programs == budget * per_sm and not tuning.prefetch
+            assert sms == budget and tuning.programs == budget * tuning.resident and not tuning.prefetch
         else:
             assert sms == 132 and tuning.programs == 0, (budget, tuning)
     assert da.budgeted_tuning(FP8, 64 * 8, 132, None)[1] == 132  # the budget ends with its block
