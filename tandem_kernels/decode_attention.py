@@ -35,7 +35,7 @@ from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_
 from tandem_kernels.reference import attention_output
 from tandem_kernels.rotary import check_rotary_args
 from tandem_kernels.triton_common import (env_overridden, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch,
-                                          soft_fp8_round, upcast_dots)
+                                          soft_fp8_round, takes_maxnreg, upcast_dots)
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
@@ -423,6 +423,6 @@ def stage1_launch(
                       SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=False)
     args += [splits, bsz, k_cache.shape[2]]
     consts["PERSIST"] = persist
-    if persist and tuning.persistent_registers and not interpreting():
+    if persist and tuning.persistent_registers and not interpreting() and takes_maxnreg():
         consts["maxnreg"] = tuning.persistent_registers
     return ((tuning.programs, 1, 1) if persist else (bsz, k_cache.shape[2], splits)), args, consts
