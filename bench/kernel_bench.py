@@ -206,17 +206,22 @@ def decode_case(s: Shapes, cache_dtype: torch.dtype) -> tuple[callable, int]:
     return (lambda: decode_attention.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5)), moved
 
 
-def extend_case(s: Shapes, q_len: int, prefix: int,
-                cache_dtype: torch.dtype = torch.bfloat16, seqs: int = 1) -> tuple[callable, float]:
-    """`seqs` sequences of q_len new tokens after `prefix` cached ones, packed in one launch."""
+def extend_case(s: Shapes, q_len: int, prefix: int, cache_dtype: torch.dtype = torch.bfloat16, seqs: int = 1,
+                new_kv: bool = False) -> tuple[callable, float]:
+    """`seqs` sequences of q_len new tokens after `prefix` cached ones, packed in one launch;
+    `new_kv`: the new tokens' K/V read from views of a qkv row (as the engine passes them)."""
     from tandem_kernels import extend_attention
 
     kc, vc, table, sl = paged_kv([prefix + q_len] * seqs, s, cache_dtype, "cuda")
-    q = torch.randn(seqs * q_len, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    t = seqs * q_len
+    qkv = torch.randn(t, (s.hq + 2 * s.hk) * s.d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (x.view(t, -1, s.d) for x in qkv.split([s.hq * s.d, s.hk * s.d, s.hk * s.d], dim=-1))
+    q = q.contiguous()  # as the rotary kernel returns it
+    qsl = torch.arange(0, t + 1, q_len, dtype=torch.int32, device="cuda")
     visible = q_len * prefix + q_len * (q_len + 1) // 2  # (query, key) pairs under the causal mask
     flops = 4.0 * s.hq * s.d * visible * seqs
-    return (lambda: extend_attention.extend_attention(q, kc, vc, table, qsl, sl, s.d ** -0.5)), flops
+    new = (k.contiguous(), v) if new_kv else None
+    return (lambda: extend_attention.extend_attention(q, kc, vc, table, qsl, sl, s.d ** -0.5, new_kv=new)), flops
 
 
 def timed(out: dict, name: str, case) -> None:
@@ -240,8 +245,8 @@ def speed(s: Shapes, ceil: dict) -> dict:
         return {"us": ms * 1e3, "gbps": gbps, "frac_of_copy": gbps / ceil["copy_gbps"],
                 "batch": s.decode_batch, "ctx": s.decode_ctx}
 
-    def extend(q_len: int, prefix: int, cache_dtype: torch.dtype = bf) -> dict:
-        fn, flops = extend_case(s, q_len, prefix, cache_dtype)
+    def extend(q_len: int, prefix: int, cache_dtype: torch.dtype = bf, new_kv: bool = False) -> dict:
+        fn, flops = extend_case(s, q_len, prefix, cache_dtype, new_kv=new_kv)
         ms = bench_ms(fn)
         tflops = flops / ms / 1e9
         return {"ms": ms, "tflops": tflops, "frac_of_matmul": tflops / ceil["matmul_tflops"],
@@ -252,6 +257,11 @@ def speed(s: Shapes, ceil: dict) -> dict:
     timed(out, "extend_attention", lambda: extend(s.tokens, 0))
     timed(out, "extend_attention_chunk_after_prefix", lambda: extend(s.tokens // 4, 3 * s.tokens // 4))
     timed(out, "extend_attention_fp8", lambda: extend(s.tokens, 0, torch.float8_e4m3fn))
+    # The new tokens' K/V as computed rather than from the cache (the engine's default).
+    timed(out, "extend_attention_new_kv", lambda: extend(s.tokens, 0, new_kv=True))
+    timed(out, "extend_attention_fp8_new_kv", lambda: extend(s.tokens, 0, torch.float8_e4m3fn, new_kv=True))
+    timed(out, "extend_attention_chunk_after_prefix_new_kv",
+          lambda: extend(s.tokens // 4, 3 * s.tokens // 4, new_kv=True))
 
     t = s.tokens
     x = torch.randn(t, s.hidden, device="cuda", dtype=bf)

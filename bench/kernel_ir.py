@@ -197,8 +197,9 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
 
 
 def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int = 8, d: int = 128,
-           block_size: int = 16):
-    """The extend kernel for one sequence of `tokens` new tokens after `prefix`, compiled."""
+           block_size: int = 16, new_kv: bool = False):
+    """The extend kernel for one sequence of `tokens` new tokens after `prefix`, compiled;
+    `new_kv`: reading the new tokens' K/V from views of a qkv row, as the model passes them."""
     from tandem_kernels import extend_attention as ea
 
     meta = dict(device="meta")
@@ -208,8 +209,12 @@ def extend(cache: torch.dtype, tokens: int, prefix: int, hq: int = 32, hk: int =
     table = torch.empty(1, blocks, dtype=torch.int32, **meta)
     qsl = torch.empty(2, dtype=torch.int32, **meta)
     lens = torch.empty(1, dtype=torch.int32, **meta)
+    new = None
+    if new_kv:
+        qkv = torch.empty(tokens, (hq + 2 * hk) * d, dtype=torch.bfloat16, **meta)
+        new = tuple(x.view(tokens, hk, d) for x in qkv[:, hq * d:].split(hk * d, dim=-1))
     _, args, consts = ea.extend_launch(q, kc, torch.empty_like(kc), table, qsl, lens, d ** -0.5, 1.0, 1.0,
-                                       torch.empty_like(q))
+                                       torch.empty_like(q), new)
     return compile_for_hopper(ea._extend_kernel, args, consts)
 
 
@@ -316,11 +321,12 @@ def main() -> int:
                          **report(decode_stage1(cache, a.batch, a.ctx, tuning, pdl=a.pdl, rotary=a.rotary), dump, name)})
             print(json.dumps(rows[-1]), flush=True)
         saved = ea.BLOCKS_AHEAD
-        for ahead in (False, True):
+        for ahead, new_kv in ((False, False), (True, False), (cache in saved, True)):
             ea.BLOCKS_AHEAD = frozenset({cache} if ahead else ())
             try:
-                rows.append({"kernel": "extend", "cache": label, "blocks_ahead": ahead,
-                             **report(extend(cache, 8192, 0), dump, f"extend_{label}_{int(ahead)}")})
+                rows.append({"kernel": "extend", "cache": label, "blocks_ahead": ahead, "new_kv": new_kv,
+                             **report(extend(cache, 8192, 0, new_kv=new_kv), dump,
+                                      f"extend_{label}_{int(ahead)}" + "_new" * new_kv)})
             finally:
                 ea.BLOCKS_AHEAD = saved
             print(json.dumps(rows[-1]), flush=True)

@@ -15,6 +15,21 @@ from tandem_kernels import ops
 FUSED_ROTARY_ENV = "TANDEM_FUSED_ROTARY"
 
 
+# "1" (default): prefill attention reads the new tokens' K/V as computed (the rotary kernel's k, the
+# projection's v: contiguous rows in the model's dtype) and only the context before them from the
+# cache, as vLLM's prefill does; an FP8 cache then rounds the new tokens only for later steps.
+# "0": every key and value from the cache (the A/B run).
+EXTEND_NEW_KV_ENV = "TANDEM_EXTEND_NEW_KV"
+
+
+def extend_new_kv_enabled() -> bool:
+    """Whether prefill attention reads the new tokens' K/V as computed (EXTEND_NEW_KV_ENV)."""
+    value = os.environ.get(EXTEND_NEW_KV_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{EXTEND_NEW_KV_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def fused_rotary_enabled() -> bool:
     """Whether decode-only steps take the fused rotary + store + attention (FUSED_ROTARY_ENV)."""
     value = os.environ.get(FUSED_ROTARY_ENV, "0")
@@ -50,23 +65,25 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float) -> torch.Tensor:
+           scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of the batch's packed queries q [T, Hq, D] over the paged cache (their own K/V
     already stored). One-token sequences go through the decode kernel (a KV head's query group
     shares each K/V tile), the rest through extend attention (tiles of query rows): a decode in a
     mixed batch would otherwise fill a whole tile of query rows by itself. Each kernel writes its
     rows of one output (no concatenation: at an 8k-token prefill step a copy of the output per layer
-    was ~1.1 ms of the step)."""
+    was ~1.1 ms of the step). new_kv: the batch's (k, v) [T, Hk, D] as computed, which extend
+    attention reads for the new tokens (ops.extend_attention)."""
     if meta.is_decode:
         return ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                           meta.k_scale, meta.v_scale)
     n = meta.num_decode_seqs
     if n == 0:
         return ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                    scale, meta.k_scale, meta.v_scale)
+                                    scale, meta.k_scale, meta.v_scale, new_kv=new_kv)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ops.paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale,
                                meta.k_scale, meta.v_scale, out=out[:n])
     ops.extend_attention(q[n:], k_cache, v_cache, meta.block_tables[n:], meta.tail_query_start_loc,
-                         meta.seq_lens[n:], scale, meta.k_scale, meta.v_scale, out=out[n:])
+                         meta.seq_lens[n:], scale, meta.k_scale, meta.v_scale, out=out[n:],
+                         new_kv=None if new_kv is None else (new_kv[0][n:], new_kv[1][n:]))
     return out

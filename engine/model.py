@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend, fused_rotary_enabled
+from engine.attention import AttentionMetadata, attend, extend_new_kv_enabled, fused_rotary_enabled
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from tandem_kernels import ops
@@ -71,11 +71,12 @@ class Attention(nn.Module):
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, self.rotary_dim,
                 self.is_neox, meta.block_tables, meta.seq_lens, self.scale, meta.k_scale, meta.v_scale,
             ).reshape(t, self.q_size)
-        q, _ = ops.rotary_and_store_kv(
+        q, k_rot = ops.rotary_and_store_kv(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,
         )
-        return attend(q, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
+        new_kv = (k_rot, v) if not meta.is_decode and extend_new_kv_enabled() else None
+        return attend(q, k_cache, v_cache, meta, self.scale, new_kv).reshape(t, self.q_size)
 
 
 class SiluAndMul(nn.Module):

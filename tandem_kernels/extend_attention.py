@@ -49,15 +49,28 @@ def _load_kv(ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One tile's scores s [BLOCK_M, BLOCK_N] (log2 units, -inf where masked) into the running
+    max and sum: (p, alpha, m_new, l_new)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps a finite max, so exp2 never sees -inf - -inf (NaN).
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, n0, blk_ahead, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-    kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale,
+    kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d, d_mask, qk_scale, v_scale,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, SCALE_V: tl.constexpr,
 ):
-    """One KV tile into the online softmax; returns (acc, m, l, blk_ahead): the block lookahead
-    as `next_tile_blocks` carries it."""
+    """One cached KV tile into the online softmax; returns (acc, m, l, blk_ahead): the block
+    lookahead as `next_tile_blocks` carries it. SCALE_V: its values times v_scale here (where
+    the accumulator also holds unscaled new tokens' values), else at the end."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < kv_end
     blk, blk_ahead = next_tile_blocks(blk_ahead, bt_row, n0, kv_end, BLOCK_N, BLOCK_SIZE, AHEAD, MASKED)
@@ -67,16 +80,37 @@ def _attend_tile(
     s = dot(q, tl.trans(widen(k, q.dtype, OPAQUE_K)), PRECISION, UPCAST) * qk_scale
     if MASKED:
         s = tl.where((offs[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen no key yet keeps a finite max, so exp2 never sees -inf - -inf (NaN).
-    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
     v = _load_kv(v_cache_ptr + (blk * vc_s0 + slot_off * vc_s1 + kvh * vc_s2)[:, None] + d[None, :],
                  n_mask, d_mask, MASKED, EVEN_D)
-    acc = acc * alpha[:, None] + dot(p.to(q.dtype), widen(v, q.dtype, OPAQUE_V), PRECISION, UPCAST)
+    pv = dot(p.to(q.dtype), widen(v, q.dtype, OPAQUE_V), PRECISION, UPCAST)
+    if SCALE_V:
+        pv = pv * v_scale
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i, blk_ahead
+
+
+@triton.jit
+def _attend_new_tile(
+    q, acc, m_i, l_i, n0, kn_ptr, vn_ptr, kn_s0, kn_s1, vn_s0, vn_s1, kvh, first_row, prefix,
+    q_pos, kv_end, d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One tile of the sequence's new tokens (positions n0 .. n0 + BLOCK_N, from `prefix` on)
+    into the online softmax, read from k / v as computed: position `prefix` is row `first_row`
+    of them. Returns (acc, m, l)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs < kv_end
+    rows = (first_row + offs - prefix).to(tl.int64)
+    k = _load_kv(kn_ptr + (rows * kn_s0 + kvh * kn_s1)[:, None] + d[None, :], n_mask, d_mask, MASKED, EVEN_D)
+    s = dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
+    if MASKED:
+        s = tl.where((offs[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+    v = _load_kv(vn_ptr + (rows * vn_s0 + kvh * vn_s1)[:, None] + d[None, :], n_mask, d_mask, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
+    return acc, m_new, l_i
 
 
 # A mixed step passes the rows after its decodes (engine/attention.py: block_tables[n:],
@@ -89,11 +123,15 @@ def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     q_s0, q_s1, o_s0, o_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     num_seqs, num_tiles, qk_scale, v_scale,
+    kn_ptr, vn_ptr, kn_s0, kn_s1, vn_s0, vn_s1, qk_scale_new,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    AHEAD: tl.constexpr, PDL: tl.constexpr,
+    AHEAD: tl.constexpr, NEW_KV: tl.constexpr, UPCAST_NEW: tl.constexpr, PDL: tl.constexpr,
 ):
+    """NEW_KV: the new tokens' K/V are read from kn / vn (k rotated, v as projected; rows packed
+    as q's), where they are contiguous and in q's dtype, before the cached context before them
+    (with F16, q turns fp16 only for the cached tiles); else everything from the cache."""
     pdl_begin(PDL)
     head = tl.program_id(0)  # heads vary fastest: a GQA group's programs share K/V through L2
     tile = num_tiles - 1 - tl.program_id(1)  # later query tiles see more keys: start them first
@@ -123,26 +161,44 @@ def _extend_kernel(
         tok = (q_start + rows).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * q_s0 + head * q_s1 + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        if F16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
         kv_end = tl.minimum(ctx, first_pos + BLOCK_M)
-        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
-        blk = first_tile_blocks(bt_row, 0, kv_end, BLOCK_N, BLOCK_SIZE, AHEAD)
+        cached_end = kv_end
+        if NEW_KV:
+            prefix = ctx - q_len
+            cached_end = prefix
+            new_full = prefix + (first_pos + 1 - prefix) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+            for n0 in range(prefix, new_full, BLOCK_N):
+                acc, m_i, l_i = _attend_new_tile(q, acc, m_i, l_i, n0, kn_ptr, vn_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
+                                                 kvh, q_start, prefix, q_pos, kv_end, d, d_mask, qk_scale_new,
+                                                 BLOCK_N, False, EVEN_D, PRECISION, UPCAST_NEW)
+            for n0 in range(new_full, kv_end, BLOCK_N):
+                acc, m_i, l_i = _attend_new_tile(q, acc, m_i, l_i, n0, kn_ptr, vn_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
+                                                 kvh, q_start, prefix, q_pos, kv_end, d, d_mask, qk_scale_new,
+                                                 BLOCK_N, True, EVEN_D, PRECISION, UPCAST_NEW)
+            full_end = prefix // BLOCK_N * BLOCK_N  # every cached key lies before every query
+        else:
+            full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+        if F16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        bt_row = bt_ptr + seq.to(tl.int64) * bt_s0
+        blk = first_tile_blocks(bt_row, 0, cached_end, BLOCK_N, BLOCK_SIZE, AHEAD)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i, blk = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                              d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D, PRECISION,
-                                              UPCAST, OPAQUE_K, OPAQUE_V, AHEAD)
-        for n0 in range(full_end, kv_end, BLOCK_N):
+                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, cached_end, d,
+                                              d_mask, qk_scale, v_scale, BLOCK_N, BLOCK_SIZE, False, EVEN_D,
+                                              PRECISION, UPCAST, OPAQUE_K, OPAQUE_V, AHEAD, NEW_KV)
+        for n0 in range(full_end, cached_end, BLOCK_N):
             acc, m_i, l_i, blk = _attend_tile(q, acc, m_i, l_i, n0, blk, bt_row, k_cache_ptr, v_cache_ptr, kvh,
-                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, kv_end, d,
-                                              d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D, PRECISION,
-                                              UPCAST, OPAQUE_K, OPAQUE_V, AHEAD)
-        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+                                              kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, q_pos, cached_end, d,
+                                              d_mask, qk_scale, v_scale, BLOCK_N, BLOCK_SIZE, True, EVEN_D,
+                                              PRECISION, UPCAST, OPAQUE_K, OPAQUE_V, AHEAD, NEW_KV)
+        if NEW_KV:  # the cached tiles' values were scaled as they were added
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        else:
+            out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptr + tok[:, None] * o_s0 + head * o_s1 + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -151,14 +207,21 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens q [T, Hq, D] over their paged context (see module doc).
 
     query_start_loc: int32 [B+1]; seq_lens: [B] context lengths including the new tokens;
     block_tables: int32 [B, max_blocks]. Returns [T, Hq, D] in q.dtype: `out` when given
-    (reference.attention_output), else a new tensor.
+    (reference.attention_output), else a new tensor. new_kv: the new tokens' (k, v) [T, Hk, D] as
+    computed, read in place of their cached copies (reference.extend_attention).
     """
     check_paged_args(q, k_cache, v_cache, block_tables)
+    if new_kv is not None:
+        for name, x in zip(("new k", "new v"), new_kv):
+            if x.shape != (q.shape[0], k_cache.shape[2], q.shape[2]) or x.stride(-1) != 1:
+                raise ValueError(f"{name} must be [{q.shape[0]}, {k_cache.shape[2]}, {q.shape[2]}] with a contiguous "
+                                 f"last dim, got shape {tuple(x.shape)}")
     num_seqs = query_start_loc.shape[0] - 1
     if num_seqs < 0 or seq_lens.shape[0] < num_seqs or block_tables.shape[0] < num_seqs:
         raise ValueError("query_start_loc must be [B+1] with seq_lens and block_tables rows for each B")
@@ -168,7 +231,7 @@ def extend_attention(
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     grid, args, consts = extend_launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                       k_scale, v_scale, out)
+                                       k_scale, v_scale, out, new_kv)
     _extend_kernel[grid](*args, **consts)
     return out
 
@@ -176,7 +239,7 @@ def extend_attention(
 def extend_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float,
-    out: torch.Tensor,
+    out: torch.Tensor, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[int, int], list, dict]:
     """The kernel's launch for checked arguments: (grid, positional args, keyword constants incl.
     num_warps / num_stages); one home for extend_attention and bench/kernel_ir.py (which compiles
@@ -198,9 +261,15 @@ def extend_launch(
             kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
             block_tables.stride(0), num_seqs, num_tiles,
             float(scale) * k_scale * LOG2E, v_scale]
+    if new_kv is None:  # not read: any pointer, no strides
+        args += [q, q, 0, 0, 0, 0, 1.0]
+    else:
+        kn, vn = new_kv
+        args += [kn, vn, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), float(scale) * LOG2E]
     consts = dict(GROUP=group, D=dim, D_PAD=d_pad, EVEN_D=dim == d_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                   BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   UPCAST=upcast_dots(q.dtype) and not f16, F16=f16, OPAQUE_K="k" in opaque, OPAQUE_V="v" in opaque,
-                  AHEAD=k_cache.dtype in BLOCKS_AHEAD and stages > 2, num_warps=NUM_WARPS, num_stages=stages,
+                  AHEAD=k_cache.dtype in BLOCKS_AHEAD and stages > 2, NEW_KV=new_kv is not None,
+                  UPCAST_NEW=upcast_dots(q.dtype), num_warps=NUM_WARPS, num_stages=stages,
                   **pdl_launch(q.device))
     return (hq, num_tiles), args, consts

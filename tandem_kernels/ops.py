@@ -164,12 +164,13 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See tandem_kernels.reference.extend_attention."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
     if _use_triton(q):
-        return _triton("extend_attention", "extend_attention")(*args, out=out)
-    return reference.extend_attention(*args, out=out)
+        return _triton("extend_attention", "extend_attention")(*args, out=out, new_kv=new_kv)
+    return reference.extend_attention(*args, out=out, new_kv=new_kv)
 
 
 def paged_decode_attention(

@@ -189,6 +189,7 @@ def extend_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over a paged context that already holds them.
 
@@ -197,6 +198,9 @@ def extend_attention(
     cached tokens, the new ones last (its queries sit at positions seq_lens[i] - q_len .. seq_lens[i]-1).
     Decode is the case q_len == 1. Returns [T, Hq, D] in q.dtype, written into `out` when given
     (attention_output).
+    new_kv: the new tokens' (k, v) [T, Hk, D] as computed (k rotated), packed as q is: read in place
+    of their cached copies, unscaled (an FP8 cache's copies are their rounding); the context
+    before them still comes from the cache.
     """
     out = attention_output(q, out)
     starts = query_start_loc.tolist()
@@ -206,9 +210,13 @@ def extend_attention(
         s, e = starts[i], starts[i + 1]
         if e == s:
             continue
-        k = gather_kv(k_cache, block_tables[i], ctx, k_scale)  # [ctx, Hk, D]
-        v = gather_kv(v_cache, block_tables[i], ctx, v_scale)
         q_len = e - s
+        if new_kv is None:
+            k = gather_kv(k_cache, block_tables[i], ctx, k_scale)  # [ctx, Hk, D]
+            v = gather_kv(v_cache, block_tables[i], ctx, v_scale)
+        else:
+            k = torch.cat([gather_kv(k_cache, block_tables[i], ctx - q_len, k_scale), new_kv[0][s:e].float()])
+            v = torch.cat([gather_kv(v_cache, block_tables[i], ctx - q_len, v_scale), new_kv[1][s:e].float()])
         # GQA without copies: query head h uses KV head h // (Hq // Hk).
         qi = q[s:e].float().view(q_len, hk, hq // hk, d).permute(1, 2, 0, 3)  # [Hk, G, q_len, D]
         scores = torch.matmul(qi, k.permute(1, 2, 0)[:, None]) * scale  # [Hk, G, q_len, ctx]

@@ -200,20 +200,20 @@ def test_mixed_batches_send_one_token_sequences_to_the_decode_kernel(model_dir, 
     seen: list[int] = []
     split_attend = attention.attend
 
-    def recording(q, k_cache, v_cache, meta, scale):
+    def recording(q, k_cache, v_cache, meta, scale, new_kv=None):
         if not meta.is_decode:
             seen.append(meta.num_decode_seqs)
-        return split_attend(q, k_cache, v_cache, meta, scale)
+        return split_attend(q, k_cache, v_cache, meta, scale, new_kv)
 
     monkeypatch.setattr("engine.model.attend", recording)
     split = run()
     assert any(n > 0 for n in seen), "no mixed step had leading one-token sequences"
 
-    def all_extend(q, k_cache, v_cache, meta, scale):
+    def all_extend(q, k_cache, v_cache, meta, scale, new_kv=None):
         if meta.is_decode:
-            return split_attend(q, k_cache, v_cache, meta, scale)
+            return split_attend(q, k_cache, v_cache, meta, scale, new_kv)
         return ops.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                    scale, meta.k_scale, meta.v_scale)
+                                    scale, meta.k_scale, meta.v_scale, new_kv=new_kv)
 
     monkeypatch.setattr("engine.model.attend", all_extend)
     assert run() == split

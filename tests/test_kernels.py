@@ -773,6 +773,65 @@ def case_extend() -> None:
         close(got, want, dtype, what, scale=2.0)
 
 
+def case_extend_new_kv() -> None:
+    """extend_attention with new_kv (the new tokens' K/V read as computed, strided views of one
+    qkv row as the model hands them, the context before them from the cache) gives the
+    reference's result: no prefix, a prefix inside one tile, past several, two query tiles, a
+    one-token prompt; bf16, fp32 and FP8 caches. The cache's own copies of the new tokens hold
+    other values here, so a kernel that read them fails."""
+    from tandem_kernels import ops, reference as ref
+
+    configs = [  # (dtype, cache dtype, hq, hk, d, [(q_len, prefix), ...])
+        (torch.bfloat16, torch.bfloat16, 4, 2, 32, [(150, 0), (1, 5), (37, 300)]),
+        (torch.float32, torch.float32, 2, 1, 48, [(20, 11), (131, 0)]),
+        (torch.bfloat16, FP8, 4, 2, 32, [(45, 130), (2, 0), (140, 3)]),
+    ]
+    for dtype, cdt, hq, hk, d, seqs in configs:
+        what = f"extend new_kv {dtype} cache={cdt} hq={hq} hk={hk} d={d} seqs={seqs}"
+        bs = 16
+        lens = [n + p for n, p in seqs]
+        kc, vc, table = paged(lens, bs, hk, d, cdt)
+        qsl = torch.tensor([0] + list(itertools.accumulate(n for n, _ in seqs)), dtype=torch.int32)
+        t = int(qsl[-1])
+        qkv = rand(t, (hq + 2 * hk) * d, dtype=dtype)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+        sl = torch.tensor(lens, dtype=torch.int32)
+        k_scale, v_scale = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
+        got = ops.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, k_scale, v_scale, new_kv=(k, v))
+        want = ref.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, k_scale, v_scale, new_kv=(k, v))
+        close(got, want, dtype, what, scale=2.0)
+        cached = ref.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, k_scale, v_scale)
+        assert not torch.allclose(cached.float(), want.float(), atol=0.05), f"{what}: new_kv changed nothing"
+    try:
+        ops.extend_attention(q, kc, vc, table, qsl, sl, d ** -0.5, new_kv=(k[:-1], v))
+    except ValueError as exc:
+        assert "new k" in str(exc)
+    else:
+        raise AssertionError("a new k of the wrong shape must raise ValueError")
+    # An engine on a bf16 cache (the new tokens' cached copies are the values computed) gives the
+    # greedy tokens of one reading every key from the cache (TANDEM_EXTEND_NEW_KV=0), every kernel
+    # in Triton (interpreted); a chunked prompt reads its earlier chunks from the cache.
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from engine import LLM, SamplingParams
+    from engine.attention import EXTEND_NEW_KV_ENV
+    from engine.demo import make_random_model
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (9, 70)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_random_model(Path(tmp) / "llama", "llama", seed=3)
+        runs = {}
+        for value in ("0", "1"):
+            os.environ[EXTEND_NEW_KV_ENV] = value
+            llm = LLM(path, num_kv_blocks=32, max_batched_tokens=32)  # the 70-token prompt in chunks
+            runs[value] = [o.token_ids for o in llm.generate(prompts, params)]
+        del os.environ[EXTEND_NEW_KV_ENV]
+        assert runs["1"] == runs["0"], runs
+
+
 def case_extend_padded() -> None:
     """A prefill graph's padded layout (engine/prefill_graphs.py): rows past the real tokens in no
     sequence, empty sequences after the real ones (query_start_loc repeating the token count,
@@ -848,6 +907,11 @@ def case_attention_into_one_output() -> None:
         tail = ops.extend_attention(q[n:], kc, vc, table[n:], tail_qsl, sl[n:], d ** -0.5, *scales)
         what = f"attend into one output, cache={cdt}"
         assert torch.equal(got, torch.cat([head, tail])), what
+        k_new, v_new = rand(q.shape[0], hk, d, dtype=torch.bfloat16), rand(q.shape[0], hk, d, dtype=torch.bfloat16)
+        tail_new = ops.extend_attention(q[n:], kc, vc, table[n:], tail_qsl, sl[n:], d ** -0.5, *scales,
+                                        new_kv=(k_new[n:], v_new[n:]))  # the prompts' rows of new_kv
+        got_new = attend(q, kc, vc, meta, d ** -0.5, new_kv=(k_new, v_new))
+        assert torch.equal(got_new, torch.cat([head, tail_new])) and not torch.equal(tail_new, tail), what
         marked = torch.full((n + 2, hq, d), 7.0, dtype=torch.bfloat16)
         ops.paged_decode_attention(q[:n], kc, vc, table[:n], sl[:n], d ** -0.5, *scales, out=marked[1:n + 1])
         assert torch.equal(marked[1:n + 1], head), what
