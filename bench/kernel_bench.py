@@ -148,18 +148,21 @@ def correctness(s: Shapes, dev: str) -> dict:
     record("paged_decode_attention[bfloat16]", lambda: decode(bf), 0.03)
     record("paged_decode_attention[float8_e4m3fn]", lambda: decode(torch.float8_e4m3fn), 0.03)
 
-    def extend(cache_dtype: torch.dtype) -> float:
+    def extend(cache_dtype: torch.dtype, new_kv: bool = False) -> float:
         # A chunk after a prefix, a fresh prompt, and a single token, packed.
         q_lens = [max(1, s.tokens // 8), max(1, s.tokens // 16) + 3, 1]
         ctx = [q_lens[0] + 3 * q_lens[0] + 5, q_lens[1], 1 + s.decode_ctx // 4]
         kc, vc, table, sl = paged_kv(ctx, s, cache_dtype, dev)
         qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
         qe = torch.randn(sum(q_lens), s.hq, s.d, device=dev, dtype=bf)
-        got = extend_attention.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5)
-        return max_err(got, ref.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5))
+        new = tuple(torch.randn(sum(q_lens), s.hk, s.d, device=dev, dtype=bf) for _ in range(2)) if new_kv else None
+        got = extend_attention.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5, new_kv=new)
+        return max_err(got, ref.extend_attention(qe, kc, vc, table, qsl, sl, scale, 0.5, 1.5, new_kv=new))
 
     record("extend_attention[bfloat16]", lambda: extend(bf), 0.03)
     record("extend_attention[float8_e4m3fn]", lambda: extend(torch.float8_e4m3fn), 0.03)
+    record("extend_attention_new_kv[bfloat16]", lambda: extend(bf, True), 0.03)
+    record("extend_attention_new_kv[float8_e4m3fn]", lambda: extend(torch.float8_e4m3fn, True), 0.03)
     return res
 
 
