@@ -292,6 +292,17 @@ def _nano_batch(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
     return _with_env(run, env)
 
 
+def _cached_extend(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """`run` with TANDEM_EXTEND_NEW_KV=0: prefill attention reads every key and value from the
+    cache, the prompt's own too, as before BENCHMARKS.md §30 (engine/attention.py)."""
+    def env() -> dict[str, str]:
+        from engine.attention import EXTEND_NEW_KV_ENV
+
+        return {EXTEND_NEW_KV_ENV: "0"}
+
+    return _with_env(run, env)
+
+
 def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
              kv_layout: str = "nhd") -> dict:
     """The offline workload; `max_running` (else --max-running, else derived) caps the batch;
@@ -619,6 +630,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "offline_bf16 with TANDEM_FUSED_ROTARY=1"),
     Section("offline_fp8_fused_rotary", "", 125, 100, "child", _fused_rotary(lambda c: _offline(c, "fp8", "fp8")),
             "offline_fp8 with TANDEM_FUSED_ROTARY=1"),
+    Section("offline_fp8_cached_extend", "", 125, 100, "child", _cached_extend(lambda c: _offline(c, "fp8", "fp8")),
+            "offline_fp8 with TANDEM_EXTEND_NEW_KV=0 (prefill attention reads the new tokens from the FP8 cache)"),
+    Section("offline_fp8kv_cached_extend", "", 140, 110, "child", _cached_extend(lambda c: _offline(c, "fp8", None)),
+            "offline_fp8kv with TANDEM_EXTEND_NEW_KV=0"),
     Section("offline_fp8_deferred_scales", "", 125, 100, "child", run_offline_fp8_deferred_scales,
             "offline_fp8 with TANDEM_FP8_DEFERRED_SCALES=1 (unit-scale GEMMs, scales applied by the readers)"),
     Section("offline_bf16_untimed_buckets", "", 150, 120, "child", run_offline_bf16_untimed_buckets,
