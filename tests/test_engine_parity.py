@@ -56,6 +56,27 @@ def test_fused_rotary_decode_gives_the_same_tokens(family, tiny_models, monkeypa
         assert out.token_ids == hf_greedy(ref, prompt, 12)
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "glm4"])
+def test_prefill_over_the_new_kv_as_computed_gives_the_same_tokens(family, tiny_models, monkeypatch):
+    """TANDEM_EXTEND_NEW_KV=1 (prefill attention reads the prompt's own K/V as computed, the
+    context before them from the cache) gives transformers' greedy tokens too, a prompt prefilled
+    in chunks included (the reference kernels here; tests/test_kernels.py checks the Triton one).
+    A value other than 0 or 1 is named."""
+    from engine.attention import EXTEND_NEW_KV_ENV, extend_new_kv_enabled
+
+    monkeypatch.setenv(EXTEND_NEW_KV_ENV, "1")
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 40)]
+    outs = LLM(tiny_models[family], num_kv_blocks=64, max_batched_tokens=16).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    ref = hf_model(tiny_models[family])
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ref, prompt, 8)
+    monkeypatch.setenv(EXTEND_NEW_KV_ENV, "yes")
+    with pytest.raises(ValueError, match=EXTEND_NEW_KV_ENV):
+        extend_new_kv_enabled()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_batch_logits_match_transformers(family, tiny_models):
     llm = LLM(tiny_models[family], num_kv_blocks=64)
