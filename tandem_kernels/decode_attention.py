@@ -176,7 +176,8 @@ def sm_budget(sms: int):
         _SM_BUDGET.reset(token)
 
 
-def budgeted_tuning(cache_dtype: torch.dtype, pairs: int, sms: int, tuning: DecodeTuning | None) -> tuple[DecodeTuning, int]:
+def budgeted_tuning(cache_dtype: torch.dtype, pairs: int, sms: int,
+                    tuning: DecodeTuning | None) -> tuple[DecodeTuning, int]:
     """(tuning, SMs to choose the split count for) of a launch with `pairs` (sequence, KV head)
     pairs on a GPU of `sms` SMs, under sm_budget: `tuning` (None: the default for the cache and
     the SMs in force), given a persistent grid where a budget smaller than the GPU is set and the
