@@ -167,7 +167,7 @@ def _tile_step(q, k, v, v_cache_ptr, v_offs, kv_mask, n_mask, m_i, l_i, l_lanes,
 
 @triton.jit
 def _tile_item(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
@@ -280,7 +280,7 @@ def _decode_stage1(
         k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
         v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
         pdl_begin(PDL)
-        _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+        _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
             q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
             qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
             k_store_scale,
@@ -295,7 +295,7 @@ def _decode_stage1(
         if PERSIST:
             for item in range(tl.program_id(0), batch * kv_heads * splits, tl.num_programs(0)):
                 b, kvh, split, ctx, start, end = _item_split(ctx_ptr, item, kv_heads, splits, MIN_PARTITION, BLOCK_N)
-                _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+                _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
                     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
                     qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
                     cs_s0, k_store_scale, b, kvh, split, splits, ctx, start, end, d, d_mask, 0, 0, 0, 0, 0,
@@ -304,7 +304,7 @@ def _decode_stage1(
                     IS_NEOX, STORE_FP8, SOFT_ROUND, False)
         else:
             b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-            _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+            _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
             q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
             qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
             k_store_scale,
@@ -316,7 +316,7 @@ def _decode_stage1(
 
 @triton.jit
 def _warps_item(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
@@ -425,7 +425,7 @@ def _decode_stage1_warps(
     if PERSIST:
         for item in range(tl.program_id(0), batch * kv_heads * splits, tl.num_programs(0)):
             b, kvh, split, ctx, start, end = _item_split(ctx_ptr, item, kv_heads, splits, MIN_PARTITION, BLOCK_N)
-            _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+            _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
                         q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
                         qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
                         cs_s0, k_store_scale, b, kvh, split, splits, ctx, start, end,
@@ -434,7 +434,7 @@ def _decode_stage1_warps(
                         IS_NEOX, STORE_FP8, SOFT_ROUND, WARPS)
     else:
         b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-        _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+        _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
             q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
             qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
             k_store_scale,
