@@ -434,14 +434,7 @@ class Engine:
         launched = None
         if not out.is_empty:
             prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
-            gate = None
-            if hold is not None:
-                def gate() -> None:
-                    if prev is not None and prev.samples is not None:
-                        prev.samples.wait()
-                    elif prev is not None:  # a step without samples: wait for the device itself
-                        self.runner.synchronize()
-                    hold()
+            gate = None if hold is None else (lambda: _after_step(prev, self.runner, hold))
             idx, samples = self.runner.launch(out, None, prev_tokens, gate)
             launched = _InFlight(out, idx, samples)
             for j, i in enumerate(idx):
@@ -579,6 +572,16 @@ class _InFlight:
     out: SchedulerOutput
     sample_index: list[int]
     samples: PendingSamples | None
+
+
+def _after_step(prev: _InFlight | None, runner: ModelRunner, hold: Callable[[], None]) -> None:
+    """Wait for step `prev` to finish on the device (its samples, or the device itself for a step
+    without samples), then run `hold`: the gate that queues the next step only after it."""
+    if prev is not None and prev.samples is not None:
+        prev.samples.wait()
+    elif prev is not None:
+        runner.synchronize()
+    hold()
 
 
 def _returned(ready: list[StepOutput], outputs: bool) -> list[StepOutput]:
