@@ -144,13 +144,12 @@ FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resid
 FP8_WIDE_FROM = 5.5  # (sequence, KV head) pairs an SM: between batch 80 (4.8, loses) and 96 (5.8, wins)
 # Where a batch is too small to keep the memory busy, a program's time is its chain of dependent
 # loads, and the prefetching tunings load the first tile before the PDL wait (DecodeTuning.prefetch)
-# for batch x KV heads <= PREFETCH_UPTO programs an SM (0.5: batch 8 and below on Llama-3.1-8B /
+# for batch x KV heads <= PREFETCH_UPTO programs an SM (0.25: batch 4 and below on Llama-3.1-8B /
 # H200). The tile held over the wait costs bf16 registers (95 -> 164 a thread: 3 programs an SM, so
-# the splits aim at 3, which at batch 8 gives a program 5 tiles instead of 3); FP8, held to 4 an SM
-# by shared memory, stays at 4 (96 -> 123 registers). Not yet measured on the device (BENCHMARKS.md
-# §28), so PREFETCH_UPTO is 0: no batch takes them by default; TUNING_ENV's
-# '{"prefetch": true, "resident": 3}' does, for the A/B run.
-PREFETCH_UPTO = 0.0
+# the splits aim at 3); FP8, held to 4 an SM by shared memory, stays at 4 (96 -> 123 registers).
+# Measured (BENCHMARKS.md §31): batch 1 4.479 -> 4.413 ms a token, batch 4 4.487 -> 4.465 ms a
+# step; batch 8 was not measured, so it keeps the plain tunings.
+PREFETCH_UPTO = 0.25
 BF16_PREFETCH_TUNING = dataclasses.replace(BF16_TUNING, prefetch=True, resident=3)
 FP8_PREFETCH_TUNING = dataclasses.replace(FP8_TUNING, prefetch=True)
 # FP8 caches: whether the dots run in fp16 rather than q's dtype (e4m3 -> fp16 is exact; q is

@@ -56,15 +56,19 @@ def test_fused_rotary_decode_gives_the_same_tokens(family, tiny_models, monkeypa
         assert out.token_ids == hf_greedy(ref, prompt, 12)
 
 
+@pytest.mark.parametrize("new_kv", ["1", "0"])
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "glm4"])
-def test_prefill_over_the_new_kv_as_computed_gives_the_same_tokens(family, tiny_models, monkeypatch):
-    """TANDEM_EXTEND_NEW_KV=1 (prefill attention reads the prompt's own K/V as computed, the
-    context before them from the cache) gives transformers' greedy tokens too, a prompt prefilled
-    in chunks included (the reference kernels here; tests/test_kernels.py checks the Triton one).
-    A value other than 0 or 1 is named."""
+def test_prefill_gives_the_same_tokens_over_the_new_kv_or_the_cache(family, new_kv, tiny_models, monkeypatch):
+    """Prefill attention over the prompt's own K/V as computed (TANDEM_EXTEND_NEW_KV=1, the
+    default; the context before them from the cache) and over every key from the cache (0) both
+    give transformers' greedy tokens, a prompt prefilled in chunks included (the reference kernels
+    here; tests/test_kernels.py checks the Triton one). A value other than 0 or 1 is named."""
     from engine.attention import EXTEND_NEW_KV_ENV, extend_new_kv_enabled
 
-    monkeypatch.setenv(EXTEND_NEW_KV_ENV, "1")
+    monkeypatch.delenv(EXTEND_NEW_KV_ENV, raising=False)
+    assert extend_new_kv_enabled()
+    monkeypatch.setenv(EXTEND_NEW_KV_ENV, new_kv)
+    assert extend_new_kv_enabled() == (new_kv == "1")
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 40)]
     outs = LLM(tiny_models[family], num_kv_blocks=64, max_batched_tokens=16).generate(
