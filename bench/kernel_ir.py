@@ -84,7 +84,7 @@ def compile_for_hopper(kernel, args: list, consts: dict):
     from triton.compiler import ASTSource
 
     consts = dict(consts)
-    options = {k: consts.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in consts}
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in consts}
     signature, constexprs, attrs = specialize(kernel, args, consts)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget(*HOPPER), options=options)

@@ -8,14 +8,11 @@ tokens on distinct blocks of random K/V):
 - overlapped: the halves on two streams, one half's attention beside the other's GEMMs;
 - overlapped_carveoutN (--carveout N): overlapped, with cuBLAS told to leave N SMs free for
   the attention beside it;
-- overlapped_splitN (--split N): overlapped, the attention kept to N SMs (a persistent grid,
-  tandem_kernels.decode_attention.sm_budget) and cuBLAS told to leave those N free, so that
-  neither kernel waits for the other's programs to drain (TANDEM_NANO_BATCH_ATTENTION_SMS);
 - overlapped_greenN (--green N): overlapped, the attention stream in a CUDA green context of N
   SMs, so that the GEMMs have the others to themselves (eager too; a graph keeps the context
   where the driver captures it).
 
-`eager_ms` times plain, overlapped and the split variants without a graph too: a graph replays every node at its
+`eager_ms` times plain and overlapped without a graph too: a graph replays every node at its
 launch stream's priority, so only eager steps see the GEMM stream's higher priority.
 
 Prints and writes a JSON row per configuration: ms a replay of each graph, plain's ms over
@@ -49,22 +46,21 @@ sys.path.insert(0, str(REPO))
 # The offline rows' decode steps: FP8 weights + KV at 512 rows, bf16 weights + FP8 KV at 512, bf16 at 384.
 DEFAULT_CONFIGS = ("fp8:fp8:512:1536", "bf16:fp8:512:1536", "bf16:auto:384:1536")
 DEFAULT_CARVEOUTS = (33, 66)  # a quarter and a half of an H200's 132 SMs
-# SMs the attention keeps to in the split variants (a persistent attention grid on them, cuBLAS
-# told to leave them free): half and two thirds of 132, near the share of a serial step attention takes.
-DEFAULT_SPLITS = (66, 88)
 # SMs of the green contexts the attention keeps to: none unless asked (--green 99: three quarters),
 # since a green context a driver mishandles may break the process's CUDA context for what follows.
 DEFAULT_GREENS: tuple[int, ...] = ()
 
 
 def carved(sms: int, forward):
-    """`forward` with cuBLAS(Lt)'s GEMMs told to leave `sms` SMs free (engine.nano_batch.gemm_carveout:
-    read as each GEMM is launched, so a graph keeps what its capture chose)."""
-    from engine.nano_batch import gemm_carveout
-
+    """`forward` with cuBLAS(Lt)'s GEMMs told to leave `sms` SMs free (torch's experimental
+    carveout, read as each GEMM is launched: a graph keeps what its capture chose)."""
     def run():
-        with gemm_carveout(sms):
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
             return forward()
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
 
     return run
 
@@ -103,7 +99,7 @@ def parse_config(text: str) -> tuple[str, str, int, int]:
 
 
 def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveouts: tuple[int, ...] = (),
-          greens: tuple[int, ...] = (), splits: tuple[int, ...] = ()) -> dict:
+          greens: tuple[int, ...] = ()) -> dict:
     from engine import LLM
     from engine.attention import AttentionMetadata
     from engine.cuda_graphs import capture_graph, time_each
@@ -145,9 +141,6 @@ def probe(model_dir: Path, weights: str, kv: str, batch: int, ctx: int, carveout
         if dev.type == "cuda":
             for sms in carveouts:
                 variants[f"overlapped_carveout{sms}"] = carved(sms, overlapped)
-            for sms in splits:
-                variants[f"overlapped_split{sms}"] = eager[f"overlapped_split{sms}"] = partial(
-                    overlapped, Streams(dev, attention_sms=sms))
             for sms in greens:  # last: a capture that fails here leaves the others measured
                 try:
                     eager[f"overlapped_green{sms}"] = partial(overlapped, green_streams(dev, sms))
@@ -216,10 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--carveout", type=int, action="append", default=None, metavar="SMS",
                    help="also time the overlapped step with cuBLAS told to leave SMS SMs free (its GEMMs run on "
                         "the rest; repeatable; default: %s)" % ", ".join(map(str, DEFAULT_CARVEOUTS)))
-    p.add_argument("--split", type=int, action="append", default=None, metavar="SMS",
-                   help="also time the overlapped step with its attention kept to SMS SMs (a persistent grid) and "
-                        "cuBLAS told to leave them free (engine.nano_batch.Streams' attention_sms; repeatable; "
-                        "default: %s)" % ", ".join(map(str, DEFAULT_SPLITS)))
     p.add_argument("--model", default=None, metavar="DIR",
                    help="a Hugging Face model directory instead of the Llama-3.1-8B shape (dummy weights either "
                         "way); without a CUDA device a tiny one runs eagerly, as the tests do")
@@ -235,9 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     a.carveout = DEFAULT_CARVEOUTS if a.carveout is None else a.carveout
     if any(not 0 < c < 128 for c in a.carveout):
         p.error(f"--carveout: SMs to leave free must be in [1, 127], got {a.carveout}")
-    a.split = DEFAULT_SPLITS if a.split is None else a.split
-    if any(not 0 < c < 128 for c in a.split):
-        p.error(f"--split: the attention's SMs must be in [1, 127], got {a.split}")
     a.green = DEFAULT_GREENS if a.green is None else a.green
     if any(c < 1 for c in a.green):
         p.error(f"--green: a green context needs at least 1 SM, got {a.green}")
@@ -247,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         for weights, kv, batch, ctx in configs:
             t = time.time()
             try:
-                row = probe(model_dir, weights, kv, batch, ctx, tuple(a.carveout), tuple(a.green), tuple(a.split))
+                row = probe(model_dir, weights, kv, batch, ctx, tuple(a.carveout), tuple(a.green))
             except Exception as exc:  # record and go on: one configuration's failure must not hide the others
                 row = {"weights": weights, "kv": kv, "batch": batch, "ctx": ctx,
                        "error": f"{type(exc).__name__}: {exc}"[:500]}

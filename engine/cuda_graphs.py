@@ -34,7 +34,7 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.nano_batch import MIN_ROWS as NANO_MIN_ROWS
 from engine.nano_batch import TIMING_CONTEXT as NANO_TIMING_CONTEXT
-from engine.nano_batch import Streams, attention_sms, nano_batch_mode, overlapped_forward, overlapped_wins
+from engine.nano_batch import Streams, nano_batch_mode, overlapped_forward, overlapped_wins
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class DecodeGraphs:
         # split, the buckets whose kept graph is overlapped, and (auto) each candidate's graph
         # and output until they are timed against the plain ones.
         self.nano_mode = nano_batch_mode() if dev.type == "cuda" else "0"
-        self.nano_streams = Streams(dev, attention_sms=attention_sms()) if self.nano_mode != "0" else None
+        self.nano_streams = Streams(dev) if self.nano_mode != "0" else None
         self.nano_buckets: list[int] = []
         self.nano_candidates: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 

@@ -41,24 +41,9 @@ from engine.config import EXPECTED_CONTEXT_TOKENS
 # measured on the device.
 NANO_BATCH_ENV = "TANDEM_NANO_BATCH"
 NANO_BATCH_MODES = ("0", "1", "auto")
-# SMs the overlapped halves' attention keeps to, the GEMMs taking the rest (Streams.attention_sms);
-# 0 (default): no split, each kernel may take every SM.
-ATTENTION_SMS_ENV = "TANDEM_NANO_BATCH_ATTENTION_SMS"
 MIN_ROWS = 128
 # The context at which "auto" times a bucket's two steps: what a running sequence is expected to hold.
 TIMING_CONTEXT = EXPECTED_CONTEXT_TOKENS
-
-
-@contextlib.contextmanager
-def gemm_carveout(sms: int):
-    """cuBLAS GEMMs launched inside leave `sms` SMs free (torch's experimental SM carveout, read as
-    each GEMM is launched)."""
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
 
 
 def nano_batch_mode() -> str:
@@ -67,18 +52,6 @@ def nano_batch_mode() -> str:
     if value not in NANO_BATCH_MODES:
         raise ValueError(f"{NANO_BATCH_ENV} must be one of {', '.join(NANO_BATCH_MODES)}, got {value!r}")
     return value
-
-
-def attention_sms() -> int:
-    """ATTENTION_SMS_ENV's value: an integer >= 0 (default 0)."""
-    value = os.environ.get(ATTENTION_SMS_ENV, "0").strip() or "0"
-    try:
-        sms = int(value)
-    except ValueError:
-        raise ValueError(f"{ATTENTION_SMS_ENV} must be an integer >= 0, got {value!r}") from None
-    if sms < 0:
-        raise ValueError(f"{ATTENTION_SMS_ENV} must be an integer >= 0, got {value!r}")
-    return sms
 
 
 def nano_batch_enabled() -> bool:
@@ -106,19 +79,10 @@ def split_meta(meta: AttentionMetadata, rows: slice) -> AttentionMetadata:
 class Streams:
     """The GEMM and attention streams, forked from the current stream and joined back into it.
     On a CPU, or with parallel=False (the halves one after the other on the current stream: what
-    splitting alone costs), no streams: every phase runs in order.
+    splitting alone costs), no streams: every phase runs in order."""
 
-    attention_sms > 0 splits the GPU between them: the decode attention launched on the attention
-    stream keeps to that many SMs (a persistent grid, tandem_kernels.decode_attention.sm_budget),
-    and cuBLAS's GEMMs launched on the GEMM stream are told to leave that many free (torch's SM
-    carveout), so that neither waits for the other's programs to drain. Both are read as the
-    kernels launch; a graph keeps what its capture chose."""
-
-    def __init__(self, device: torch.device, parallel: bool = True, attention_sms: int = 0) -> None:
+    def __init__(self, device: torch.device, parallel: bool = True) -> None:
         self.cuda = device.type == "cuda" and parallel
-        if attention_sms < 0:
-            raise ValueError(f"attention_sms must be >= 0 (0: no split of the SMs), got {attention_sms}")
-        self.attention_sms = attention_sms if self.cuda else 0
         if self.cuda:
             # A lower number is a higher priority; one past the device's range is clamped to it.
             self.gemm = torch.cuda.Stream(device, priority=-100)
@@ -136,23 +100,8 @@ class Streams:
             here.wait_stream(self.gemm)
             here.wait_stream(self.attn)
 
-    @contextlib.contextmanager
     def on(self, name: str):
-        """Launches inside go to stream `name` ("gemm" or "attn"), within its share of the SMs."""
-        if not self.cuda:
-            yield
-            return
-        with torch.cuda.stream(getattr(self, name)):
-            if not self.attention_sms:
-                yield
-            elif name == "attn":
-                from tandem_kernels.decode_attention import sm_budget  # triton: only here, on a GPU
-
-                with sm_budget(self.attention_sms):
-                    yield
-            else:
-                with gemm_carveout(self.attention_sms):
-                    yield
+        return torch.cuda.stream(getattr(self, name)) if self.cuda else contextlib.nullcontext()
 
     def mark(self) -> torch.cuda.Event | None:
         """An event at this point of the current stream (None on a CPU)."""

@@ -20,8 +20,6 @@ the two in turn (reference.rotary_store_and_decode).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_
 from tandem_kernels.reference import attention_output
 from tandem_kernels.rotary import check_rotary_args
 from tandem_kernels.triton_common import (env_overridden, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch,
-                                          soft_fp8_round, takes_maxnreg, upcast_dots)
+                                          soft_fp8_round, upcast_dots)
 
 TUNING_ENV = "TANDEM_DECODE_TUNING"  # JSON of DecodeTuning fields over the default (experiments, A/B runs)
 LOG2E = 1.4426950408889634
@@ -77,15 +75,8 @@ class DecodeTuning:
       here nothing does, at an accumulator per warp in registers. defer_sum and lazy_rescale do
       not apply.
     prefetch: load each program's first K/V tile before waiting on the kernel before (PDL), the
-      step's own token excepted (the 2-D tile only, and not with rotary_store_and_decode's store
-      or `programs`; see _decode_stage1).
-    programs: a persistent grid: at most this many stage-1 programs, each running its share of
-      the (sequence, KV head, split) items in turn, so that the kernel holds at most
-      programs / resident SMs and leaves the rest to kernels of another stream
-      (engine/nano_batch.py sets it through `sm_budget`); 0: a program per item.
-    persistent_registers: registers a thread the persistent build is held to (Triton's maxnreg),
-      where its outer loop would cost an SM programs (so that `resident` still fit); 0: the
-      compiler's choice.
+      step's own token excepted (the 2-D tile only, and not with rotary_store_and_decode's store;
+      see _decode_stage1).
     """
 
     block_n: int = 64
@@ -100,14 +91,10 @@ class DecodeTuning:
     unsigned_index: bool = False
     warp_split: bool = False
     prefetch: bool = False
-    programs: int = 0
-    persistent_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
-        if self.programs < 0:
-            raise ValueError(f"programs must be >= 0 (0: a program per item), got {self.programs}")
         if self.warp_split and (self.block_n % self.num_warps or self.block_n // self.num_warps < 16):
             raise ValueError(f"warp_split needs block_n a multiple of 16 * num_warps, got block_n {self.block_n} "
                              f"and num_warps {self.num_warps}")
@@ -137,10 +124,7 @@ FP8_TUNING = DecodeTuning(block_n=64, num_stages=3, min_partition=64, opaque_cvt
 # 1,536) and offline_fp8kv runs +5%; below that its programs fill too little of a round, or its
 # splits are shorter, and FP8_TUNING's read faster (batch 80 / 1,024 tokens: 2,691 vs 2,811; batch
 # 64 / 1,024: 3,144 vs 3,434; batch 1: 364 vs 453). BENCHMARKS.md §23.
-# Its persistent build (sm_budget) takes 160 registers a thread, 6 programs an SM; held to 128 it
-# keeps 8, without spills (kernel_ir, Triton 3.9).
-FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True,
-                                      persistent_registers=128)
+FP8_WIDE_TUNING = dataclasses.replace(FP8_TUNING, block_n=32, num_warps=2, resident=8, warp_split=True)
 FP8_WIDE_FROM = 5.5  # (sequence, KV head) pairs an SM: between batch 80 (4.8, loses) and 96 (5.8, wins)
 # Where a batch is too small to keep the memory busy, a program's time is its chain of dependent
 # loads, and the prefetching tunings load the first tile before the PDL wait (DecodeTuning.prefetch)
@@ -156,39 +140,6 @@ FP8_PREFETCH_TUNING = dataclasses.replace(FP8_TUNING, prefetch=True)
 # clamped to the fp16 range first).
 FP8_F16 = True
 _STAGE2_PER_STEP = PER_STEP_ARGS[1:]
-# The SMs a decode attention launched here may hold (0: the whole GPU); see sm_budget.
-_SM_BUDGET: contextvars.ContextVar[int] = contextvars.ContextVar("decode_attention_sm_budget", default=0)
-
-
-@contextlib.contextmanager
-def sm_budget(sms: int):
-    """Decode attention launched inside keeps to `sms` SMs where its items would take more: its
-    tuning and split count are chosen as for a GPU of `sms` SMs, and its stage 1 is a persistent
-    grid of `sms` x the tuning's resident programs (DecodeTuning.programs), so that a kernel of
-    another stream can take the other SMs meanwhile (engine/nano_batch.py). 0: the whole GPU."""
-    if sms < 0:
-        raise ValueError(f"sm_budget: sms must be >= 0 (0: the whole GPU), got {sms}")
-    token = _SM_BUDGET.set(sms)
-    try:
-        yield
-    finally:
-        _SM_BUDGET.reset(token)
-
-
-def budgeted_tuning(cache_dtype: torch.dtype, pairs: int, sms: int,
-                    tuning: DecodeTuning | None) -> tuple[DecodeTuning, int]:
-    """(tuning, SMs to choose the split count for) of a launch with `pairs` (sequence, KV head)
-    pairs on a GPU of `sms` SMs, under sm_budget: `tuning` (None: the default for the cache and
-    the SMs in force), given a persistent grid where a budget smaller than the GPU is set and the
-    tuning names none."""
-    budget = _SM_BUDGET.get()
-    kept = 0 < budget < sms
-    if kept:
-        sms = budget
-    tuning = tuning or default_tuning(cache_dtype, pairs, sms)
-    if kept and not tuning.programs:
-        tuning = dataclasses.replace(tuning, programs=budget * tuning.resident, prefetch=False)
-    return tuning, sms
 
 
 def stage1_kernel(tuning: DecodeTuning):
@@ -313,7 +264,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     out = attention_output(q, out)
     if bsz == 0:
         return out
-    tuning, sms = budgeted_tuning(k_cache.dtype, bsz * hk, num_sms(q.device), tuning)
+    sms = num_sms(q.device)
+    tuning = tuning or default_tuning(k_cache.dtype, bsz * hk, sms)
     splits = choose_splits(bsz, hk, block_tables.shape[1] * block_size, sms, tuning)
     partial = lse = None
     if splits > 1:
@@ -409,20 +361,14 @@ def stage1_launch(
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), *o_strides, *lse_strides,
             float(scale) * k_scale * LOG2E, float(v_scale)]
-    items = bsz * k_cache.shape[2] * splits
-    persist = 0 < tuning.programs < items
     if step is None:  # the step's arguments are not read: any pointer, no strides
         args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
         consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False,
-                      PREFETCH=tuning.prefetch and not tuning.warp_split and not persist)
+                      PREFETCH=tuning.prefetch and not tuning.warp_split)
     else:
         args += [step.k, step.v, step.positions, step.cos_sin_cache, step.slot_mapping,
                  step.k.stride(0), step.k.stride(1), step.v.stride(0), step.v.stride(1),
                  step.cos_sin_cache.stride(0), k_scale]
         consts.update(ROTARY=True, ROT=step.rotary_dim, IS_NEOX=step.is_neox, STORE_FP8=fp8,
                       SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=False)
-    args += [splits, bsz, k_cache.shape[2]]
-    consts["PERSIST"] = persist
-    if persist and tuning.persistent_registers and not interpreting() and takes_maxnreg():
-        consts["maxnreg"] = tuning.persistent_registers
-    return ((tuning.programs, 1, 1) if persist else (bsz, k_cache.shape[2], splits)), args, consts
+    return (bsz, k_cache.shape[2], splits), args, consts

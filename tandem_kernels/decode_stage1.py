@@ -24,7 +24,7 @@ from tandem_kernels.triton_common import (dot, first_tile_blocks, first_tile_blo
 # which a server first meets while serving; these stay generic, so the variants are fixed by
 # the model and a warm-up covers them.
 PER_STEP_ARGS = ["bt_s0", "o_s0", "o_s1", "lse_s0", "lse_s1", "splits"]
-_STAGE1_PER_STEP = PER_STEP_ARGS + ["batch"]
+_STAGE1_PER_STEP = PER_STEP_ARGS[:-1]  # stage 1 reads its split count from its grid
 
 
 @triton.jit
@@ -36,40 +36,21 @@ def _seq_partition(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _split_range(ctx_ptr, b, split, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Sequence b's context length and the tokens start .. end of its split `split` of `splits`
-    (start >= end for a split past the context)."""
-    ctx = tl.load(ctx_ptr + b)
-    partition = _seq_partition(ctx, splits, MIN_PARTITION, BLOCK_N)
-    start = split * partition
-    return ctx, start, tl.minimum(start + partition, ctx)
-
-
-@triton.jit
 def _program_split(ctx_ptr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
     """This stage-1 program's (sequence as int64, KV head, split, context length, and its split's
     tokens start .. end; start >= end for a split past the context): the grid is (sequences, KV
     heads, splits)."""
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
-    ctx, start, end = _split_range(ctx_ptr, b, split, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
-    return b, tl.program_id(1), split, ctx, start, end
-
-
-@triton.jit
-def _item_split(ctx_ptr, item, kv_heads, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_program_split's tuple for work item `item` of a persistent grid (PERSIST), the items
-    numbered (sequence, KV head, split) in row-major order."""
-    split = item % splits
-    pair = item // splits
-    b = (pair // kv_heads).to(tl.int64)
-    ctx, start, end = _split_range(ctx_ptr, b, split, splits, MIN_PARTITION, BLOCK_N)
-    return b, pair % kv_heads, split, ctx, start, end
+    ctx = tl.load(ctx_ptr + b)
+    partition = _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)
+    start = split * partition
+    return b, tl.program_id(1), split, ctx, start, tl.minimum(start + partition, ctx)
 
 
 @triton.jit
 def _step_token(
-    q_ptr, b, kvh, split, splits, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+    q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
     k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, k_store_scale, v_store_scale,
     BLOCK_SIZE: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, ROT: tl.constexpr,
@@ -90,7 +71,8 @@ def _step_token(
     # The owner is found from the partition rather than the split's `end`: a test on `end` here
     # moved the KV loop's bound tests to the uniform datapath (Triton 3.9, sm_90: ~12 more
     # instructions an iteration of the loop that follows).
-    owner = (ctx > 0) & (split == (ctx - 1) // _seq_partition(ctx, splits, MIN_PARTITION, BLOCK_N)) & (slot >= 0)
+    owner = (ctx > 0) & (tl.program_id(2) == (ctx - 1) // _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION,
+                                                                            BLOCK_N)) & (slot >= 0)
     if owner:  # one program a sequence and KV head; the others neither load nor wait here
         row = tl.zeros([1, 1], dtype=tl.int64)
         mask = (row == 0) & d_mask[None, :]
@@ -165,32 +147,47 @@ def _tile_step(q, k, v, v_cache_ptr, v_offs, kv_mask, n_mask, m_i, l_i, l_lanes,
     return m_i, l_i, l_lanes, acc
 
 
-@triton.jit
-def _tile_item(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
+@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
+def _decode_stage1(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
-    b, kvh, split, splits, ctx, start, end, d, d_mask, k0, v0, k0_offs, v0_offs, first_mask,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
     SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """_decode_stage1's work for one (sequence b, KV head kvh, split) item, whose tokens are
-    start .. end of the sequence's ctx; with PREFETCH, k0 / v0 are its first tile, loaded at
-    k0_offs / v0_offs under first_mask but for the step's own token (else unused)."""
+    """PREFETCH (not with ROTARY): the program's first K/V tile is loaded before the PDL wait,
+    but for the step's own token (position ctx - 1), which the kernel before (rotary and store)
+    writes; that row is read after the wait. The contexts, the block tables (copied in before the
+    step) and every other cached token are written by no kernel of the step."""
+    if PREFETCH:
+        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < D
+        k0_offs, v0_offs, first_mask = _tile_offsets(bt_ptr + b * bt_s0, start, end, kvh, d, d_mask,
+                                                     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                                     BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
+        early = first_mask & (start + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
+        k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
+        v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
+    pdl_begin(PDL)
+    if not PREFETCH:
+        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
+        d = tl.arange(0, D_PAD)
+        d_mask = d < D
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
         h = tl.arange(0, BLOCK_H)
         heads = kvh * GROUP + h
         h_mask = h < GROUP
         if ROTARY:
-            q = _step_token(q_ptr, b, kvh, split, splits, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+            q = _step_token(q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
                             kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
                             k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, k_store_scale,
                             v_scale, BLOCK_SIZE, MIN_PARTITION, BLOCK_N, ROT, IS_NEOX, STORE_FP8, SOFT_ROUND)
@@ -246,93 +243,29 @@ def _tile_item(
 
 
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
-def _decode_stage1(
+def _decode_stage1_warps(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
     qk_scale, v_scale,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
-    splits, batch, kv_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
+    PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PERSIST: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr, WARPS: tl.constexpr,
 ):
-    """PREFETCH (not with ROTARY or PERSIST): the program's first K/V tile is loaded before the PDL
-    wait, but for the step's own token (position ctx - 1), which the kernel before (rotary and
-    store) writes; that row is read after the wait. The contexts, the block tables (copied in
-    before the step) and every other cached token are written by no kernel of the step.
-    PERSIST: the grid is (programs,), fewer than the batch x KV heads x `splits` items, and each
-    program runs every programs-th item in turn (DecodeTuning.programs)."""
-    if PREFETCH:
-        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-        d = tl.arange(0, D_PAD)
-        d_mask = d < D
-        k0_offs, v0_offs, first_mask = _tile_offsets(bt_ptr + b * bt_s0, start, end, kvh, d, d_mask,
-                                                     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
-                                                     BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
-        early = first_mask & (start + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
-        k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
-        v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
-        pdl_begin(PDL)
-        _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-            q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-            qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
-            k_store_scale,
-            b, kvh, split, splits, ctx, start, end, d, d_mask, k0, v0, k0_offs, v0_offs, first_mask,
-            GROUP, BLOCK_H, D, D_PAD, BLOCK_N, MIN_PARTITION, BLOCK_SIZE, DIRECT, PRECISION, UPCAST, F16,
-            OPAQUE_K, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, BLOCKS_AHEAD, NARROW, UNSIGNED, ROTARY, ROT, IS_NEOX,
-            STORE_FP8, SOFT_ROUND, True)
-    else:
-        pdl_begin(PDL)
-        d = tl.arange(0, D_PAD)
-        d_mask = d < D
-        if PERSIST:
-            for item in range(tl.program_id(0), batch * kv_heads * splits, tl.num_programs(0)):
-                b, kvh, split, ctx, start, end = _item_split(ctx_ptr, item, kv_heads, splits, MIN_PARTITION, BLOCK_N)
-                _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-                    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-                    qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
-                    cs_s0, k_store_scale, b, kvh, split, splits, ctx, start, end, d, d_mask, 0, 0, 0, 0, 0,
-                    GROUP, BLOCK_H, D, D_PAD, BLOCK_N, MIN_PARTITION, BLOCK_SIZE, DIRECT, PRECISION, UPCAST, F16,
-                    OPAQUE_K, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, BLOCKS_AHEAD, NARROW, UNSIGNED, ROTARY, ROT,
-                    IS_NEOX, STORE_FP8, SOFT_ROUND, False)
-        else:
-            b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-            _tile_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-            q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-            qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
-            k_store_scale,
-                b, kvh, split, splits, ctx, start, end, d, d_mask, 0, 0, 0, 0, 0,
-                GROUP, BLOCK_H, D, D_PAD, BLOCK_N, MIN_PARTITION, BLOCK_SIZE, DIRECT, PRECISION, UPCAST, F16,
-            OPAQUE_K, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, BLOCKS_AHEAD, NARROW, UNSIGNED, ROTARY, ROT, IS_NEOX,
-            STORE_FP8, SOFT_ROUND, False)
-
-
-@triton.jit
-def _warps_item(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
-    o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale,
-    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
-    b, kvh, split, splits, ctx, start, end,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
-    ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr, WARPS: tl.constexpr,
-):
-    """_decode_stage1_warps's work for one (sequence b, KV head kvh, split) item, whose tokens are
-    start .. end of the sequence's ctx."""
+    """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
+    each row of it one warp's, with its own running max, sum and accumulator; they merge after
+    the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
+    accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
+    its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
+    (DEFER_SUM, LAZY and PREFETCH are not used)."""
+    pdl_begin(PDL)
+    b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros
         TW: tl.constexpr = BLOCK_N // WARPS
         h = tl.arange(0, BLOCK_H)
@@ -341,7 +274,7 @@ def _warps_item(
         h_mask = h < GROUP
         d_mask = d < D
         if ROTARY:
-            q_t = tl.trans(_step_token(q_ptr, b, kvh, split, splits, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
+            q_t = tl.trans(_step_token(q_ptr, b, kvh, q_s0, q_s1, heads, h_mask, d, d_mask, ctx,
                                        kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
                                        cs_s0, k_cache_ptr, v_cache_ptr, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
                                        k_store_scale, v_scale, BLOCK_SIZE, MIN_PARTITION, BLOCK_N, ROT, IS_NEOX,
@@ -395,50 +328,3 @@ def _warps_item(
             tl.store(o_ptr + b * o_s0 + heads[None, :] * o_s1 + split * o_s2 + d[:, None], out, mask=o_mask)
             lse = tl.where(has, m_all + tl.log2(tl.where(has, l_all, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
-
-
-@triton.jit(do_not_specialize=_STAGE1_PER_STEP)
-def _decode_stage1_warps(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-    q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
-    o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale,
-    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
-    splits, batch, kv_heads,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, F16: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
-    DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
-    NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
-    ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, PERSIST: tl.constexpr, WARPS: tl.constexpr,
-):
-    """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
-    each row of it one warp's, with its own running max, sum and accumulator; they merge after
-    the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
-    accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
-    its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
-    (DEFER_SUM, LAZY and PREFETCH are not used)."""
-    pdl_begin(PDL)
-    if PERSIST:
-        for item in range(tl.program_id(0), batch * kv_heads * splits, tl.num_programs(0)):
-            b, kvh, split, ctx, start, end = _item_split(ctx_ptr, item, kv_heads, splits, MIN_PARTITION, BLOCK_N)
-            _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-                        q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-                        qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1,
-                        cs_s0, k_store_scale, b, kvh, split, splits, ctx, start, end,
-                        GROUP, BLOCK_H, D, D_PAD, BLOCK_N, MIN_PARTITION, BLOCK_SIZE, DIRECT, PRECISION, UPCAST, F16,
-                        OPAQUE_K, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, BLOCKS_AHEAD, NARROW, UNSIGNED, ROTARY, ROT,
-                        IS_NEOX, STORE_FP8, SOFT_ROUND, WARPS)
-    else:
-        b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
-        _warps_item(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, o_ptr, lse_ptr,
-            q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0, o_s0, o_s1, o_s2, lse_s0, lse_s1,
-            qk_scale, v_scale, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
-            k_store_scale,
-            b, kvh, split, splits, ctx, start, end,
-            GROUP, BLOCK_H, D, D_PAD, BLOCK_N, MIN_PARTITION, BLOCK_SIZE, DIRECT, PRECISION, UPCAST, F16,
-            OPAQUE_K, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, BLOCKS_AHEAD, NARROW, UNSIGNED, ROTARY, ROT, IS_NEOX,
-            STORE_FP8, SOFT_ROUND, WARPS)

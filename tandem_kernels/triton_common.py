@@ -76,16 +76,6 @@ def pdl_enabled(device: torch.device) -> bool:
     return device_capability(device) >= (9, 0)
 
 
-@functools.cache
-def takes_maxnreg() -> bool:
-    """Whether this Triton's NVIDIA backend takes the `maxnreg` launch option (registers a thread)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
 def pdl_launch(device: torch.device) -> dict:
     """A launch's PDL keywords: the kernel's PDL constant (see pdl_begin) and Triton's
     launch_pdl option, always set together."""

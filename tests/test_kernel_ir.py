@@ -190,25 +190,3 @@ def test_the_greedy_argmax_builds_for_the_gpu(rows):
         for stage in (1, 2):
             row = pick(rows, f"argmax_stage{stage}", cache)
             assert row["spilled_bytes"] == 0 and row["programs_per_sm"] >= 1, row
-
-
-def test_persistent_decode_builds_for_the_gpu():
-    """A persistent stage 1 (DecodeTuning.programs, what sm_budget launches) builds for sm_90 with
-    its KV loop pipelined as a program-per-item build's, without spills, for the 2-D tile and the
-    warp-split loop at the full FP8 batch, under PDL."""
-    from tandem_kernels.decode_attention import FP8_WIDE_TUNING
-
-    wide = ('{"programs": 704, "block_n": 32, "num_warps": 2, "resident": 8, "warp_split": true, '
-            '"persistent_registers": %d}' % FP8_WIDE_TUNING.persistent_registers)
-    built = kernel_ir("--batch", "512", "--pdl", "--tuning", '{"programs": 528}', "--tuning", wide)
-    for warp_split in (False, True):
-        persistent = pick(built, "decode_stage1", "fp8e4nv", warp_split=warp_split, programs=528 + 176 * warp_split)
-        per_item = pick(built, "decode_stage1", "fp8e4nv", warp_split=warp_split, programs=0)
-        assert persistent["spilled_bytes"] == 0 and persistent["programs_per_sm"] >= 4, persistent
-        if warp_split:  # held to FP8_WIDE_TUNING.persistent_registers: the programs an SM its grid is sized by
-            assert persistent["registers"] <= FP8_WIDE_TUNING.persistent_registers, persistent
-            assert persistent["programs_per_sm"] >= FP8_WIDE_TUNING.resident, persistent
-        for key in ("staged_tiles", "groups_in_flight"):
-            assert persistent[key] == per_item[key], (warp_split, key, persistent[key], per_item[key])
-    bf16 = pick(built, "decode_stage1", "bf16", programs=528)
-    assert bf16["spilled_bytes"] == 0 and bf16["programs_per_sm"] >= 4, bf16

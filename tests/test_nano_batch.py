@@ -11,8 +11,8 @@ import torch
 
 from engine import LLM
 from engine.attention import AttentionMetadata
-from engine.nano_batch import (ATTENTION_SMS_ENV, NANO_BATCH_ENV, Streams, attention_sms, nano_batch_enabled,
-                               nano_batch_mode, overlapped_forward, overlapped_wins, split_meta)
+from engine.nano_batch import (NANO_BATCH_ENV, nano_batch_enabled, nano_batch_mode, overlapped_forward,
+                               overlapped_wins, split_meta)
 from tests.same_cache import assert_same_writes, from_the_same_cache
 
 
@@ -91,20 +91,6 @@ def test_the_switch_is_off_by_default_and_names_itself_when_bad(monkeypatch):
         nano_batch_enabled()
 
 
-def test_the_attention_sms_default_to_none_and_name_themselves_when_bad(monkeypatch):
-    monkeypatch.delenv(ATTENTION_SMS_ENV, raising=False)
-    assert attention_sms() == 0
-    monkeypatch.setenv(ATTENTION_SMS_ENV, "88")
-    assert attention_sms() == 88
-    for bad in ("-4", "half"):
-        monkeypatch.setenv(ATTENTION_SMS_ENV, bad)
-        with pytest.raises(ValueError, match=ATTENTION_SMS_ENV):
-            attention_sms()
-    with pytest.raises(ValueError, match="attention_sms"):
-        Streams(torch.device("cpu"), attention_sms=-1)
-    assert Streams(torch.device("cpu"), attention_sms=88).attention_sms == 0  # a CPU runs the phases in order
-
-
 def test_auto_keeps_the_overlapped_graph_only_where_it_wins_past_the_margin():
     plain = {128: 10.0, 256: 20.0, 384: 30.0, 512: 40.0}
     overlapped = {128: 10.5, 256: 19.9, 384: 27.0, 512: 36.0, 640: 1.0}  # 640: no plain graph to beat
@@ -118,7 +104,7 @@ def test_the_probe_runs_its_three_variants_on_a_tiny_model(tiny_models: dict[str
 
     out = tmp_path / "rows.json"
     rc = probe.main(["--model", str(tiny_models["llama"]), "--config", "bf16:fp8:6:40", "--config", "fp8:auto:5:20",
-                     "--split", "60", "--out", str(out)])
+                     "--out", str(out)])
     assert rc == 0
     rows = __import__("json").loads(out.read_text())["rows"]
     assert [(r["weights"], r["kv"], r["batch"]) for r in rows] == [("bf16", "fp8", 6), ("fp8", "auto", 5)]
