@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import math
@@ -268,15 +269,16 @@ def _cublas_workspace(run: Callable[[Context], dict]) -> Callable[[Context], dic
     return _with_env(run, lambda: CUBLAS_WORKSPACE)
 
 
+def _engine_env(run: Callable[[Context], dict], module: str, name: str, value: str) -> Callable[[Context], dict]:
+    """`run` with the variable that `module`.`name` names set to `value` (the module is imported in
+    the child, as `_with_env` calls it, so no engine import reaches the parent)."""
+    return _with_env(run, lambda: {getattr(importlib.import_module(module), name): value})
+
+
 def _fused_rotary(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
     """`run` with TANDEM_FUSED_ROTARY=1: decode-only steps rotate and store their K/V inside the
     decode attention kernel (engine/attention.py)."""
-    def env() -> dict[str, str]:
-        from engine.attention import FUSED_ROTARY_ENV
-
-        return {FUSED_ROTARY_ENV: "1"}
-
-    return _with_env(run, env)
+    return _engine_env(run, "engine.attention", "FUSED_ROTARY_ENV", "1")
 
 
 def _nano_batch(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
@@ -284,23 +286,13 @@ def _nano_batch(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
     rows runs two halves on two streams, one half's attention beside the other's GEMMs, where that
     replays faster than the plain step at a full context (engine/nano_batch.py,
     engine/cuda_graphs.py; the engine's log names the buckets)."""
-    def env() -> dict[str, str]:
-        from engine.nano_batch import NANO_BATCH_ENV
-
-        return {NANO_BATCH_ENV: "auto"}
-
-    return _with_env(run, env)
+    return _engine_env(run, "engine.nano_batch", "NANO_BATCH_ENV", "auto")
 
 
 def _cached_kv(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
     """`run` with TANDEM_EXTEND_NEW_KV=0: prefill attention reads every key and value from the
     cache, the new tokens' too (the behaviour before BENCHMARKS.md §30-31; engine/attention.py)."""
-    def env() -> dict[str, str]:
-        from engine.attention import EXTEND_NEW_KV_ENV
-
-        return {EXTEND_NEW_KV_ENV: "0"}
-
-    return _with_env(run, env)
+    return _engine_env(run, "engine.attention", "EXTEND_NEW_KV_ENV", "0")
 
 
 def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
@@ -318,19 +310,13 @@ def _offline(ctx: Context, kv: str, quantization: str | None, max_running: int |
 def run_offline_fp8_deferred_scales(ctx: Context) -> dict:
     """offline_fp8 with the FP8 scales deferred to the kernels that read the products: this
     child's model is built with TANDEM_FP8_DEFERRED_SCALES=1."""
-    from engine.quant.fp8 import DEFERRED_SCALES_ENV
-
-    os.environ[DEFERRED_SCALES_ENV] = "1"
-    return _offline(ctx, "fp8", "fp8")
+    return _engine_env(lambda c: _offline(c, "fp8", "fp8"), "engine.quant.fp8", "DEFERRED_SCALES_ENV", "1")(ctx)
 
 
 def run_offline_bf16_untimed_buckets(ctx: Context) -> dict:
     """offline_bf16 with every decode graph up to the batch cap kept, untimed, as before timed
     buckets (engine/cuda_graphs.py): this child sees TANDEM_TIMED_BUCKETS=0."""
-    from engine.cuda_graphs import TIMED_BUCKETS_ENV
-
-    os.environ[TIMED_BUCKETS_ENV] = "0"
-    return _offline(ctx, "auto", None)
+    return _engine_env(lambda c: _offline(c, "auto", None), "engine.cuda_graphs", "TIMED_BUCKETS_ENV", "0")(ctx)
 
 
 def _offline_2d_tile(ctx: Context, quantization: str | None) -> dict:
