@@ -390,8 +390,8 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     L2), one after another, and the time is the graph's over the copies. Tilings: every
     block_n x block_k x warps with prefetch, six with late_reduce and three without prefetch, at
     the first row count; the three
-    fastest of each weight at the others. Rows: [weight, rows, block_n, block_k, warps, late_reduce,
-    prefetch, us, weight GB/s, max error]; the "unfused" row of each weight has block_n = block_k = warps = 0.
+    fastest of each weight at the others. Rows: [weight, rows, tiling (GemvTiling's fields), us,
+    weight GB/s, max error]; the "unfused" row of each weight has tiling None.
     `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
     from bench.kernel_ir import GEMV_SHAPES
     from tandem_kernels import gemv as gm
@@ -429,7 +429,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
 
             want = ref.gemv(x, ws[0], None, **kw)[0].float()
             us = bench_ms(unfused) * 1e3 / copies
-            rows_out.append([name, m, 0, 0, 0, False, False, round(us, 1), round(moved / us / 1e3), 0.0])
+            rows_out.append([name, m, None, round(us, 1), round(moved / us / 1e3), 0.0])
             print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             timed = []
             for t in (tilings if i == 0 else [t for _, t in best[:3]]):
@@ -438,17 +438,15 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
                     err = ((got - want).abs() / (1 + want.abs())).max().item()
                     us = bench_ms(lambda: [gm.gemv(x, w, tiling=t, **kw) for w in ws], reps=30) * 1e3 / copies
                     timed.append((us, t))
-                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.late_reduce, t.prefetch,
-                                     round(us, 1), round(moved / us / 1e3), err])
+                    rows_out.append([name, m, dataclasses.asdict(t), round(us, 1), round(moved / us / 1e3), err])
                 except Exception as exc:  # a configuration that does not compile or fit
-                    rows_out.append([name, m, t.block_n, t.block_k, t.num_warps, t.late_reduce, t.prefetch,
-                                     repr(exc)[:80], None, None])
+                    rows_out.append([name, m, dataclasses.asdict(t), repr(exc)[:80], None, None])
                 print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             if i == 0:
                 best = sorted(timed, key=lambda p: p[0])
         del ws
         torch.cuda.empty_cache()
-    return {"rows [weight, rows, block_n, block_k, warps, late_reduce, prefetch, us, weight GB/s, max error]": rows_out}
+    return {"rows [weight, rows, tiling (GemvTiling fields; null: unfused), us, weight GB/s, max error]": rows_out}
 
 
 def extend_sweep(s: Shapes) -> dict:

@@ -174,9 +174,14 @@ SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's fir
 # The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
 # is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
 # late_reduce: a loop of 170 SASS instructions a tile for o_proj against 299 (kernel_ir, batch 1).
-GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 8, "block_k": 512, "late_reduce": True},
-                   {"block_n": 4, "block_k": 512, "late_reduce": True}, {"block_n": 8, "block_k": 256, "late_reduce": True},
-                   {"block_n": 4, "block_k": 1024}, {"block_n": 8, "block_k": 1024, "prefetch": False})
+# §31's fastest at o_proj and down (4 x 512, late_reduce), then the tensor-core kernel (mma: x
+# padded to 16 rows, the weight tiles pipelined through shared memory) at five tile shapes.
+GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 512, "late_reduce": True},
+                   {"mma": True, "block_n": 16, "block_k": 256, "num_stages": 4},
+                   {"mma": True, "block_n": 16, "block_k": 512, "num_stages": 3},
+                   {"mma": True, "block_n": 16, "block_k": 128, "num_stages": 6},
+                   {"mma": True, "block_n": 32, "block_k": 128, "num_stages": 4},
+                   {"mma": True, "block_n": 32, "block_k": 256, "num_stages": 3})
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -203,19 +208,18 @@ def run_gemv_sweep(ctx: Context) -> dict:
 
 
 def best_tilings(rows: list[list]) -> dict:
-    """From gemv_sweep's rows [weight, rows, block_n, block_k, warps, late_reduce, prefetch, us,
-    GB/s, err]: `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
+    """From gemv_sweep's rows [weight, rows, tiling (GemvTiling fields, None: unfused), us, GB/s,
+    err]: `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
     `gemv_us_at_1_row` {weight: {"cublas": us, "fused": us}}."""
     best: dict[str, tuple[float, dict]] = {}
     us: dict[str, dict] = {}
-    for weight, m, block_n, block_k, warps, late, prefetch, t, *_ in rows:
+    for weight, m, tiling, t, *_ in rows:
         if m != 1 or not isinstance(t, (int, float)):
             continue
-        if block_n == 0:  # the unfused row: cuBLAS and the separate norm / SiLU kernels
+        if tiling is None:  # the unfused row: cuBLAS and the separate norm / SiLU kernels
             us.setdefault(weight, {})["cublas"] = t
         elif weight not in best or t < best[weight][0]:
-            best[weight] = (t, {"block_n": block_n, "block_k": block_k, "num_warps": warps, "late_reduce": late,
-                                "prefetch": prefetch})
+            best[weight] = (t, dict(tiling))
     for weight, (t, _) in best.items():
         us.setdefault(weight, {})["fused"] = t
     return {"best_tilings": {w: fields for w, (_, fields) in best.items()}, "gemv_us_at_1_row": us}
@@ -587,13 +591,19 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "greedy tokens vs transformers; fused GEMVs and prefill graphs vs the plain engine"),
     Section("decode_b1_attn_prefetch", "S", 75, 35, "child", _decode(1, SMALL_BATCH_TUNING),
             "decode_b1, decode attention's first K/V tile before the PDL wait (TANDEM_DECODE_TUNING)"),
-    Section("gemv_sweep", "S", 120, 50, "child", run_gemv_sweep,
+    Section("gemv_sweep", "S", 180, 60, "child", run_gemv_sweep,
             "fused GEMV tilings vs cuBLAS at the four weights (cold); the fastest of each"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
     Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),
             "decode_b1, qkv, o_proj and down as fused GEMVs"),
+    Section("decode_b1_fused_o_down", "S", 75, 35, "child", _decode(1, fused="o_proj,down"),
+            "decode_b1, o_proj and down as fused GEMVs"),
+    Section("decode_b1_fused_all", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,gate_up,down"),
+            "decode_b1, all four projections as fused GEMVs (norms and SiLU inside)"),
     Section("decode_b4", "S", 75, 35, "child", _decode(4), "4 sequences (the online TPOT's batch), ms a step"),
+    Section("decode_b4_fused_all", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj,gate_up,down"),
+            "decode_b4, all four projections as fused GEMVs"),
     Section("decode_b4_attn_prefetch", "S", 75, 35, "child", _decode(4, SMALL_BATCH_TUNING),
             "decode_b4 with decode attention's first tile before the wait"),
     Section("decode_b4_fused_qkv_o", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj"),

@@ -232,24 +232,24 @@ def test_group_s_runs_the_sweep_before_the_fused_sections_and_compares_with_deco
 
 
 def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
-    rows = [  # [weight, rows, block_n, block_k, warps, late_reduce, prefetch, us, GB/s, err]
-        ["qkv", 1, 0, 0, 0, False, False, 19.0, 2600, 0.0],
-        ["qkv", 1, 8, 512, 4, False, True, 15.5, 3200, 1e-3],
-        ["qkv", 1, 4, 1024, 4, True, True, 14.2, 3500, 1e-3],
-        ["qkv", 1, 8, 1024, 4, False, False, "CompilationError(...)", None, None],
-        ["qkv", 4, 8, 512, 4, False, True, 9.0, 5500, 1e-3],  # 4 rows: not the batch-1 choice
-        ["down", 1, 0, 0, 0, False, False, 32.0, 3700, 0.0],
-        ["down", 1, 8, 512, 8, False, False, 36.0, 3300, 1e-3],
+    t = {"block_n": 8, "block_k": 512, "num_warps": 4, "late_reduce": False, "prefetch": True}
+    rows = [  # [weight, rows, tiling (None: unfused), us, GB/s, err]
+        ["qkv", 1, None, 19.0, 2600, 0.0],
+        ["qkv", 1, t, 15.5, 3200, 1e-3],
+        ["qkv", 1, {**t, "block_n": 16, "mma": True, "num_stages": 4}, 14.2, 3500, 1e-3],
+        ["qkv", 1, {**t, "block_k": 1024}, "CompilationError(...)", None, None],
+        ["qkv", 4, t, 9.0, 5500, 1e-3],  # 4 rows: not the batch-1 choice
+        ["down", 1, None, 32.0, 3700, 0.0],
+        ["down", 1, {**t, "num_warps": 8, "prefetch": False}, 36.0, 3300, 1e-3],
     ]
     got = tb.best_tilings(rows)
-    assert got["best_tilings"] == {
-        "qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "late_reduce": True, "prefetch": True},
-        "down": {"block_n": 8, "block_k": 512, "num_warps": 8, "late_reduce": False, "prefetch": False}}
+    assert got["best_tilings"] == {"qkv": {**t, "block_n": 16, "mma": True, "num_stages": 4},
+                                   "down": {**t, "num_warps": 8, "prefetch": False}}
     assert got["gemv_us_at_1_row"] == {"qkv": {"cublas": 19.0, "fused": 14.2}, "down": {"cublas": 32.0, "fused": 36.0}}
     # What TANDEM_GEMV_TILING takes: {projection: GemvTiling fields}.
     from tandem_kernels.gemv import GemvTiling
 
-    assert GemvTiling(**got["best_tilings"]["qkv"]).block_k == 1024
+    assert GemvTiling(**got["best_tilings"]["qkv"]).mma
 
 
 def test_small_batch_rows_are_each_variant_against_its_batch_default():
