@@ -215,11 +215,11 @@ def fp8_parity(tmp: Path) -> dict:
             "varied": len({t for o in deferred for t in o})}
 
 
-def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool = False, batch: int = 1) -> dict:
+def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None, batch: int = 1) -> dict:
     """Decode time per step at `batch` sequences (128-token prompts, 200 timed steps after 5)
     against the weight-read floor (every weight read once a step; the KV the step reads, under
-    1% of it here, is left out); `fused`: with the fused decode GEMVs
-    (EngineConfig.fused_decode_gemv). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*."""
+    1% of it here, is left out); `fused`: EngineConfig.fused_decode_gemv (None: the engine's
+    default). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=4096,

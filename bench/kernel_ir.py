@@ -250,11 +250,12 @@ def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None):
     meta = dict(device="meta", dtype=torch.bfloat16)
     x, w = torch.empty(rows, k, **meta), torch.empty(n, k, **meta)
     out = torch.empty(rows, n // 2 if silu else n, **meta)
-    kernel, _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
-                                             torch.empty(k, **meta) if norm else None, 1e-5, silu,
-                                             dataclasses.replace(gm.tiling_for(projection), **(fields or {})),
-                                             out, torch.empty_like(x) if norm else None, pdl=pdl)
-    return compile_for_hopper(kernel, args, consts)
+    _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
+                                     torch.empty(k, **meta) if norm else None, 1e-5, silu,
+                                     dataclasses.replace(gm.tiling_for(projection), **(fields or {})),
+                                     out, torch.empty_like(x) if norm else None)
+    consts.update(PDL=pdl, launch_pdl=pdl)
+    return compile_for_hopper(gm._gemv_kernel, args, consts)
 
 
 def argmax(rows: int, dtype: torch.dtype, vocab: int = 128256) -> list:

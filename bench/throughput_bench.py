@@ -156,6 +156,14 @@ def run_decode_b1_no_pdl(ctx: Context) -> dict:
     return run_decode_b1(ctx)
 
 
+def run_decode_b1_unfused(ctx: Context) -> dict:
+    """decode_b1 with fused_decode_gemv off: every projection through cuBLAS (the default before §32)."""
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B, decode_b1
+
+    return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=False)
+
+
 def run_decode_b1_fused_gemv(ctx: Context) -> dict:
     """decode_b1 with EngineConfig.fused_decode_gemv: the projections TANDEM_FUSED_GEMV names (else
     engine.model.DEFAULT_FUSED_GEMV) as Triton GEMVs (tandem_kernels.gemv), the others cuBLAS."""
@@ -174,14 +182,10 @@ SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's fir
 # The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
 # is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
 # late_reduce: a loop of 170 SASS instructions a tile for o_proj against 299 (kernel_ir, batch 1).
-# §31's fastest at o_proj and down (4 x 512, late_reduce), then the tensor-core kernel (mma: x
-# padded to 16 rows, the weight tiles pipelined through shared memory) at five tile shapes.
+# §31's fastest at o_proj and down is 4 x 512 with late_reduce; its neighbours.
 GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 512, "late_reduce": True},
-                   {"mma": True, "block_n": 16, "block_k": 256, "num_stages": 4},
-                   {"mma": True, "block_n": 16, "block_k": 512, "num_stages": 3},
-                   {"mma": True, "block_n": 16, "block_k": 128, "num_stages": 6},
-                   {"mma": True, "block_n": 32, "block_k": 128, "num_stages": 4},
-                   {"mma": True, "block_n": 32, "block_k": 256, "num_stages": 3})
+                   {"block_n": 4, "block_k": 1024, "late_reduce": True}, {"block_n": 4, "block_k": 256, "late_reduce": True},
+                   {"block_n": 8, "block_k": 256, "late_reduce": True}, {"block_n": 2, "block_k": 1024, "late_reduce": True})
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -227,12 +231,13 @@ def best_tilings(rows: list[list]) -> dict:
 
 def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable[[Context], dict]:
     """A section: h200_bench's decode_b1 at `batch` sequences; `tuning`: TANDEM_DECODE_TUNING's
-    fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs with
-    the earlier gemv_sweep's best tilings (TANDEM_GEMV_TILING) where this run measured them."""
+    fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
+    `batch` rows with the earlier gemv_sweep's best tilings (TANDEM_GEMV_TILING) where this run
+    measured them (else the engine's default: o_proj and down fused at one row)."""
     def section(ctx: Context) -> dict:
         _need_cuda()
         from bench.h200_bench import LLAMA31_8B, decode_b1
-        from engine.model import FUSED_GEMV_ENV
+        from engine.model import FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV
         from tandem_kernels.decode_attention import TUNING_ENV
         from tandem_kernels.gemv import TILING_ENV
 
@@ -242,12 +247,14 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable
             extra["decode_tuning"] = tuning
         if fused:
             os.environ[FUSED_GEMV_ENV] = fused
+            os.environ[FUSED_GEMV_ROWS_ENV] = str(batch)
             extra["fused_gemv_projections"] = fused
             tilings = _get(ctx.earlier, "gemv_sweep", "best_tilings")
             if tilings:
                 os.environ[TILING_ENV] = json.dumps(tilings)
                 extra["gemv_tilings"] = tilings
-        return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=bool(fused), batch=batch), **extra}
+        return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True if fused else None, batch=batch),
+                **extra}
 
     return section
 
@@ -593,6 +600,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1, decode attention's first K/V tile before the PDL wait (TANDEM_DECODE_TUNING)"),
     Section("gemv_sweep", "S", 180, 60, "child", run_gemv_sweep,
             "fused GEMV tilings vs cuBLAS at the four weights (cold); the fastest of each"),
+    Section("decode_b1_unfused", "S", 75, 35, "child", run_decode_b1_unfused,
+            "decode_b1 with fused_decode_gemv off (every projection through cuBLAS)"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
     Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),

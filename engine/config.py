@@ -82,9 +82,10 @@ class EngineConfig:
     # (engine/prefill_graphs.py); 0: none. A prefill worker sets it (its steps are host-bound
     # below a few thousand tokens); LLM's large mixed steps are not.
     prefill_graph_tokens: int = 0
-    # Decode steps of at most tandem_kernels.ops.GEMV_MAX_ROWS tokens as fused GEMVs (DecoderLayer.
-    # enable_fused_decode). Off by default until measured against cuBLAS on the device.
-    fused_decode_gemv: bool = False
+    # Decode steps of one token (engine/model.py DEFAULT_FUSED_GEMV_ROWS) run o_proj and down as
+    # fused GEMVs (DecoderLayer.enable_fused_decode), which stream their weights faster than cuBLAS
+    # there (BENCHMARKS.md §32). None: on for CUDA devices.
+    fused_decode_gemv: bool | None = None
     # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).
     # None: $TANDEM_OVERLAP_SCHEDULE ("1" or "0") if set, else on for CUDA devices. Never with
     # tensor parallelism.
@@ -128,9 +129,11 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gb: must be > 0, got {self.cpu_kv_cache_gb!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "cuda_graphs", "fused_decode_gemv", "warm_up"):
+        for name in ("enable_prefix_cache", "cuda_graphs", "warm_up"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.fused_decode_gemv is not None and not isinstance(self.fused_decode_gemv, bool):
+            raise ValueError(f"fused_decode_gemv: must be a bool or None, got {self.fused_decode_gemv!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):

@@ -106,7 +106,7 @@ class Engine:
         if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
             require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")
 
-        if config.fused_decode_gemv:
+        if config.fused_decode_gemv or (config.fused_decode_gemv is None and device.type == "cuda"):
             enabled = [layer.enable_fused_decode() for layer in self.model.layers]
             if not all(enabled):
                 logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",

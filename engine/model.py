@@ -18,7 +18,13 @@ from tandem_kernels import ops
 from tandem_kernels.ops import GEMV_MAX_ROWS, GEMV_PROJECTIONS
 
 FUSED_GEMV_ENV = "TANDEM_FUSED_GEMV"  # comma-separated projections fused_decode_gemv fuses (A/B runs)
-DEFAULT_FUSED_GEMV = frozenset(GEMV_PROJECTIONS)
+FUSED_GEMV_ROWS_ENV = "TANDEM_FUSED_GEMV_ROWS"  # decode steps of at most this many tokens fuse (A/B runs)
+# On an H100 / H200 at Llama-3.1-8B's shapes (BENCHMARKS.md §31-32): at one row the fused o_proj and
+# down stream their weights faster than cuBLAS (o_proj 10.0 vs 13.6 us, down 29.9 vs 32.1 on an
+# H200; batch 1 1.5% faster end to end on an H100); qkv and gate_up do not beat cuBLAS with their
+# norms, and at four rows every fused GEMV is 1.5-6x slower than cuBLAS.
+DEFAULT_FUSED_GEMV = frozenset({"o_proj", "down"})
+DEFAULT_FUSED_GEMV_ROWS = 1
 
 
 class RMSNorm(nn.Module):
@@ -108,25 +114,29 @@ class DecoderLayer(nn.Module):
         self.post_self_attn_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
         self.post_mlp_layernorm = RMSNorm(config.hidden_size, eps) if config.sandwich_norm else None
         self.fused_decode: frozenset[str] = frozenset()  # see enable_fused_decode
+        self.fused_rows = 0
 
-    def enable_fused_decode(self, projections: Iterable[str] | None = None) -> bool:
-        """Run decode steps of at most GEMV_MAX_ROWS tokens with `projections` (of GEMV_PROJECTIONS;
-        None: fused_gemv_projections()) as fused GEMVs (tandem_kernels.ops.gemv: qkv with the norm
-        in front, gate_up with the norm in front and SiLU-and-multiply behind); the others keep
-        their unfused ops. A projection a rewrite replaced (tensor-parallel or FP8: no longer an
-        nn.Linear), or one other than qkv with a bias, keeps the unfused path. Returns whether any
-        projection is fused."""
+    def enable_fused_decode(self, projections: Iterable[str] | None = None, rows: int | None = None) -> bool:
+        """Run decode steps of at most `rows` tokens (None: fused_gemv_rows()) with `projections`
+        (of GEMV_PROJECTIONS; None: fused_gemv_projections()) as fused GEMVs (tandem_kernels.ops.gemv:
+        qkv with the norm in front, gate_up with the norm in front and SiLU-and-multiply behind);
+        the others keep their unfused ops. A projection a rewrite replaced (tensor-parallel or FP8:
+        no longer an nn.Linear), or one other than qkv with a bias, keeps the unfused path. Returns
+        whether any projection is fused."""
         attn, mlp = self.self_attn, self.mlp
         linears = {"qkv": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         wanted = fused_gemv_projections() if projections is None else frozenset(projections)
         if not wanted <= set(GEMV_PROJECTIONS):
             raise ValueError(f"fused GEMV projections must be among {GEMV_PROJECTIONS}, got {sorted(wanted)}")
+        self.fused_rows = fused_gemv_rows() if rows is None else rows
+        if not 1 <= self.fused_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"fused GEMV rows must be in [1, {GEMV_MAX_ROWS}], got {self.fused_rows}")
         self.fused_decode = frozenset(name for name in wanted if type(linears[name]) is nn.Linear
                                       and (name == "qkv" or linears[name].bias is None))
         return bool(self.fused_decode)
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
-        """One layer: x, residual -> x, residual. In decode steps of at most GEMV_MAX_ROWS tokens
+        """One layer: x, residual -> x, residual. In decode steps of at most self.fused_rows tokens
         the projections in self.fused_decode run as fused GEMVs, with the norm in front of qkv and
         gate_up and the SiLU-and-multiply behind gate_up folded in; every other op is the same.
         The three phases are the layer's order of ops; engine/nano_batch.py runs them apart."""
@@ -137,8 +147,8 @@ class DecoderLayer(nn.Module):
 
     def fused_projections(self, x: torch.Tensor, meta: AttentionMetadata) -> frozenset[str]:
         """The projections this step runs as fused GEMVs: self.fused_decode in decode steps of at
-        most GEMV_MAX_ROWS tokens, else none."""
-        return self.fused_decode if meta.is_decode and x.shape[0] <= GEMV_MAX_ROWS else frozenset()
+        most self.fused_rows tokens, else none."""
+        return self.fused_decode if meta.is_decode and x.shape[0] <= self.fused_rows else frozenset()
 
     def before_attention(self, x, residual, fused: frozenset[str]):
         """The input norm (adding x to the residual stream) and the qkv projection: -> qkv, residual."""
@@ -225,3 +235,18 @@ class CausalLM(nn.Module):
         rows a 263 MB copy, ~0.19 ms, and its argmax twice the bytes; BENCHMARKS.md §28.)"""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(hidden, weight.t())
+
+
+def fused_gemv_rows() -> int:
+    """The most tokens a decode step may have for its projections to run as fused GEMVs:
+    FUSED_GEMV_ROWS_ENV where set (A/B runs), else DEFAULT_FUSED_GEMV_ROWS."""
+    raw = os.environ.get(FUSED_GEMV_ROWS_ENV)
+    if raw is None:
+        return DEFAULT_FUSED_GEMV_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if not 1 <= rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"{FUSED_GEMV_ROWS_ENV}: must be an integer in [1, {GEMV_MAX_ROWS}], got {raw!r}")
+    return rows

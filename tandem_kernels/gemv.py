@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
-from tandem_kernels.triton_common import (dot, env_overridden, l2_prefetch, next_pow2, pdl_begin, pdl_launch,
-                                          upcast_dots)
+from tandem_kernels.triton_common import env_overridden, next_pow2, pdl_begin, pdl_launch
 
 TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
-NORM_CHUNK = 4096  # elements of x (rows x columns) the mma kernel's norm reads a step
+NORM_CHUNK = 4096  # elements of x (rows x columns) the norm's sum of squares reads a step
 
 
 @dataclass(frozen=True)
@@ -44,12 +43,7 @@ class GemvTiling:
     late_reduce: keep per-lane partial sums over the K tile and reduce across lanes once at the
       end (more registers, no shuffles in the loop); else reduce every tile.
     prefetch: load the first weight tile before waiting on the kernel before (PDL), and each next
-      tile before multiplying the current one (two tiles a program in flight); with mma, ask L2
-      for the first num_stages tiles before the wait.
-    mma: multiply on the tensor cores (tl.dot over x padded to 16 rows), the weight tiles
-      streamed through shared memory by Triton's pipeliner, num_stages tiles in flight; block_n
-      and block_k (not divided by the rows) at least 16; late_reduce does not apply.
-    num_stages: with mma, the weight tiles a program has in flight.
+      tile before multiplying the current one (two tiles a program in flight).
     """
 
     block_n: int = 8
@@ -57,23 +51,23 @@ class GemvTiling:
     num_warps: int = 4
     late_reduce: bool = False
     prefetch: bool = True
-    mma: bool = False
-    num_stages: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
-        if self.mma and min(self.block_n, self.block_k) < 16:
-            raise ValueError(f"GemvTiling with mma needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
-        if self.num_stages < 1:
-            raise ValueError(f"GemvTiling.num_stages must be at least 1, got {self.num_stages}")
 
 
-# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS). Each keeps the default until
-# `bench/kernel_bench.py --gemv-sweep` says otherwise (BENCHMARKS.md §28).
-TILINGS: dict[str, GemvTiling] = {name: GemvTiling() for name in PROJECTIONS}
+# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS): o_proj and down take the fastest
+# of `bench/kernel_bench.py --gemv-sweep` at one row (an H200 and an H100, BENCHMARKS.md §31-32);
+# qkv and gate_up, which lose to cuBLAS at every tiling swept, keep the default.
+TILINGS: dict[str, GemvTiling] = {
+    "qkv": GemvTiling(),
+    "o_proj": GemvTiling(block_n=4, block_k=512, late_reduce=True),
+    "gate_up": GemvTiling(),
+    "down": GemvTiling(block_n=4, block_k=512, late_reduce=True),
+}
 
 
 def tiling_for(projection: str) -> GemvTiling:
@@ -125,9 +119,9 @@ def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
 def _gemv_kernel(
     x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-    ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, LATE_REDUCE: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
+    NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -140,13 +134,18 @@ def _gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     m_mask = m < M
     inv = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # rsqrt(mean(s^2) + eps) of each row s = x (+ residual), s rounded as the unfused sum is
+    if NORM:  # rsqrt(mean(s^2) + eps) of each row s = x (+ residual), s rounded as the unfused sum is;
+        # NORM_K columns a step: at one row all of an 8B model's 4,096 in one round trip to L2
         ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, NORM_K):
+            k = k0 + tl.arange(0, NORM_K)
             k_mask = k < K
             mask = m_mask[:, None] & k_mask[None, :]
             s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, ADD_RES)
+            if ADD_RES:
+                if pid == 0:  # one program writes the new residual stream x + residual
+                    tl.store(new_res_ptr + m[:, None] * nres_s0 + k[None, :], s.to(new_res_ptr.dtype.element_ty),
+                             mask=mask)
             ss += tl.sum(s * s, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
     if LATE_REDUCE:
@@ -165,10 +164,6 @@ def _gemv_kernel(
             w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
         mask = m_mask[:, None] & k_mask[None, :]
         a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
-        if ADD_RES:
-            if pid == 0:  # one program writes the new residual stream x + residual
-                s = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, False, True)
-                tl.store(new_res_ptr + m[:, None] * nres_s0 + k[None, :], s.to(new_res_ptr.dtype.element_ty), mask=mask)
         acc = _accumulate(acc, a, w, LATE_REDUCE)
         if SILU_PAIR:
             acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
@@ -199,69 +194,6 @@ def _store_out(acc, acc_up, b_ptr, out_ptr, m, m_mask, rows, r_mask, out_s0, up_
     tl.store(out_ptr + m[:, None] * out_s0 + rows[None, :], y, mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
-def _widen_rows(v, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
-    """v [ROWS] as [BLOCK_M] (BLOCK_M >= ROWS; the rows past ROWS zero)."""
-    pick = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, ROWS)[None, :]
-    return tl.sum(tl.where(pick, v[None, :], 0.0), 1)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _gemv_mma_kernel(
-    x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
-    M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_M: tl.constexpr,
-    NORM_K: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr,
-    SILU_PAIR: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """_gemv_kernel's product on the tensor cores: x's rows padded to BLOCK_M (>= 16) times a
-    program's BLOCK_N weight rows, a BLOCK_K tile a loop step; Triton's pipeliner keeps
-    NUM_STAGES weight tiles in flight through shared memory. The norm's row scales come first,
-    from NORM_M x NORM_K chunks of x (one chunk at one row of an 8B model's 4,096)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_mask = rows < N_OUT
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * w_s0
-    up_rows = w_ptr + (rows[:, None] + up_offset).to(tl.int64) * w_s0
-    if PREFETCH_K > 0:  # no kernel writes the weights: L2 may fetch the first tiles before the wait
-        line = tl.arange(0, PREFETCH_K // LINE) * LINE
-        l2_prefetch(w_rows + line[None, :], r_mask[:, None] & (line < K)[None, :])
-        if SILU_PAIR:
-            l2_prefetch(up_rows + line[None, :], r_mask[:, None] & (line < K)[None, :])
-    pdl_begin(PDL)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < M
-    inv = tl.zeros([BLOCK_M], tl.float32)
-    if NORM:  # rsqrt(mean(s^2) + eps) of each row s = x (+ residual), s rounded as the unfused sum is
-        nm = tl.arange(0, NORM_M)
-        ss = tl.zeros([NORM_M], tl.float32)
-        for k0 in range(0, K, NORM_K):
-            k = k0 + tl.arange(0, NORM_K)
-            k_mask = k < K
-            mask = (nm < M)[:, None] & k_mask[None, :]
-            s = _normed_chunk(x_ptr, res_ptr, nw_ptr, nm, k, k_mask, mask, x_s0, res_s0, ss, False, ADD_RES)
-            if ADD_RES:
-                if pid == 0:  # one program writes the new residual stream x + residual
-                    tl.store(new_res_ptr + nm[:, None] * nres_s0 + k[None, :], s.to(new_res_ptr.dtype.element_ty),
-                             mask=mask)
-            ss += tl.sum(s * s, 1)
-        inv = _widen_rows(1.0 / tl.sqrt(ss / K + eps), BLOCK_M, NORM_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
-        mask = m_mask[:, None] & k_mask[None, :]
-        a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
-        a = a.to(x_ptr.dtype.element_ty)  # exact: the values are x's dtype's
-        acc += dot(a, tl.trans(w), PRECISION, UPCAST)
-        if SILU_PAIR:
-            acc_up += dot(a, tl.trans(wu), PRECISION, UPCAST)
-    _store_out(acc, acc_up, b_ptr, out_ptr, m, m_mask, rows, r_mask, out_s0, up_offset, BIAS, SILU_PAIR)
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -284,43 +216,29 @@ def gemv(
     new_res = torch.empty_like(x) if residual is not None else None
     if m_rows == 0:
         return out, new_res
-    kernel, grid, args, consts = gemv_launch(x, weight.contiguous(), bias, residual, norm_weight, eps, silu_pair,
-                                             tiling or GemvTiling(), out, new_res)
-    kernel[grid](*args, **consts)
+    grid, args, consts = gemv_launch(x, weight.contiguous(), bias, residual, norm_weight, eps, silu_pair,
+                                     tiling or GemvTiling(), out, new_res)
+    _gemv_kernel[grid](*args, **consts)
     return out, new_res
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float, silu_pair: bool, t: GemvTiling, out: torch.Tensor,
-                new_res: torch.Tensor | None, pdl: bool | None = None) -> tuple:
-    """The launch of `t`'s kernel for checked, contiguous x and weight: (kernel, grid, positional
-    args, keyword constants incl. num_warps). One home for `gemv` and for bench/kernel_ir.py, which
-    compiles the kernel as a launch specializes it, on tensors of the meta device. pdl: launch
-    with programmatic dependent launch (None: as pdl_enabled says for x's device)."""
+                new_res: torch.Tensor | None) -> tuple[tuple[int], list, dict]:
+    """_gemv_kernel's launch for checked, contiguous x and weight: (grid, positional args, keyword
+    constants incl. num_warps). One home for `gemv` and for bench/kernel_ir.py, which compiles the
+    kernel as a launch specializes it, on tensors of the meta device."""
     m_rows, k_dim = x.shape
     n_out = out.shape[1]
     res = residual.contiguous() if residual is not None else x
+    block_m = max(1, next_pow2(m_rows))
+    block_k = max(16, min(t.block_k // block_m, next_pow2(k_dim)))
     args = [x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
             weight, bias if bias is not None else x, out,
             m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
             weight.stride(0), out.stride(0), n_out, float(eps)]
-    pdl = pdl_launch(x.device) if pdl is None else {"PDL": pdl, "launch_pdl": pdl}
-    common = dict(NORM=norm_weight is not None, ADD_RES=residual is not None, BIAS=bias is not None,
-                  SILU_PAIR=silu_pair, num_warps=t.num_warps, **pdl)
-    grid = (triton.cdiv(n_out, t.block_n),)
-    if t.mma:
-        norm_m = next_pow2(m_rows)
-        block_k = min(t.block_k, max(16, next_pow2(k_dim)))
-        line = max(1, 128 // weight.element_size())  # elements of one 128-byte line
-        prefetch_k = min(next_pow2(k_dim), next_pow2(t.num_stages) * block_k) if t.prefetch and pdl["PDL"] else 0
-        consts = dict(BLOCK_M=max(16, norm_m), BLOCK_N=t.block_n, BLOCK_K=block_k, NORM_M=norm_m,
-                      NORM_K=max(16, min(next_pow2(k_dim), NORM_CHUNK // norm_m)), NUM_STAGES=t.num_stages,
-                      PREFETCH_K=max(prefetch_k, line) if prefetch_k else 0, LINE=line,
-                      PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=upcast_dots(x.dtype),
-                      **common)
-        return _gemv_mma_kernel, grid, args, consts
-    block_m = max(1, next_pow2(m_rows))
-    block_k = max(16, min(t.block_k // block_m, next_pow2(k_dim)))
-    consts = dict(BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, LATE_REDUCE=t.late_reduce,
-                  PREFETCH=t.prefetch, **common)
-    return _gemv_kernel, grid, args, consts
+    consts = dict(BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
+                  NORM_K=max(16, min(next_pow2(k_dim), NORM_CHUNK // block_m)), NORM=norm_weight is not None,
+                  ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
+                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
+    return (triton.cdiv(n_out, t.block_n),), args, consts

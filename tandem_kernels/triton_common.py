@@ -93,15 +93,6 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def l2_prefetch(ptrs, mask):
-    """Ask L2 for the lines holding `ptrs` where `mask` (prefetch.global.L2: nothing comes back
-    and nothing waits for it). GPU only: the interpreter runs no PTX."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs.to(tl.uint64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def soft_fp8_round() -> bool:
     """Whether kernels must round to e4m3 themselves before the cast.
 

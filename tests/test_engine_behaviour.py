@@ -220,15 +220,17 @@ def test_mixed_batches_send_one_token_sequences_to_the_decode_kernel(model_dir, 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "glm4"])
-def test_fused_decode_gemvs_keep_the_tokens(tiny_models, family):
-    """With fused_decode_gemv, decode steps of a few tokens run each layer as four fused GEMVs
-    (norms and SiLU folded in); tokens equal the unfused engine's (q/k norms, qkv bias and
-    sandwich norms included)."""
+def test_fused_decode_gemvs_keep_the_tokens(tiny_models, family, monkeypatch):
+    """With fused_decode_gemv, all four projections fused and steps of up to three tokens
+    fusing, decode steps run each layer as four fused GEMVs (norms and SiLU folded in); tokens
+    equal the unfused engine's (q/k norms, qkv bias and sandwich norms included)."""
     prompts = random_prompts(3, [9, 30, 17], seed=7)
     plain = LLM(tiny_models[family], num_kv_blocks=64)
+    monkeypatch.setenv("TANDEM_FUSED_GEMV", "qkv,o_proj,gate_up,down")
+    monkeypatch.setenv("TANDEM_FUSED_GEMV_ROWS", "3")
     fused = LLM(tiny_models[family], num_kv_blocks=64, fused_decode_gemv=True)
     layers = fused.engine.model.layers
-    assert all(layer.fused_decode for layer in layers)
+    assert all(len(layer.fused_decode) == 4 and layer.fused_rows == 3 for layer in layers)
     for n in (1, 3):  # a batch of one and a batch of three
         want = [o.token_ids for o in plain.generate(prompts[:n], GREEDY)]
         assert [o.token_ids for o in fused.generate(prompts[:n], GREEDY)] == want
@@ -251,3 +253,23 @@ def test_fused_gemv_names_a_bad_projection(tiny_models, monkeypatch):
     monkeypatch.setenv("TANDEM_FUSED_GEMV", "qkv,mlp")
     with pytest.raises(ValueError, match="TANDEM_FUSED_GEMV"):
         LLM(tiny_models["llama"], num_kv_blocks=64, fused_decode_gemv=True)
+
+
+@pytest.mark.parametrize("rows", ["0", "9", "two"])
+def test_fused_gemv_rows_names_a_bad_value(tiny_models, monkeypatch, rows):
+    monkeypatch.setenv("TANDEM_FUSED_GEMV_ROWS", rows)
+    with pytest.raises(ValueError, match="TANDEM_FUSED_GEMV_ROWS"):
+        LLM(tiny_models["llama"], num_kv_blocks=64, fused_decode_gemv=True)
+
+
+def test_fused_decode_gemv_defaults(tiny_models):
+    """By default (fused_decode_gemv None) a CPU engine fuses nothing; asked to, it fuses o_proj and
+    down in steps of one token, and a step of two tokens runs them unfused."""
+    from engine.attention import AttentionMetadata
+
+    assert not any(layer.fused_decode for layer in LLM(tiny_models["llama"], num_kv_blocks=64).engine.model.layers)
+    layer = LLM(tiny_models["llama"], num_kv_blocks=64, fused_decode_gemv=True).engine.model.layers[0]
+    assert layer.fused_decode == frozenset({"o_proj", "down"}) and layer.fused_rows == 1
+    meta = AttentionMetadata(*(torch.zeros(1, dtype=torch.int32),) * 4, is_decode=True)
+    assert layer.fused_projections(torch.zeros(1, 8), meta) == layer.fused_decode
+    assert layer.fused_projections(torch.zeros(2, 8), meta) == frozenset()

@@ -191,24 +191,3 @@ def test_the_greedy_argmax_builds_for_the_gpu(rows):
             row = pick(rows, f"argmax_stage{stage}", cache)
             assert row["spilled_bytes"] == 0 and row["programs_per_sm"] >= 1, row
 
-
-@pytest.mark.parametrize("batch", ["1", "8"])
-def test_tensor_core_gemv_pipelines_its_weight_tiles(batch, tmp_path):
-    """GemvTiling.mma compiles for sm_90 at every projection without spills; its loop multiplies
-    on the tensor cores with the weight tiles copied asynchronously several tiles ahead (Triton's
-    pipeliner: the point of the kernel), and under PDL it asks L2 for the first tiles before the
-    wait and reads x only after it."""
-    fields = {"mma": True, "block_n": 16, "block_k": 256, "num_stages": 4}
-    built = kernel_ir("--pdl", "--batch", batch, "--only-gemv", "--dump", str(tmp_path),
-                      "--gemv-tiling", json.dumps(fields))
-    for projection in ("qkv", "o_proj", "gate_up", "down"):
-        found = [r for r in built if r["projection"] == projection and r["tiling"] == fields]
-        assert len(found) == 1, projection
-        row = found[0]
-        assert row["spilled_bytes"] == 0, row
-        assert row["staged_tiles"] >= 2, row
-        ptx = (tmp_path / f"{row['name']}.ptx").read_text()
-        wait = ptx.find("griddepcontrol.wait")
-        assert wait > 0 and "prefetch.global.L2" in ptx[:wait], projection
-        assert "prefetch.global.L2" not in ptx[wait:] and "cp.async" not in ptx[:wait], projection
-        assert "mma.sync" in ptx[wait:], projection

@@ -191,12 +191,9 @@ def case_gemv() -> None:
         (torch.float32, 2, (2 * 20, 70), True, True, True, True),
     ]
     # The default; per-lane sums without the prefetch; short tiles (many loop steps, a ragged last
-    # one) with the next tile loaded ahead; a program of more rows than some weights have; on the
-    # tensor cores with short tiles and with tiles wider than some K.
+    # one) with the next tile loaded ahead; a program of more rows than some weights have.
     tilings = [gm.GemvTiling(), gm.GemvTiling(late_reduce=True, prefetch=False),
-               gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8),
-               gm.GemvTiling(mma=True, block_n=16, block_k=64, num_stages=2),
-               gm.GemvTiling(mma=True, block_n=32, block_k=256, num_stages=4)]
+               gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8)]
     for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
         what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
@@ -270,8 +267,9 @@ def case_argmax_rows() -> None:
 
 
 def case_fused_decode_engine() -> None:
-    """The engine with fused decode GEMVs gives the unfused engine's greedy tokens, every kernel
-    in Triton (interpreted), for a plain layer (llama) and one with qkv bias (qwen2)."""
+    """The engine with all four projections as fused decode GEMVs (in steps of both prompts'
+    tokens) gives the unfused engine's greedy tokens, every kernel in Triton (interpreted), for a
+    plain layer (llama) and one with qkv bias (qwen2)."""
     import tempfile
     from pathlib import Path
 
@@ -284,8 +282,12 @@ def case_fused_decode_engine() -> None:
         for family in ("llama", "qwen2"):
             path = make_random_model(Path(tmp) / family, family, seed=1)
             want = [o.token_ids for o in LLM(path, num_kv_blocks=32).generate(prompts, params)]
-            fused = LLM(path, num_kv_blocks=32, fused_decode_gemv=True)
-            assert all(layer.fused_decode for layer in fused.engine.model.layers)
+            os.environ.update(TANDEM_FUSED_GEMV="qkv,o_proj,gate_up,down", TANDEM_FUSED_GEMV_ROWS="2")
+            try:
+                fused = LLM(path, num_kv_blocks=32, fused_decode_gemv=True)
+            finally:
+                del os.environ["TANDEM_FUSED_GEMV"], os.environ["TANDEM_FUSED_GEMV_ROWS"]
+            assert all(len(layer.fused_decode) == 4 for layer in fused.engine.model.layers)
             got = [o.token_ids for o in fused.generate(prompts, params)]
             assert got == want, f"{family}: fused {got} != unfused {want}"
 

@@ -38,7 +38,7 @@ def _decode_step(lens: list[int], block_size: int, num_blocks: int, vocab: int, 
 @pytest.mark.parametrize("family, options", [
     ("llama", {}), ("qwen3", {}), ("glm4", {}),  # plain; q/k norms; sandwich norms
     ("llama", {"quantization": "fp8"}),  # FP8 weights: quantized activations and products between the phases
-    ("llama", {"fused_decode_gemv": True}),  # halves of a few rows take the fused GEMVs
+    ("llama", {"fused_decode_gemv": True}),  # halves of one row (n = 2) take the fused GEMVs
 ])
 def test_two_halves_compute_what_the_forward_computes(tiny_models: dict[str, Path], family: str, options: dict):
     llm = LLM(str(tiny_models[family]), num_kv_blocks=128, max_model_len=512, **options)

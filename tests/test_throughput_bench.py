@@ -236,20 +236,20 @@ def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
     rows = [  # [weight, rows, tiling (None: unfused), us, GB/s, err]
         ["qkv", 1, None, 19.0, 2600, 0.0],
         ["qkv", 1, t, 15.5, 3200, 1e-3],
-        ["qkv", 1, {**t, "block_n": 16, "mma": True, "num_stages": 4}, 14.2, 3500, 1e-3],
+        ["qkv", 1, {**t, "block_n": 4, "late_reduce": True}, 14.2, 3500, 1e-3],
         ["qkv", 1, {**t, "block_k": 1024}, "CompilationError(...)", None, None],
         ["qkv", 4, t, 9.0, 5500, 1e-3],  # 4 rows: not the batch-1 choice
         ["down", 1, None, 32.0, 3700, 0.0],
         ["down", 1, {**t, "num_warps": 8, "prefetch": False}, 36.0, 3300, 1e-3],
     ]
     got = tb.best_tilings(rows)
-    assert got["best_tilings"] == {"qkv": {**t, "block_n": 16, "mma": True, "num_stages": 4},
+    assert got["best_tilings"] == {"qkv": {**t, "block_n": 4, "late_reduce": True},
                                    "down": {**t, "num_warps": 8, "prefetch": False}}
     assert got["gemv_us_at_1_row"] == {"qkv": {"cublas": 19.0, "fused": 14.2}, "down": {"cublas": 32.0, "fused": 36.0}}
     # What TANDEM_GEMV_TILING takes: {projection: GemvTiling fields}.
     from tandem_kernels.gemv import GemvTiling
 
-    assert GemvTiling(**got["best_tilings"]["qkv"]).mma
+    assert GemvTiling(**got["best_tilings"]["qkv"]).late_reduce
 
 
 def test_small_batch_rows_are_each_variant_against_its_batch_default():
@@ -273,34 +273,33 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     import argparse
 
     from bench import h200_bench
-    from engine.model import FUSED_GEMV_ENV
+    from engine.model import FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV
     from tandem_kernels.decode_attention import TUNING_ENV
     from tandem_kernels.gemv import TILING_ENV
 
     seen = {}
 
-    def fake_decode_b1(model_dir, cfg, ceil, fused=False, batch=1):
+    def fake_decode_b1(model_dir, cfg, ceil, fused=None, batch=1):
         seen.update(fused=fused, batch=batch,
-                    env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV)})
+                    env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV)})
         return {f"decode_b{batch}_ms_per_step": 4.0}
 
     monkeypatch.setattr(tb, "_need_cuda", lambda: None)
     monkeypatch.setattr(h200_bench, "decode_b1", fake_decode_b1)
-    for name in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV):  # what the sections set goes at teardown
+    for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):  # the sections' settings go at teardown
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     tilings = {"qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "prefetch": True}}
     ctx = tb.Context(argparse.Namespace(), tmp_path, tmp_path, {"copy_GBps": 4000.0}, 0.0,
                      earlier={"gemv_sweep": {"best_tilings": tilings}})
     res = tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)
-    assert seen["fused"] is True and seen["batch"] == 4
+    assert seen["fused"] is True and seen["batch"] == 4 and seen["env"][FUSED_GEMV_ROWS_ENV] == "4"
     assert seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj" and json.loads(seen["env"][TILING_ENV]) == tilings
     assert seen["env"][TUNING_ENV] is None
     assert res["gemv_tilings"] == tilings and res["fused_gemv_projections"] == "qkv,o_proj"
-    # Without a sweep in the results the fused GEMVs keep their default tiles; the prefetch
-    # section sets only the decode tuning.
-    for name in (FUSED_GEMV_ENV, TILING_ENV, TUNING_ENV):
+    # The prefetch section sets only the decode tuning: the engine's default GEMVs (fused None).
+    for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):
         monkeypatch.delenv(name, raising=False)
     tb.SECTIONS["decode_b1_attn_prefetch"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
-    assert seen["fused"] is False and seen["batch"] == 1
+    assert seen["fused"] is None and seen["batch"] == 1
     assert json.loads(seen["env"][TUNING_ENV]) == tb.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
