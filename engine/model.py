@@ -19,11 +19,11 @@ from tandem_kernels.ops import GEMV_MAX_ROWS, GEMV_PROJECTIONS
 
 FUSED_GEMV_ENV = "TANDEM_FUSED_GEMV"  # comma-separated projections fused_decode_gemv fuses (A/B runs)
 FUSED_GEMV_ROWS_ENV = "TANDEM_FUSED_GEMV_ROWS"  # decode steps of at most this many tokens fuse (A/B runs)
-# On an H100 / H200 at Llama-3.1-8B's shapes (BENCHMARKS.md §31-32): at one row the fused o_proj and
-# down stream their weights faster than cuBLAS (o_proj 10.0 vs 13.6 us, down 29.9 vs 32.1 on an
-# H200; batch 1 1.5% faster end to end on an H100); qkv and gate_up do not beat cuBLAS with their
-# norms, and at four rows every fused GEMV is 1.5-6x slower than cuBLAS.
-DEFAULT_FUSED_GEMV = frozenset({"o_proj", "down"})
+# At Llama-3.1-8B's shapes (BENCHMARKS.md §31-32): at one row each fused GEMV, its norm and SiLU
+# inside, streams its weights faster than cuBLAS with the separate norm / SiLU kernels (an H100:
+# qkv 19.9 vs 23.1 us, o_proj 12.3 vs 16.6, gate_up 81.8 vs 85.6, down 40.2 vs 44.3; batch 1 5%
+# faster end to end); at four rows they are 1.5-6x slower than cuBLAS.
+DEFAULT_FUSED_GEMV = frozenset(GEMV_PROJECTIONS)
 DEFAULT_FUSED_GEMV_ROWS = 1
 
 

@@ -59,14 +59,14 @@ class GemvTiling:
                 raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
 
 
-# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS): o_proj and down take the fastest
-# of `bench/kernel_bench.py --gemv-sweep` at one row (an H200 and an H100, BENCHMARKS.md §31-32);
-# qkv and gate_up, which lose to cuBLAS at every tiling swept, keep the default.
+# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS), each at the fastest tiling of
+# `bench/kernel_bench.py --gemv-sweep` at one row (BENCHMARKS.md §32): all with per-lane sums, the
+# large weights (qkv, down) in 2-row programs, gate_up's two weights in 8-row programs.
 TILINGS: dict[str, GemvTiling] = {
-    "qkv": GemvTiling(),
+    "qkv": GemvTiling(block_n=2, block_k=1024, late_reduce=True),
     "o_proj": GemvTiling(block_n=4, block_k=512, late_reduce=True),
-    "gate_up": GemvTiling(),
-    "down": GemvTiling(block_n=4, block_k=512, late_reduce=True),
+    "gate_up": GemvTiling(block_n=8, block_k=256, late_reduce=True),
+    "down": GemvTiling(block_n=2, block_k=1024, late_reduce=True),
 }
 
 

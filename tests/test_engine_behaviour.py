@@ -263,13 +263,13 @@ def test_fused_gemv_rows_names_a_bad_value(tiny_models, monkeypatch, rows):
 
 
 def test_fused_decode_gemv_defaults(tiny_models):
-    """By default (fused_decode_gemv None) a CPU engine fuses nothing; asked to, it fuses o_proj and
-    down in steps of one token, and a step of two tokens runs them unfused."""
+    """By default (fused_decode_gemv None) a CPU engine fuses nothing; asked to, it fuses all four
+    projections in steps of one token, and a step of two tokens runs them unfused."""
     from engine.attention import AttentionMetadata
 
     assert not any(layer.fused_decode for layer in LLM(tiny_models["llama"], num_kv_blocks=64).engine.model.layers)
     layer = LLM(tiny_models["llama"], num_kv_blocks=64, fused_decode_gemv=True).engine.model.layers[0]
-    assert layer.fused_decode == frozenset({"o_proj", "down"}) and layer.fused_rows == 1
+    assert layer.fused_decode == frozenset({"qkv", "o_proj", "gate_up", "down"}) and layer.fused_rows == 1
     meta = AttentionMetadata(*(torch.zeros(1, dtype=torch.int32),) * 4, is_decode=True)
     assert layer.fused_projections(torch.zeros(1, 8), meta) == layer.fused_decode
     assert layer.fused_projections(torch.zeros(2, 8), meta) == frozenset()
