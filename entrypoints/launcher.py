@@ -76,6 +76,26 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
     return placement if ratio is None else placed(ratio)
 
 
+def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None = None) -> int | None:
+    """Without --max-model-len: the context every worker and the gateway take so that a prefill
+    and a decode worker sharing a GPU can each hold one request of it (entrypoints.memory_split.
+    fitting_max_model_len); None when the model's own context fits, or nothing tells."""
+    if a.max_model_len is not None:
+        return None
+    from engine.config import EngineConfig
+    from entrypoints.memory_split import fitting_max_model_len
+
+    visible = visible_gpu_count() if visible is None else visible
+    placement = place(parse_gpus(a.gpus, visible), prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp,
+                      colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport,
+                      prefill_memory_ratio=a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
+    return fitting_max_model_len(placement, model, physical_gpus, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+                                 max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
+                                 max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
+                                 prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None
+                                 else a.prefill_graph_tokens)
+
+
 def physical_gpus(gpus: tuple[int, ...]) -> str:
     """CUDA_VISIBLE_DEVICES for a child: `gpus` index what this process sees, which is its own
     CUDA_VISIBLE_DEVICES list when it has one."""
@@ -382,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem up: {exc}", file=sys.stderr, flush=True)
             return 2
     try:
+        fitted = fitted_max_model_len(a, model)
+        if fitted is not None:
+            print(f"tandem up: --max-model-len {fitted}: a request of the model's whole context does not fit "
+                  f"both the prefill and the decode worker sharing a GPU; pass --max-model-len (with "
+                  f"--gpus or --gpu-memory-fraction) to choose", flush=True)
+            a.max_model_len = fitted
         placement = placement_for(a, model=model)
     except PlacementError as exc:
         print(f"tandem up: {exc}", file=sys.stderr, flush=True)

@@ -36,6 +36,8 @@ MARGIN_BYTES = 1 * GiB  # allocator slack (estimate_step is already an upper est
 # What CUDA reports as a GPU's memory against nvidia-smi's memory.total (H200: 139.8 of 140.4
 # GiB); the workers' shares are fractions of the former.
 CUDA_VISIBLE_SHARE = 0.99
+DECODE_GRAPH_BYTES = 1 * GiB  # a decode worker's captured graphs (Llama-3.1-8B: 0.8 GiB)
+MIN_FITTED_CONTEXT = 4096  # fitting_max_model_len halves the context no further
 
 
 def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: str, max_model_len: int | None,
@@ -83,6 +85,53 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
     first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi); None
     when no GPU does, its size cannot be read, or the model's config cannot (the workers then
     report what is wrong with it)."""
+    shared = _shared_gpu(placement, model, physical, dtype)
+    if shared is None:
+        return None
+    gpu, here, size, mc, element = shared
+    need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
+                              max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
+                              max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens)
+    ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
+    logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
+                need / GiB, gpu, size / GiB, ratio)
+    return ratio
+
+
+def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
+                          dtype: str | None, kv_cache_dtype: str, max_batched_tokens: int,
+                          max_running: int | None, tp: int, cluster_share: float,
+                          prefill_graph_tokens: int = 0) -> int | None:
+    """For a cluster given no --max-model-len: the model's context halved until, on the first GPU
+    of `placement` hosting both roles, its prefill and decode workers can each hold one request
+    of it (each needs prefill_need_bytes; a decode worker no prefill graphs but
+    DECODE_GRAPH_BYTES of decode graphs) within `cluster_share` of the GPU. None when the model's
+    own context fits, no GPU is shared, its size or the model cannot be read, or not even
+    MIN_FITTED_CONTEXT fits (the workers then name the flag to change). Llama-3.1-8B on an 80 GB
+    H100: 131,072 tokens need ~79 GiB of the 71 that 0.9 of it leaves; 65,536 fit."""
+    shared = _shared_gpu(placement, model, physical, dtype)
+    if shared is None:
+        return None
+    _, here, size, mc, element = shared
+    budget = cluster_share * size * CUDA_VISIBLE_SHARE
+    context = mc.max_position_embeddings
+    while context >= MIN_FITTED_CONTEXT:
+        def need(graph_tokens: int) -> int:
+            return prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype, max_model_len=context,
+                                      max_batched_tokens=max_batched_tokens, max_running=max_running, tp=tp,
+                                      prefill_graph_tokens=graph_tokens)
+
+        total = here.count("prefill") * need(prefill_graph_tokens) + here.count("decode") * (need(0) + DECODE_GRAPH_BYTES)
+        if total <= budget:
+            return None if context == mc.max_position_embeddings else context
+        context //= 2
+    return None
+
+
+def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], dtype: str | None):
+    """(gpu, the roles on it, its bytes, the model's ModelConfig, the dtype) of the first GPU of
+    `placement` that hosts a prefill and a decode worker; None when none does or its size or the
+    model's config cannot be read."""
     for gpu in placement.gpus:
         here = [w.role for w in placement.workers if gpu in w.gpus]
         if "prefill" in here and "decode" in here:
@@ -98,13 +147,7 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
     except (OSError, ValueError) as exc:
         logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
         return None
-    need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
-                              max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens)
-    ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
-    logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
-                need / GiB, gpu, size / GiB, ratio)
-    return ratio
+    return gpu, here, size, mc, element
 
 
 def gpu_memory_bytes(physical_gpu: str) -> int | None:
@@ -128,4 +171,5 @@ def parse_memory_mib(text: str) -> int | None:
     return int(first) * (1 << 20) if first.isdigit() and int(first) > 0 else None
 
 
-__all__ = ["gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio", "prefill_need_bytes", "shared_gpu_ratio"]
+__all__ = ["fitting_max_model_len", "gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio",
+           "prefill_need_bytes", "shared_gpu_ratio"]

@@ -131,3 +131,37 @@ def test_a_model_that_cannot_be_read_keeps_the_fixed_ratio(tmp_path: Path, nvidi
     empty.mkdir()
     pl = placement_for(parse_args([]), visible=1, model=str(empty))
     assert pl.worker("prefill-0").memory_fraction == pytest.approx(0.3)
+
+
+H100_MIB = 81559
+
+
+def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_dir: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """Given no --max-model-len, `tandem up` on one 80 GB H100 halves Llama-3.1-8B's 131,072-token
+    context until a prefill and a decode worker sharing the GPU can each hold a request of it
+    (65,536), and the placement then gives the decode worker room for one; on an H200, with
+    --max-model-len, or with nothing shared, it keeps what it was given."""
+    from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
+    from entrypoints.memory_split import DECODE_GRAPH_BYTES
+
+    def smi(mib: int) -> None:
+        bin_dir = tmp_path / f"bin{mib}"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    smi(H100_MIB)
+    a = parse_args([])
+    assert fitted_max_model_len(a, str(model_dir), visible=1) == 65536
+    a.max_model_len = 65536
+    decode = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
+    room = decode * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
+    assert room >= _need(max_model_len=65536) + DECODE_GRAPH_BYTES  # one request of it, and its step
+    assert room < _need() + DECODE_GRAPH_BYTES  # the whole context would not have fit
+    assert fitted_max_model_len(parse_args(["--max-model-len", "131072"]), str(model_dir), visible=1) is None
+    assert fitted_max_model_len(parse_args([]), str(model_dir), visible=2) is None  # a GPU each
+    assert fitted_max_model_len(parse_args(["--colocated"]), str(model_dir), visible=1) is None
+    smi(H200_MIB)
+    assert fitted_max_model_len(parse_args([]), str(model_dir), visible=1) is None
