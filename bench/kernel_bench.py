@@ -380,6 +380,13 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
             "lazy_rescale, narrow_offsets, unsigned_index, GB/s, err]": rows}
 
 
+def _at_more_rows(fastest: list) -> list:
+    """The tilings gemv_sweep times past its first row count: the three fastest at it, and each
+    with every row against the whole weight tile (GemvTiling.wide_rows, sums reduced each tile)."""
+    wide = [dataclasses.replace(t, wide_rows=True, late_reduce=False) for t in fastest]
+    return list(dict.fromkeys([*fastest, *wide]))
+
+
 def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20, weights: tuple[str, ...] = (),
                tilings: list | None = None) -> dict:
     """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through
@@ -390,7 +397,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     L2), one after another, and the time is the graph's over the copies. Tilings: every
     block_n x block_k x warps with prefetch, six with late_reduce and three without prefetch, at
     the first row count; the three
-    fastest of each weight at the others. Rows: [weight, rows, tiling (GemvTiling's fields), us,
+    fastest of each weight at the others, each also with wide_rows. Rows: [weight, rows, tiling (GemvTiling's fields), us,
     weight GB/s, max error]; the "unfused" row of each weight has tiling None.
     `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
     from bench.kernel_ir import GEMV_SHAPES
@@ -432,7 +439,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
             rows_out.append([name, m, None, round(us, 1), round(moved / us / 1e3), 0.0])
             print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             timed = []
-            for t in (tilings if i == 0 else [t for _, t in best[:3]]):
+            for t in (tilings if i == 0 else _at_more_rows([t for _, t in best[:3]])):
                 try:
                     got = gm.gemv(x, ws[0], tiling=t, **kw)[0].float()
                     err = ((got - want).abs() / (1 + want.abs())).max().item()

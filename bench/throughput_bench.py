@@ -213,27 +213,32 @@ def run_gemv_sweep(ctx: Context) -> dict:
 
 def best_tilings(rows: list[list]) -> dict:
     """From gemv_sweep's rows [weight, rows, tiling (GemvTiling fields, None: unfused), us, GB/s,
-    err]: `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row) and
-    `gemv_us_at_1_row` {weight: {"cublas": us, "fused": us}}."""
-    best: dict[str, tuple[float, dict]] = {}
-    us: dict[str, dict] = {}
+    err]: `best_tilings` {weight: GemvTiling fields} (the fastest timed tiling at 1 row),
+    `gemv_us_at_1_row` {weight: {"cublas": us, "fused": us}}, and the same two at every row
+    count as `best_tilings_by_rows` and `gemv_us_by_rows` {str(rows): ...}."""
+    best: dict[int, dict[str, tuple[float, dict]]] = {}
+    us: dict[int, dict[str, dict]] = {}
     for weight, m, tiling, t, *_ in rows:
-        if m != 1 or not isinstance(t, (int, float)):
+        if not isinstance(t, (int, float)):
             continue
         if tiling is None:  # the unfused row: cuBLAS and the separate norm / SiLU kernels
-            us.setdefault(weight, {})["cublas"] = t
-        elif weight not in best or t < best[weight][0]:
-            best[weight] = (t, dict(tiling))
-    for weight, (t, _) in best.items():
-        us.setdefault(weight, {})["fused"] = t
-    return {"best_tilings": {w: fields for w, (_, fields) in best.items()}, "gemv_us_at_1_row": us}
+            us.setdefault(m, {}).setdefault(weight, {})["cublas"] = t
+        elif weight not in best.setdefault(m, {}) or t < best[m][weight][0]:
+            best[m][weight] = (t, dict(tiling))
+    for m, by_weight in best.items():
+        for weight, (t, _) in by_weight.items():
+            us.setdefault(m, {}).setdefault(weight, {})["fused"] = t
+    fields = {m: {w: f for w, (_, f) in by_weight.items()} for m, by_weight in best.items()}
+    return {"best_tilings": fields.get(1, {}), "gemv_us_at_1_row": us.get(1, {}),
+            "best_tilings_by_rows": {str(m): f for m, f in sorted(fields.items())},
+            "gemv_us_by_rows": {str(m): u for m, u in sorted(us.items())}}
 
 
 def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable[[Context], dict]:
     """A section: h200_bench's decode_b1 at `batch` sequences; `tuning`: TANDEM_DECODE_TUNING's
     fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
-    `batch` rows with the earlier gemv_sweep's best tilings (TANDEM_GEMV_TILING) where this run
-    measured them (else the engine's default: o_proj and down fused at one row)."""
+    `batch` rows with the earlier gemv_sweep's best tilings at `batch` rows (else at one row;
+    TANDEM_GEMV_TILING) where this run measured them (else the engine's TILINGS)."""
     def section(ctx: Context) -> dict:
         _need_cuda()
         from bench.h200_bench import LLAMA31_8B, decode_b1
@@ -249,7 +254,8 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable
             os.environ[FUSED_GEMV_ENV] = fused
             os.environ[FUSED_GEMV_ROWS_ENV] = str(batch)
             extra["fused_gemv_projections"] = fused
-            tilings = _get(ctx.earlier, "gemv_sweep", "best_tilings")
+            tilings = (_get(ctx.earlier, "gemv_sweep", "best_tilings_by_rows") or {}).get(str(batch)) \
+                or _get(ctx.earlier, "gemv_sweep", "best_tilings")
             if tilings:
                 os.environ[TILING_ENV] = json.dumps(tilings)
                 extra["gemv_tilings"] = tilings

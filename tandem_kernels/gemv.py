@@ -38,12 +38,17 @@ class GemvTiling:
     """How a GEMV is launched; every choice keeps its semantics.
 
     block_n: weight rows a program owns (its output columns).
-    block_k: weight columns a loop step loads at one row of x (divided by the padded row count).
+    block_k: weight columns a loop step loads at one row of x (divided by the padded row count
+      unless wide_rows).
     num_warps: warps a program.
     late_reduce: keep per-lane partial sums over the K tile and reduce across lanes once at the
       end (more registers, no shuffles in the loop); else reduce every tile.
     prefetch: load the first weight tile before waiting on the kernel before (PDL), and each next
       tile before multiplying the current one (two tiles a program in flight).
+    wide_rows: at several rows, each still multiplies a block_k-wide weight tile (block_k is not
+      divided by the row count): the weight stream of one row, at rows times the registers for
+      the product; without it a program's product stays block_n x block_k values and its weight
+      tile narrows as rows grow.
     """
 
     block_n: int = 8
@@ -51,6 +56,7 @@ class GemvTiling:
     num_warps: int = 4
     late_reduce: bool = False
     prefetch: bool = True
+    wide_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -232,7 +238,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n_out = out.shape[1]
     res = residual.contiguous() if residual is not None else x
     block_m = max(1, next_pow2(m_rows))
-    block_k = max(16, min(t.block_k // block_m, next_pow2(k_dim)))
+    block_k = max(16, min(t.block_k if t.wide_rows else t.block_k // block_m, next_pow2(k_dim)))
     args = [x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
             weight, bias if bias is not None else x, out,
             m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,

@@ -160,12 +160,13 @@ def test_small_batch_pdl_builds_load_what_no_kernel_writes_before_the_wait(tmp_p
 
 @pytest.mark.parametrize("batch", ["1", "8"])
 def test_every_gemv_tiling_builds_for_the_gpu(batch):
-    """Each of GemvTiling's switches (late_reduce x prefetch) compiles for sm_90 at every
-    projection, without spills; with late_reduce the loop shuffles less than without (its lanes
+    """Each of GemvTiling's switches (late_reduce x prefetch, wide_rows) compiles for sm_90 at
+    every projection, without spills; with late_reduce the loop shuffles less than without (its lanes
     keep their partial sums). The interpreter runs these tilings (tests/test_kernels.py) but does
     not type-check a kernel as the compiler does: a late_reduce build that failed to compile
     passed there."""
     tilings = [{"late_reduce": late, "prefetch": prefetch} for late in (False, True) for prefetch in (False, True)]
+    tilings.append({"wide_rows": True, "late_reduce": False})  # every row against the whole tile
     built = kernel_ir("--pdl", "--batch", batch, "--only-gemv",
                       *[a for t in tilings for a in ("--gemv-tiling", json.dumps(t))])
 

@@ -191,9 +191,12 @@ def case_gemv() -> None:
         (torch.float32, 2, (2 * 20, 70), True, True, True, True),
     ]
     # The default; per-lane sums without the prefetch; short tiles (many loop steps, a ragged last
-    # one) with the next tile loaded ahead; a program of more rows than some weights have.
+    # one) with the next tile loaded ahead; a program of more rows than some weights have; each
+    # row against the whole tile, with and without per-lane sums.
     tilings = [gm.GemvTiling(), gm.GemvTiling(late_reduce=True, prefetch=False),
-               gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8)]
+               gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8),
+               gm.GemvTiling(block_n=2, block_k=64, wide_rows=True),
+               gm.GemvTiling(block_n=4, block_k=32, late_reduce=True, wide_rows=True)]
     for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
         what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)

@@ -246,6 +246,8 @@ def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
     assert got["best_tilings"] == {"qkv": {**t, "block_n": 4, "late_reduce": True},
                                    "down": {**t, "num_warps": 8, "prefetch": False}}
     assert got["gemv_us_at_1_row"] == {"qkv": {"cublas": 19.0, "fused": 14.2}, "down": {"cublas": 32.0, "fused": 36.0}}
+    assert got["best_tilings_by_rows"]["1"] == got["best_tilings"] and got["best_tilings_by_rows"]["4"] == {"qkv": t}
+    assert got["gemv_us_by_rows"]["4"] == {"qkv": {"fused": 9.0}}
     # What TANDEM_GEMV_TILING takes: {projection: GemvTiling fields}.
     from tandem_kernels.gemv import GemvTiling
 
@@ -290,8 +292,12 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     tilings = {"qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "prefetch": True}}
+    at_4 = {"qkv": {"block_n": 2, "block_k": 1024, "wide_rows": True}}
     ctx = tb.Context(argparse.Namespace(), tmp_path, tmp_path, {"copy_GBps": 4000.0}, 0.0,
-                     earlier={"gemv_sweep": {"best_tilings": tilings}})
+                     earlier={"gemv_sweep": {"best_tilings": tilings, "best_tilings_by_rows": {"4": at_4}}})
+    tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)  # the sweep's fastest at 4 rows, where it has them
+    assert json.loads(seen["env"][TILING_ENV]) == at_4
+    ctx.earlier["gemv_sweep"] = {"best_tilings": tilings}
     res = tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)
     assert seen["fused"] is True and seen["batch"] == 4 and seen["env"][FUSED_GEMV_ROWS_ENV] == "4"
     assert seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj" and json.loads(seen["env"][TILING_ENV]) == tilings
