@@ -54,6 +54,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Read once, at build (the variables are for A/B runs: a process sets them before its engine).
+        self.fused_rotary = fused_rotary_enabled()
+        self.extend_new_kv = extend_new_kv_enabled()
 
     def core(
         self,
@@ -72,7 +75,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
-        if meta.is_decode and fused_rotary_enabled():  # one kernel: rotary, the step's K/V stored, attention
+        if meta.is_decode and self.fused_rotary:  # one kernel: rotary, the step's K/V stored, attention
             return ops.rotary_store_and_decode(
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, self.rotary_dim,
                 self.is_neox, meta.block_tables, meta.seq_lens, self.scale, meta.k_scale, meta.v_scale,
@@ -81,7 +84,7 @@ class Attention(nn.Module):
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             self.rotary_dim, self.is_neox, meta.k_scale, meta.v_scale,
         )
-        new_kv = (k_rot, v) if not meta.is_decode and extend_new_kv_enabled() else None
+        new_kv = (k_rot, v) if not meta.is_decode and self.extend_new_kv else None
         return attend(q, k_cache, v_cache, meta, self.scale, new_kv).reshape(t, self.q_size)
 
 
