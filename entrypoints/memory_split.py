@@ -113,16 +113,17 @@ def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[
     if shared is None:
         return None
     _, here, size, mc, element = shared
+
+    def need(context: int, graph_tokens: int) -> int:
+        return prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype, max_model_len=context,
+                                  max_batched_tokens=max_batched_tokens, max_running=max_running, tp=tp,
+                                  prefill_graph_tokens=graph_tokens)
+
     budget = cluster_share * size * CUDA_VISIBLE_SHARE
     context = mc.max_position_embeddings
     while context >= MIN_FITTED_CONTEXT:
-        def need(graph_tokens: int) -> int:
-            return prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype, max_model_len=context,
-                                      max_batched_tokens=max_batched_tokens, max_running=max_running, tp=tp,
-                                      prefill_graph_tokens=graph_tokens)
-
-        total = here.count("prefill") * need(prefill_graph_tokens) + here.count("decode") * (need(0) + DECODE_GRAPH_BYTES)
-        if total <= budget:
+        prefill, decode = need(context, prefill_graph_tokens), need(context, 0) + DECODE_GRAPH_BYTES
+        if here.count("prefill") * prefill + here.count("decode") * decode <= budget:
             return None if context == mc.max_position_embeddings else context
         context //= 2
     return None
