@@ -52,28 +52,15 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
     --prefill-memory-ratio, a prefill worker sharing a GPU with a decode worker gets what it
     needs of it when `model` and the GPU's size are known (entrypoints.memory_split), else
     PREFILL_MEMORY_RATIO of a decode worker's share."""
-    visible = visible_gpu_count() if visible is None else visible
-    gpus = parse_gpus(a.gpus, visible)
-
-    def placed(ratio: float) -> Placement:
-        return place(gpus, prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp, colocated=a.colocated,
-                     memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport, prefill_memory_ratio=ratio)
-
     if a.prefill_memory_ratio is not None:
-        return placed(a.prefill_memory_ratio)
-    placement = placed(PREFILL_MEMORY_RATIO)
+        return _placed(a, visible, a.prefill_memory_ratio)
+    placement = _placed(a, visible, PREFILL_MEMORY_RATIO)
     if model is None:
         return placement
-    from engine.config import EngineConfig
     from entrypoints.memory_split import shared_gpu_ratio
 
-    ratio = shared_gpu_ratio(placement, model, physical_gpus, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-                             max_model_len=a.max_model_len,
-                             max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
-                             max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
-                             prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None
-                             else a.prefill_graph_tokens)
-    return placement if ratio is None else placed(ratio)
+    ratio = shared_gpu_ratio(placement, model, physical_gpus, max_model_len=a.max_model_len, **_sizing(a))
+    return placement if ratio is None else _placed(a, visible, ratio)
 
 
 def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None = None) -> int | None:
@@ -82,18 +69,28 @@ def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None 
     fitting_max_model_len); None when the model's own context fits, or nothing tells."""
     if a.max_model_len is not None:
         return None
-    from engine.config import EngineConfig
     from entrypoints.memory_split import fitting_max_model_len
 
-    visible = visible_gpu_count() if visible is None else visible
-    placement = place(parse_gpus(a.gpus, visible), prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp,
-                      colocated=a.colocated, memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport,
-                      prefill_memory_ratio=a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
-    return fitting_max_model_len(placement, model, physical_gpus, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-                                 max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
-                                 max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
-                                 prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None
-                                 else a.prefill_graph_tokens)
+    placement = _placed(a, visible, a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
+    return fitting_max_model_len(placement, model, physical_gpus, **_sizing(a))
+
+
+def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placement:
+    """`a`'s workers placed on its GPUs (of `visible`; None: those this process sees) with a
+    prefill worker's memory at `ratio` of a decode worker's."""
+    gpus = parse_gpus(a.gpus, visible_gpu_count() if visible is None else visible)
+    return place(gpus, prefill=a.prefill_workers, decode=a.decode_workers, tp=a.tp, colocated=a.colocated,
+                 memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport, prefill_memory_ratio=ratio)
+
+
+def _sizing(a: argparse.Namespace) -> dict:
+    """The flags entrypoints.memory_split sizes a worker's need from, with the workers' defaults."""
+    from engine.config import EngineConfig
+
+    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+                max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
+                max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
+                prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None else a.prefill_graph_tokens)
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:

@@ -179,23 +179,15 @@ def _gemv_kernel(
     else:
         acc2 = acc
         up2 = acc_up
-    _store_out(acc2, up2, b_ptr, out_ptr, m, m_mask, rows, r_mask, out_s0, up_offset, BIAS, SILU_PAIR)
-
-
-@triton.jit
-def _store_out(acc, acc_up, b_ptr, out_ptr, m, m_mask, rows, r_mask, out_s0, up_offset,
-               BIAS: tl.constexpr, SILU_PAIR: tl.constexpr):
-    """Rows m, columns `rows` of the output: the fp32 sums plus the bias, rounded to the output's
-    dtype; with SILU_PAIR silu_and_mul of the rounded gate (acc) and up (acc_up) outputs."""
     if BIAS:
-        acc += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_PAIR:
-            acc_up += tl.load(b_ptr + rows + up_offset, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+            up2 += tl.load(b_ptr + rows + up_offset, mask=r_mask, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
-    y = acc.to(out_ty)
-    if SILU_PAIR:  # as the unfused path does
+    y = acc2.to(out_ty)
+    if SILU_PAIR:  # silu_and_mul of the rounded gate and up outputs, as the unfused path does
         g = y.to(tl.float32)
-        u = acc_up.to(out_ty).to(tl.float32)
+        u = up2.to(out_ty).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g)) * u).to(out_ty)
     tl.store(out_ptr + m[:, None] * out_s0 + rows[None, :], y, mask=m_mask[:, None] & r_mask[None, :])
 
