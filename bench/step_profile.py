@@ -75,7 +75,7 @@ class SchedulerPhases:
 
 def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bool | None = None,
                   kv_cache_dtype: str = "auto", trace_dir: Path | None = None, quantization: str | None = None,
-                  fused_gemv: bool = False) -> dict:
+                  fused_gemv: bool | None = None) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, overlap_schedule=overlap,
@@ -329,8 +329,8 @@ def main() -> int:
     p.add_argument("--tuning", action="append", default=None, metavar="JSON",
                    help="profile with these DecodeTuning fields over the default (repeatable, one run each), "
                         "e.g. '{\"block_n\": 128, \"defer_sum\": true}'")
-    p.add_argument("--fused-gemv", action="store_true",
-                   help="EngineConfig.fused_decode_gemv (TANDEM_FUSED_GEMV names the projections)")
+    p.add_argument("--fused-gemv", choices=["on", "off"], default=None,
+                   help="EngineConfig.fused_decode_gemv (default: the engine's; TANDEM_FUSED_GEMV names the projections)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also write a Chrome trace (host and device) of three decode steps per batch size here")
     a = p.parse_args()
@@ -347,7 +347,7 @@ def main() -> int:
                 with decode_tuning(tuning):
                     res.append(profile_batch(model_dir, b, a.ctx, a.steps, False if a.no_overlap else None,
                                              a.kv_cache_dtype, Path(a.trace) if a.trace else None, a.quantization,
-                                             fused_gemv=a.fused_gemv))
+                                             fused_gemv=None if a.fused_gemv is None else a.fused_gemv == "on"))
                 if tuning is not None:
                     res[-1]["tuning"] = json.loads(tuning)
                 print(json.dumps(res[-1]), flush=True)
