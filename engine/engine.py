@@ -62,8 +62,9 @@ class Engine:
 
     - local: `admit` -> `step()` until its StepOutput is `finished` (or `abort`);
     - prefill side of a disaggregated request: `admit(prefill_only=True)` -> `step()` until it
-      finishes PREFILLED (its first token sampled; its blocks stay held so its KV can be pushed
-      from `Request.block_table`) -> `release` (or `abort`);
+      finishes PREFILLED (its first token sampled; STOP or LENGTH when that token ends it; its
+      blocks stay held either way so its KV can be pushed from `Request.block_table`) ->
+      `release` (or `abort`);
     - decode side: `reserve` (blocks held for KV another engine pushes) -> `activate` with the
       first token -> `step()` as a local request; or `release` / `abort` instead of activating.
 
@@ -205,8 +206,9 @@ class Engine:
         prompt: text (tokenized here) or token ids. num_output_tokens: the last n ids are
           earlier output of this request (a resume after a fault): they count toward
           max_tokens, min_tokens, the penalties and a seeded sampler's position, exactly as if
-          generation had gone on. prefill_only: finish PREFILLED once the first token is
-          sampled and hold the blocks until `release` (the prefill side of disaggregation).
+          generation had gone on. prefill_only: finish once the first token is sampled
+          (PREFILLED, or STOP / LENGTH when that token ends it) and hold the blocks until
+          `release` (the prefill side of disaggregation).
         field: how error messages name the prompt (a worker says "token_ids").
         Raises DuplicateRequestError (a ValueError) for a known request id, ValueError naming
         the field for bad params, prompt, num_output_tokens or a request the cache can never
@@ -475,8 +477,8 @@ class Engine:
             if reason is None and seq.prefill_only:
                 reason = FinishReason.PREFILLED
             if reason is not None:
-                if reason is FinishReason.PREFILLED:
-                    self._scheduler.finish_prefill(seq)
+                if seq.prefill_only:  # PREFILLED, or a first token that ends it: its KV is still pushed
+                    self._scheduler.finish_prefill(seq, reason)
                 else:
                     self._scheduler.finish(seq, reason)
                 seq.stop_reason = stop_reason

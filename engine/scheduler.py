@@ -171,12 +171,13 @@ class Scheduler:
                 self.cache.unlock(match, blocks)
                 return
 
-    def finish_prefill(self, seq: Sequence) -> None:
+    def finish_prefill(self, seq: Sequence, reason: FinishReason = FinishReason.PREFILLED) -> None:
         """A prefill-only request is done computing: stop scheduling it but keep its blocks
-        (the KV transfer reads them) until `release`."""
+        (the KV transfer reads them, also when its first token ended it: `reason` STOP or
+        LENGTH) until `release`."""
         self.running.remove(seq)
         self._cache_computed(seq)
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.PREFILLED
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self.held[seq.request_id] = seq
         self._by_id.pop(seq.request_id, None)
 

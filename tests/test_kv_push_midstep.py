@@ -95,3 +95,51 @@ def test_a_target_that_comes_mid_step_is_pushed_before_the_step_ends(llm, push: 
         assert dest_k[layer][others].abs().sum() == 0 and dest_v[layer][others].abs().sum() == 0
     want = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
     assert done.output.new_token_ids == want
+
+
+def test_a_target_after_the_step_still_finds_the_kv_of_a_request_its_first_token_ended(llm) -> None:
+    """max_tokens 1: the prefill's one token ends the request (LENGTH). Its blocks must stay
+    held until the KV is pushed, also when the target comes only after the step (the job
+    waits in `awaiting`); they are freed once the push is committed."""
+    engine = llm.engine
+    layers = engine.kv_cache.layers
+    dest_k = [torch.zeros_like(k) for k, _ in layers]
+    dest_v = [torch.zeros_like(v) for _, v in layers]
+    receiver = ZmqReceiver(TensorKVSink(dest_k, dest_v))
+    sender = ZmqSender()
+    loop = EngineLoop(engine, name="engine-late-target")
+    pusher = KvPusher(loop, sender)
+    loop.on_layer = pusher.on_layer
+    prompt = list(range(90, 90 + 21))  # two blocks, the last one partial
+    rid = "late-target-one-token"
+    job = PrefillJob(PrefillInput(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), Tier.STANDARD,
+                                  None, None, 1), engine.model_config.num_layers)
+    loop.start()
+    try:
+        loop.submit(lambda e: pusher.start(e, job)).result(WAIT_S)
+        end = time.monotonic() + WAIT_S
+        while rid not in loop.submit(lambda e: set(pusher.awaiting)).result(WAIT_S):
+            assert not job.done.done() and time.monotonic() < end, "the job never waited for its target"
+            time.sleep(0.01)
+        assert job.output.finish_reason.value == "length"
+        src = list(job.request.block_table)
+        assert len(src) == 2  # still held: the push below reads them
+        dst = [5, 9]
+        receiver.expect(transfer_id(rid, 1), dst, job.num_layers, WAIT_S)
+        job.target = KvTarget("d", receiver.address, 1, 0, dst, (receiver.address,))
+        loop.submit(lambda e: pusher.target_arrived(e, job)).result(WAIT_S)
+        done = job.done.result(WAIT_S)
+        assert done.send.result(WAIT_S).ok
+        assert [r.ok for r in receiver.poll_completed(timeout_s=WAIT_S)] == [True]
+        held = loop.submit(lambda e: e.knows(rid)).result(WAIT_S)
+    finally:
+        loop.stop()
+        sender.close()
+        receiver.close()
+    assert not held  # released after the commit
+    assert engine.num_free_blocks_after_reset() == engine.num_total_blocks
+    for layer, (k, v) in enumerate(layers):
+        assert torch.equal(dest_k[layer][dst], k[src]) and torch.equal(dest_v[layer][dst], v[src])
+        assert k[src].abs().sum() > 0
+    want = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
+    assert done.output.new_token_ids == want
