@@ -219,8 +219,10 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     """Decode time per step at `batch` sequences (128-token prompts, 200 timed steps after 5)
     against the weight-read floor (every weight read once a step; the KV the step reads, under
     1% of it here, is left out); `fused`: EngineConfig.fused_decode_gemv (None: the engine's
-    default). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*."""
+    default). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*, and both the
+    projections the engine ran as fused GEMVs (`fused_gemv_projections`, "" for none)."""
     from engine import LLM, SamplingParams
+    from tandem_kernels.ops import GEMV_PROJECTIONS
 
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=4096,
               num_kv_blocks=512 * batch, fused_decode_gemv=fused)
@@ -242,13 +244,15 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - t) / n
     floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
+    fused_projections = ",".join(p for p in GEMV_PROJECTIONS if p in eng.model.layers[0].fused_decode)
     for request_id in eng.request_ids():
         eng.abort(request_id)
     del llm
     torch.cuda.empty_cache()
     name = f"decode_b{batch}"
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
-            "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3)}
+            "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
+            "fused_gemv_projections": fused_projections}
 
 
 def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:

@@ -241,10 +241,14 @@ GEMV_SHAPES = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, F
                "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
 
 
-def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None):
-    """The fused decode GEMV of `projection` over `rows` rows, compiled: its tiling
-    (tandem_kernels.gemv.tiling_for) with `fields` (GemvTiling's) over it."""
+GEMV_GPU = "NVIDIA H100 80GB HBM3"  # whose tilings (gemv_tilings.DEVICE_TILINGS) the GEMVs build with: all four fuse there
+
+
+def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None, gpu: str = GEMV_GPU):
+    """The fused decode GEMV of `projection` over `rows` rows, compiled: its tiling on the GPU
+    named `gpu` (tandem_kernels.gemv_tilings.base_tiling) with `fields` (GemvTiling's) over it."""
     from tandem_kernels import gemv as gm
+    from tandem_kernels.gemv_tilings import base_tiling
 
     n, k, norm, silu = GEMV_SHAPES[projection]
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -252,7 +256,7 @@ def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None):
     out = torch.empty(rows, n // 2 if silu else n, **meta)
     _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
                                      torch.empty(k, **meta) if norm else None, 1e-5, silu,
-                                     dataclasses.replace(gm.tiling_for(projection), **(fields or {})),
+                                     dataclasses.replace(base_tiling(projection, gpu), **(fields or {})),
                                      out, torch.empty_like(x) if norm else None)
     consts.update(PDL=pdl, launch_pdl=pdl)
     return compile_for_hopper(gm._gemv_kernel, args, consts)

@@ -165,14 +165,12 @@ def run_decode_b1_unfused(ctx: Context) -> dict:
 
 
 def run_decode_b1_fused_gemv(ctx: Context) -> dict:
-    """decode_b1 with EngineConfig.fused_decode_gemv: the projections TANDEM_FUSED_GEMV names (else
-    engine.model.DEFAULT_FUSED_GEMV) as Triton GEMVs (tandem_kernels.gemv), the others cuBLAS."""
+    """decode_b1 with EngineConfig.fused_decode_gemv True: the projections TANDEM_FUSED_GEMV names
+    (else all four) as Triton GEMVs (tandem_kernels.gemv), the others cuBLAS."""
     _need_cuda()
     from bench.h200_bench import LLAMA31_8B, decode_b1
-    from engine.model import fused_gemv_projections
 
-    return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True),
-            "fused_gemv_projections": sorted(fused_gemv_projections())}
+    return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True)
 
 
 # ---- group S: batch-1 and small-batch decode, each change of BENCHMARKS.md §28 against the default
@@ -238,7 +236,7 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable
     """A section: h200_bench's decode_b1 at `batch` sequences; `tuning`: TANDEM_DECODE_TUNING's
     fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
     `batch` rows with the earlier gemv_sweep's best tilings at `batch` rows (else at one row;
-    TANDEM_GEMV_TILING) where this run measured them (else the engine's TILINGS)."""
+    TANDEM_GEMV_TILING) where this run measured them (else the GPU's, tandem_kernels/gemv_tilings.py)."""
     def section(ctx: Context) -> dict:
         _need_cuda()
         from bench.h200_bench import LLAMA31_8B, decode_b1

@@ -27,6 +27,7 @@ from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.jit_watch import LateCompileWatch
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
+from engine.model import fused_decode_projections
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
@@ -107,8 +108,9 @@ class Engine:
         if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
             require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")
 
-        if config.fused_decode_gemv or (config.fused_decode_gemv is None and device.type == "cuda"):
-            enabled = [layer.enable_fused_decode() for layer in self.model.layers]
+        fused = fused_decode_projections(config.fused_decode_gemv, device)
+        if fused:
+            enabled = [layer.enable_fused_decode(fused) for layer in self.model.layers]
             if not all(enabled):
                 logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",
                             sum(enabled), len(enabled))

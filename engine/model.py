@@ -15,15 +15,13 @@ from engine.attention import AttentionMetadata, attend, extend_new_kv_enabled, f
 from engine.config import ModelConfig
 from engine.rope import build_cos_sin_cache
 from tandem_kernels import ops
+from tandem_kernels.gemv_tilings import default_fused_projections
 from tandem_kernels.ops import GEMV_MAX_ROWS, GEMV_PROJECTIONS
 
 FUSED_GEMV_ENV = "TANDEM_FUSED_GEMV"  # comma-separated projections fused_decode_gemv fuses (A/B runs)
 FUSED_GEMV_ROWS_ENV = "TANDEM_FUSED_GEMV_ROWS"  # decode steps of at most this many tokens fuse (A/B runs)
-# At Llama-3.1-8B's shapes (BENCHMARKS.md §31-32): at one row each fused GEMV, its norm and SiLU
-# inside, streams its weights faster than cuBLAS with the separate norm / SiLU kernels (an H100:
-# qkv 19.9 vs 23.1 us, o_proj 12.3 vs 16.6, gate_up 81.8 vs 85.6, down 40.2 vs 44.3; batch 1 5%
-# faster end to end); at four rows they are 1.5-6x slower than cuBLAS.
-DEFAULT_FUSED_GEMV = frozenset(GEMV_PROJECTIONS)
+# Which projections fuse by default, and their tiles, is the GPU's (tandem_kernels/gemv_tilings.py
+# DEVICE_TILINGS); at four rows every fused tiling measured was 1.5-6x slower than cuBLAS.
 DEFAULT_FUSED_GEMV_ROWS = 1
 
 
@@ -185,12 +183,21 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
-def fused_gemv_projections() -> frozenset[str]:
+def fused_decode_projections(setting: bool | None, device: torch.device) -> frozenset[str]:
+    """The projections EngineConfig.fused_decode_gemv (`setting`) fuses on `device`: None: the
+    GPU's (gemv_tilings.default_fused_projections; none on a CPU or a GPU not measured), True:
+    all of GEMV_PROJECTIONS, False: none. FUSED_GEMV_ENV's names replace the first two."""
+    if setting is None:
+        return fused_gemv_projections(default_fused_projections(device)) if device.type == "cuda" else frozenset()
+    return fused_gemv_projections() if setting else frozenset()
+
+
+def fused_gemv_projections(default: Iterable[str] = GEMV_PROJECTIONS) -> frozenset[str]:
     """The projections fused_decode_gemv fuses: FUSED_GEMV_ENV's comma-separated names where set
-    (A/B runs), else DEFAULT_FUSED_GEMV."""
+    (A/B runs), else `default` (the engine passes its GPU's, gemv_tilings.default_fused_projections)."""
     raw = os.environ.get(FUSED_GEMV_ENV)
     if raw is None:
-        return DEFAULT_FUSED_GEMV
+        return frozenset(default)
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     if not names <= set(GEMV_PROJECTIONS):
         raise ValueError(f"{FUSED_GEMV_ENV}: names must be among {GEMV_PROJECTIONS}, got {raw!r}")

@@ -19,68 +19,15 @@ stores them), up to the order of the fp32 accumulation.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.gemv_tilings import TILING_ENV, GemvTiling, tiling_for
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
-from tandem_kernels.triton_common import env_overridden, next_pow2, pdl_begin, pdl_launch
+from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
-TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
 NORM_CHUNK = 4096  # elements of x (rows x columns) the norm's sum of squares reads a step
-
-
-@dataclass(frozen=True)
-class GemvTiling:
-    """How a GEMV is launched; every choice keeps its semantics.
-
-    block_n: weight rows a program owns (its output columns).
-    block_k: weight columns a loop step loads at one row of x (divided by the padded row count
-      unless wide_rows).
-    num_warps: warps a program.
-    late_reduce: keep per-lane partial sums over the K tile and reduce across lanes once at the
-      end (more registers, no shuffles in the loop); else reduce every tile.
-    prefetch: load the first weight tile before waiting on the kernel before (PDL), and each next
-      tile before multiplying the current one (two tiles a program in flight).
-    wide_rows: at several rows, each still multiplies a block_k-wide weight tile (block_k is not
-      divided by the row count): the weight stream of one row, at rows times the registers for
-      the product; without it a program's product stays block_n x block_k values and its weight
-      tile narrows as rows grow.
-    """
-
-    block_n: int = 8
-    block_k: int = 512
-    num_warps: int = 4
-    late_reduce: bool = False
-    prefetch: bool = True
-    wide_rows: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
-
-
-# The decoder layer's four GEMVs by name (ops.GEMV_PROJECTIONS), each at the fastest tiling of
-# `bench/kernel_bench.py --gemv-sweep` at one row (BENCHMARKS.md §32): all with per-lane sums, the
-# large weights (qkv, down) in 2-row programs, gate_up's two weights in 8-row programs.
-TILINGS: dict[str, GemvTiling] = {
-    "qkv": GemvTiling(block_n=2, block_k=1024, late_reduce=True),
-    "o_proj": GemvTiling(block_n=4, block_k=512, late_reduce=True),
-    "gate_up": GemvTiling(block_n=8, block_k=256, late_reduce=True),
-    "down": GemvTiling(block_n=2, block_k=1024, late_reduce=True),
-}
-
-
-def tiling_for(projection: str) -> GemvTiling:
-    """The tiling of `projection` (one of PROJECTIONS), with TILING_ENV's fields over it where set."""
-    if projection not in TILINGS:
-        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    return env_overridden(TILINGS[projection], TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
 
 
 @triton.jit
@@ -240,3 +187,6 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
+
+
+__all__ = ["MAX_ROWS", "NORM_CHUNK", "PROJECTIONS", "TILING_ENV", "GemvTiling", "gemv", "gemv_launch", "tiling_for"]

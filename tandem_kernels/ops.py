@@ -103,12 +103,13 @@ def gemv(
     silu_pair: bool = False, projection: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows). projection (one of
-    GEMV_PROJECTIONS): the Triton launch takes that projection's tiling (gemv.tiling_for)."""
+    GEMV_PROJECTIONS): the Triton launch takes that projection's tiling on x's GPU
+    (gemv_tilings.tiling_for)."""
     if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair)
     if _use_triton(x):
-        tiling = _triton("gemv", "tiling_for")(projection) if projection is not None else None
+        tiling = _triton("gemv", "tiling_for")(projection, x.device) if projection is not None else None
         return _triton("gemv", "gemv")(x, weight, bias, tiling=tiling, **kw)
     return reference.gemv(x, weight, bias, **kw)
 

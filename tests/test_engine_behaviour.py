@@ -273,3 +273,33 @@ def test_fused_decode_gemv_defaults(tiny_models):
     meta = AttentionMetadata(*(torch.zeros(1, dtype=torch.int32),) * 4, is_decode=True)
     assert layer.fused_projections(torch.zeros(1, 8), meta) == layer.fused_decode
     assert layer.fused_projections(torch.zeros(2, 8), meta) == frozenset()
+
+
+def test_fused_decode_gemvs_by_gpu(monkeypatch):
+    """Which projections fuse by default, and their tiles, follow the GPU's name: an H100 all
+    four, an H200 o_proj and down (at their own tiles), a GPU not measured none; True fuses all
+    four anywhere (unmeasured GPUs at the fallback tiles), TANDEM_FUSED_GEMV names replace both."""
+    from engine import model
+    from tandem_kernels import gemv_tilings as gt
+
+    assert gt.device_tilings("NVIDIA H100 80GB HBM3") is gt.DEVICE_TILINGS["H100"]
+    assert gt.device_tilings("NVIDIA H200") is gt.DEVICE_TILINGS["H200"]
+    assert gt.device_tilings("NVIDIA A100-SXM4-80GB") == {} and gt.device_tilings("") == {}
+    assert frozenset(gt.DEVICE_TILINGS["H100"]) == frozenset(model.GEMV_PROJECTIONS)
+    assert frozenset(gt.DEVICE_TILINGS["H200"]) == {"o_proj", "down"}
+    assert gt.default_fused_projections(torch.device("cpu")) == frozenset()
+    assert gt.tiling_for("down", "cpu") == gt.FALLBACK_TILINGS["down"]
+    monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert gt.tiling_for("down", "cuda") == gt.DEVICE_TILINGS["H100"]["down"] != gt.FALLBACK_TILINGS["down"]
+    monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA H200")
+    assert gt.tiling_for("qkv", "cuda") == gt.FALLBACK_TILINGS["qkv"]  # not fused there by default
+    cuda = torch.device("cuda", 0)
+    assert model.fused_decode_projections(None, cuda) == {"o_proj", "down"}
+    assert model.fused_decode_projections(None, torch.device("cpu")) == frozenset()
+    assert model.fused_decode_projections(True, torch.device("cpu")) == frozenset(model.GEMV_PROJECTIONS)
+    assert model.fused_decode_projections(False, cuda) == frozenset()
+    monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA L40S")
+    assert model.fused_decode_projections(None, cuda) == frozenset()
+    monkeypatch.setenv(model.FUSED_GEMV_ENV, "qkv")
+    assert model.fused_decode_projections(None, cuda) == {"qkv"} == model.fused_decode_projections(True, cuda)
+    assert model.fused_decode_projections(False, cuda) == frozenset()

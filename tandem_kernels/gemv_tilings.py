@@ -1,0 +1,115 @@
+"""Which decode GEMVs a GPU runs fused, and how each is tiled there (no triton import).
+
+The fused GEMVs (tandem_kernels.gemv) win or lose against cuBLAS by the card: at batch 1 on an
+H100 all four of a layer's projections stream faster fused (the step 5.6% faster end to end), on
+an H200 only o_proj and down do (qkv and gate_up, cuBLAS already at 0.93-1.0 of copy there, lose
+1-2% of the step), and their fastest tiles differ (BENCHMARKS.md §32-33). `DEVICE_TILINGS` holds,
+per GPU family, the projections it fuses by default and each one's tiling, as measured there;
+a GPU no entry names fuses none by default (cuBLAS is the safe choice where nothing was
+measured) and takes `FALLBACK_TILINGS` when a caller asks for fused GEMVs anyway.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem_kernels.ops import GEMV_PROJECTIONS as PROJECTIONS
+
+TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """How a GEMV is launched; every choice keeps its semantics.
+
+    block_n: weight rows a program owns (its output columns).
+    block_k: weight columns a loop step loads at one row of x (divided by the padded row count
+      unless wide_rows).
+    num_warps: warps a program.
+    late_reduce: keep per-lane partial sums over the K tile and reduce across lanes once at the
+      end (more registers, no shuffles in the loop); else reduce every tile.
+    prefetch: load the first weight tile before waiting on the kernel before (PDL), and each next
+      tile before multiplying the current one (two tiles a program in flight).
+    wide_rows: at several rows, each still multiplies a block_k-wide weight tile (block_k is not
+      divided by the row count): the weight stream of one row, at rows times the registers for
+      the product; without it a program's product stays block_n x block_k values and its weight
+      tile narrows as rows grow.
+    """
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    late_reduce: bool = False
+    prefetch: bool = True
+    wide_rows: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
+
+
+_ROWS_4x512 = GemvTiling(block_n=4, block_k=512, late_reduce=True)
+_ROWS_2x1024 = GemvTiling(block_n=2, block_k=1024, late_reduce=True)
+_ROWS_8x256 = GemvTiling(block_n=8, block_k=256, late_reduce=True)
+
+# Per GPU family (a substring of torch.cuda.get_device_name, first match wins): the projections
+# fused by default at one row, each at its fastest tiling in that card's `gemv_sweep`, kept only
+# where the whole batch-1 step was faster with it (throughput_bench's decode_b1_* sections).
+DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
+    # §33: o_proj + down 4.263-4.293 ms a token vs cuBLAS 4.344-4.346; + qkv 4.312-4.335; all four 4.363.
+    "H200": {"o_proj": _ROWS_4x512, "down": _ROWS_4x512},
+    # §32: all four 5.654-5.657 ms vs cuBLAS 5.980-5.986; o_proj + down 5.880.
+    "H100": {"qkv": _ROWS_2x1024, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_2x1024},
+}
+# Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
+FALLBACK_TILINGS: dict[str, GemvTiling] = {
+    "qkv": _ROWS_4x512, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_4x512,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device | str | None) -> str:
+    """torch.cuda.get_device_name of a CUDA device (cached); "" for any other device or None."""
+    device = torch.device(device) if isinstance(device, str) else device
+    if device is None or device.type != "cuda":
+        return ""
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_tilings(name: str) -> dict[str, GemvTiling]:
+    """The DEVICE_TILINGS entry naming GPU `name`; {} where none does."""
+    return next((table for family, table in DEVICE_TILINGS.items() if family in name), {})
+
+
+def default_fused_projections(device: torch.device | str | None) -> frozenset[str]:
+    """The projections `device` runs as fused GEMVs by default (none off the GPUs measured)."""
+    return frozenset(device_tilings(device_name(device)))
+
+
+def base_tiling(projection: str, gpu_name: str) -> GemvTiling:
+    """The tiling of `projection` (one of PROJECTIONS) on the GPU named `gpu_name`: its
+    DEVICE_TILINGS entry's, else FALLBACK_TILINGS'."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+    return device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])
+
+
+def tiling_for(projection: str, device: torch.device | str | None = None) -> GemvTiling:
+    """base_tiling of `projection` on `device`, with TILING_ENV's fields over it where set."""
+    from tandem_kernels.triton_common import env_overridden  # triton: only where a kernel launches
+
+    base = base_tiling(projection, device_name(device))
+    return env_overridden(base, TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
+
+
+__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections",
+           "device_name", "device_tilings", "tiling_for"]
