@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig, WorkerPoolConfig
 from harness import GatewayThread, WorkerProcess, start_workers, stop_workers, wait_idle, wait_until
 from kvtransfer.zmq_transport import CORRUPT_ENV
 from tandem import Client, SamplingParams
+from worker.faults import ENV_STEP_DELAY
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
 GREEDY = {"temperature": 0.0}
@@ -35,12 +36,13 @@ def llm(model_dir: Path):
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory) -> dict[str, WorkerProcess]:
     """p, d: the main pair; p_bad: a prefill worker whose first KV push is corrupted;
-    d_victim: a decode worker with the most free blocks (picked first), killed by one test."""
+    d_victim: a decode worker with the most free blocks (picked first), killed by one test; its
+    steps take 20 ms more, so that its stream cannot end before the kill."""
     blocks = ["--num-kv-blocks", "96", "--max-running", "32"]
     overlap = {OVERLAP_ENV: "1"}  # the decode workers overlap scheduling with steps, as on a GPU
     p, d, p_bad, d_victim = start_workers(
         [("prefill", blocks), ("decode", blocks, overlap), ("prefill", blocks, {CORRUPT_ENV: "1"}),
-         ("decode", ["--num-kv-blocks", "160", "--max-running", "32"], overlap)],
+         ("decode", ["--num-kv-blocks", "160", "--max-running", "32"], {**overlap, ENV_STEP_DELAY: "0.02"})],
         model_dir, tmp_path_factory.mktemp("gw-disagg-workers"))
     workers = {"p": p, "d": d, "p_bad": p_bad, "d_victim": d_victim}
     yield workers
