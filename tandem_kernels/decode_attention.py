@@ -323,6 +323,7 @@ def rotary_store_and_decode(
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, tuning, out, step)
 
 
+MERGE_CHUNK = 8  # splits the merging program loads at once (merge_in_stage1): GROUP_PAD x 8 x D values
 _SPLIT_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
 MIN_SPLIT_COUNTS = 4096  # counters first allocated for a device and stream: 16 KB
 
@@ -389,7 +390,7 @@ def stage1_launch(
             float(scale) * k_scale * LOG2E, float(v_scale)]
     merge = counts is not None and splits > 1
     args += [counts if merge else lse, out, out.stride(0), out.stride(1)]
-    consts.update(MERGE=merge)
+    consts.update(MERGE=merge, GROUP_PAD=next_pow2(group), MERGE_CHUNK=min(MERGE_CHUNK, next_pow2(splits)))
     if step is None:  # the step's arguments are not read: any pointer, no strides
         args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
         consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False,
