@@ -222,20 +222,27 @@ def fp8_parity(tmp: Path) -> dict:
             "varied": len({t for o in deferred for t in o})}
 
 
-def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None, batch: int = 1) -> dict:
-    """Decode time per step at `batch` sequences (128-token prompts, 200 timed steps after 5)
-    against the weight-read floor (every weight read once a step; the KV the step reads, under
-    1% of it here, is left out); `fused`: EngineConfig.fused_decode_gemv (None: the engine's
-    default). Batch 1 reports decode_b1_* keys, a larger batch decode_b<N>_*, and both the
-    projections the engine ran as fused GEMVs (`fused_gemv_projections`, "" for none)."""
+def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None, batch: int = 1,
+              prompt_len: int = 128) -> dict:
+    """Decode time per step at `batch` sequences (`prompt_len`-token prompts, 200 timed steps
+    after 5) against the weight-read floor (every weight read once a step; the KV the step
+    reads, under 1% of it at 128 tokens, is left out: `kv_read_fraction` says how much it is);
+    `fused`: EngineConfig.fused_decode_gemv (None: the engine's default). Batch 1 reports
+    decode_b1_* keys, a larger batch decode_b<N>_*, a prompt other than 128 tokens
+    decode_b<N>_ctx<len>_*; and the projections the engine ran as fused GEMVs
+    (`fused_gemv_projections`, "" for none)."""
     from engine import LLM, SamplingParams
+    from engine.config import ModelConfig
     from tandem_kernels.ops import GEMV_PROJECTIONS
 
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=4096,
-              num_kv_blocks=512 * batch, fused_decode_gemv=fused)
+    max_len = max(4096, prompt_len + 512)
+    blocks = max(512, -(-max_len // 16)) * batch
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=max_len,
+              num_kv_blocks=blocks, fused_decode_gemv=fused)
     eng = llm.engine
     for i in range(batch):
-        eng.admit(list(range(100 + i, 228 + i)), SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
+        eng.admit(list(range(100 + i, 100 + i + prompt_len)),
+                  SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True))
     for _ in range(100):  # the prompts' prefills (one step at these lengths)
         eng.step()
         stats = eng.stats()
@@ -256,10 +263,12 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
         eng.abort(request_id)
     del llm
     torch.cuda.empty_cache()
-    name = f"decode_b{batch}"
+    mc = ModelConfig.from_dict(cfg)
+    kv_bytes = batch * (prompt_len + 105) * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * 2  # mid-run
+    name = f"decode_b{batch}" + (f"_ctx{prompt_len}" if prompt_len != 128 else "")
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
             "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
-            "fused_gemv_projections": fused_projections}
+            "kv_read_fraction": round(kv_bytes / weight_bytes(cfg), 3), "fused_gemv_projections": fused_projections}
 
 
 def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:

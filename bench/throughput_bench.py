@@ -233,8 +233,8 @@ def best_tilings(rows: list[list]) -> dict:
             "gemv_us_by_rows": {str(m): u for m, u in sorted(us.items())}}
 
 
-def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable[[Context], dict]:
-    """A section: h200_bench's decode_b1 at `batch` sequences; `tuning`: TANDEM_DECODE_TUNING's
+def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len: int = 128) -> Callable[[Context], dict]:
+    """A section: h200_bench's decode_b1 at `batch` sequences of `prompt_len`-token prompts; `tuning`: TANDEM_DECODE_TUNING's
     fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
     `batch` rows with the earlier gemv_sweep's best tilings at `batch` rows (else at one row;
     TANDEM_GEMV_TILING) where this run measured them (else the GPU's, tandem_kernels/gemv_tilings.py)."""
@@ -258,8 +258,8 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "") -> Callable
             if tilings:
                 os.environ[TILING_ENV] = json.dumps(tilings)
                 extra["gemv_tilings"] = tilings
-        return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True if fused else None, batch=batch),
-                **extra}
+        return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True if fused else None, batch=batch,
+                            prompt_len=prompt_len), **extra}
 
     return section
 
@@ -626,6 +626,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1, decode attention's splits merged by stage 1's last program (no stage-2 kernel)"),
     Section("decode_b4_merge_in_stage1", "", 75, 35, "child", _decode(4, MERGE_TUNING),
             "decode_b4, the splits merged in stage 1"),
+    Section("decode_b4_ctx1024", "", 75, 35, "child", _decode(4, prompt_len=1024),
+            "4 sequences of 1,024-token prompts: the online TPOT's step (its attention reads 15% of the weights' bytes)"),
+    Section("decode_b4_ctx1024_merge_in_stage1", "", 75, 35, "child", _decode(4, MERGE_TUNING, prompt_len=1024),
+            "decode_b4_ctx1024, the splits merged in stage 1"),
     Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),

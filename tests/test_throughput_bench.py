@@ -281,8 +281,8 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
 
     seen = {}
 
-    def fake_decode_b1(model_dir, cfg, ceil, fused=None, batch=1):
-        seen.update(fused=fused, batch=batch,
+    def fake_decode_b1(model_dir, cfg, ceil, fused=None, batch=1, prompt_len=128):
+        seen.update(fused=fused, batch=batch, prompt_len=prompt_len,
                     env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV)})
         return {f"decode_b{batch}_ms_per_step": 4.0}
 
@@ -309,3 +309,9 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     tb.SECTIONS["decode_b1_attn_prefetch"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
     assert seen["fused"] is None and seen["batch"] == 1
     assert json.loads(seen["env"][TUNING_ENV]) == tb.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
+    assert seen["prompt_len"] == 128
+    # The online TPOT's shape: 4 sequences of 1,024-token prompts, the splits merged in stage 1.
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    tb.SECTIONS["decode_b4_ctx1024_merge_in_stage1"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
+    assert seen["batch"] == 4 and seen["prompt_len"] == 1024 and seen["fused"] is None
+    assert json.loads(seen["env"][TUNING_ENV]) == {**tb.SMALL_BATCH_TUNING, "merge_in_stage1": True}
