@@ -33,17 +33,26 @@ def llm(tiny_models: dict[str, Path]):
     model.close()
 
 
-@pytest.mark.parametrize("push", ["layer", "step"])
-def test_a_target_that_comes_mid_step_is_pushed_before_the_step_ends(llm, push: str) -> None:
-    engine = llm.engine
+def _pushing_rig(engine, name: str, push: str = "layer"):
+    """(dest_k, dest_v, receiver, sender, loop, pusher): a real ZMQ receiver writing into zeroed
+    copies of `engine`'s cache layers, a sender, and a KvPusher on an EngineLoop thread named
+    `name` (not started) whose layer hook is the pusher's."""
     layers = engine.kv_cache.layers
     dest_k = [torch.zeros_like(k) for k, _ in layers]
     dest_v = [torch.zeros_like(v) for _, v in layers]
     receiver = ZmqReceiver(TensorKVSink(dest_k, dest_v))
     sender = ZmqSender()
-    loop = EngineLoop(engine, name="engine-midstep")
+    loop = EngineLoop(engine, name=name)
     pusher = KvPusher(loop, sender, push=push)
     loop.on_layer = pusher.on_layer
+    return dest_k, dest_v, receiver, sender, loop, pusher
+
+
+@pytest.mark.parametrize("push", ["layer", "step"])
+def test_a_target_that_comes_mid_step_is_pushed_before_the_step_ends(llm, push: str) -> None:
+    engine = llm.engine
+    layers = engine.kv_cache.layers
+    dest_k, dest_v, receiver, sender, loop, pusher = _pushing_rig(engine, "engine-midstep", push)
 
     in_step = threading.Event()  # the step is queued: the test sends the target now
     pushed = threading.Event()  # the test saw every layer handed to the sender: the step may end
@@ -103,13 +112,7 @@ def test_a_target_after_the_step_still_finds_the_kv_of_a_request_its_first_token
     waits in `awaiting`); they are freed once the push is committed."""
     engine = llm.engine
     layers = engine.kv_cache.layers
-    dest_k = [torch.zeros_like(k) for k, _ in layers]
-    dest_v = [torch.zeros_like(v) for _, v in layers]
-    receiver = ZmqReceiver(TensorKVSink(dest_k, dest_v))
-    sender = ZmqSender()
-    loop = EngineLoop(engine, name="engine-late-target")
-    pusher = KvPusher(loop, sender)
-    loop.on_layer = pusher.on_layer
+    dest_k, dest_v, receiver, sender, loop, pusher = _pushing_rig(engine, "engine-late-target")
     prompt = list(range(90, 90 + 21))  # two blocks, the last one partial
     rid = "late-target-one-token"
     job = PrefillJob(PrefillInput(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), Tier.STANDARD,
