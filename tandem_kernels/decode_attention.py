@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _seq_partition
+from tandem_kernels.decode_stage1 import PER_STEP_ARGS, _decode_stage1, _decode_stage1_warps, _live_splits
 from tandem_kernels.reference import attention_output
 from tandem_kernels.rotary import check_rotary_args
 from tandem_kernels.triton_common import (env_overridden, interpreting, next_pow2, num_sms, pdl_begin, pdl_launch,
@@ -164,8 +164,7 @@ def _decode_stage2(
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
-    partition = _seq_partition(ctx, splits, MIN_PARTITION, BLOCK_N)
-    n_valid = (ctx + partition - 1) // partition
+    n_valid = _live_splits(ctx, splits, MIN_PARTITION, BLOCK_N)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
     s_mask = s < n_valid

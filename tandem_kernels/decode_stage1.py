@@ -36,6 +36,13 @@ def _seq_partition(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _live_splits(ctx, splits, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many of a sequence's `splits` its `ctx` tokens reach (0 for an empty context): the
+    splits whose partial outputs a merge reads."""
+    return tl.cdiv(ctx, _seq_partition(ctx, splits, MIN_PARTITION, BLOCK_N))
+
+
+@triton.jit
 def _program_split(ctx_ptr, MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr):
     """This stage-1 program's (sequence as int64, KV head, split, context length, and its split's
     tokens start .. end; start >= end for a split past the context): the grid is (sequences, KV
@@ -260,7 +267,7 @@ def _merge_if_last(o_ptr, lse_ptr, count_ptr, final_ptr, b, kvh, ctx, d, d_mask,
     partials through L2 (.cg), where their stores went."""
     tl.debug_barrier()
     count = count_ptr + b * tl.num_programs(1) + kvh
-    live = tl.maximum(tl.cdiv(ctx, _seq_partition(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N)), 1)
+    live = tl.maximum(_live_splits(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N), 1)
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == live - 1:
         tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
         h = tl.arange(0, GROUP_PAD)
