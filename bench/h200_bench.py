@@ -233,6 +233,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     (`fused_gemv_projections`, "" for none)."""
     from engine import LLM, SamplingParams
     from engine.config import ModelConfig
+    from engine.kv_cache import KVCache
     from tandem_kernels.ops import GEMV_PROJECTIONS
 
     max_len = max(4096, prompt_len + 512)
@@ -263,8 +264,8 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
         eng.abort(request_id)
     del llm
     torch.cuda.empty_cache()
-    mc = ModelConfig.from_dict(cfg)
-    kv_bytes = batch * (prompt_len + 105) * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 * 2  # mid-run
+    # the KV a step reads halfway through the timed steps (5 untimed before them)
+    kv_bytes = batch * (prompt_len + 5 + n // 2) * KVCache.bytes_per_block(ModelConfig.from_dict(cfg), 1, torch.bfloat16)
     name = f"decode_b{batch}" + (f"_ctx{prompt_len}" if prompt_len != 128 else "")
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
             "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
