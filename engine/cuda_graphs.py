@@ -280,6 +280,14 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Replay the graph for this batch; None when it does not fit (caller runs eagerly)."""
+        bs = self.stage(input_ids, positions, meta)
+        return None if bs is None else self.replay(bs, input_ids.shape[0])
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int | None:
+        """Queue the copies of this batch into the graphs' inputs and return the bucket whose
+        graph `replay` then runs; None when it does not fit (caller runs eagerly). The copies
+        follow, in stream order, whatever replay was queued before them, so a step may be staged
+        while the step before still runs and replayed later (Engine.step's hold)."""
         n = input_ids.shape[0]
         bs = self.bucket(n)
         width = meta.block_tables.shape[1]
@@ -292,5 +300,10 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        return bs
+
+    def replay(self, bs: int, n: int) -> torch.Tensor:
+        """Replay bucket `bs`'s graph on the inputs `stage` queued; the hidden states of its first
+        `n` rows."""
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -384,9 +384,10 @@ class Engine:
         worker pushes them to the decode worker from there, overlapping the next layer; a step
         replayed from a prefill graph queues every layer at once, then runs the hook for each).
         `hold()`, when given, runs once the step's inputs are prepared, right before its forward
-        is queued, and after the step before it has finished on the device: the step is
-        prepared ahead but queued just in time, so at any moment at most one step of this
-        engine is on the device (a decode worker sharing its GPU checks its turn there).
+        is queued, and after the forward of the step before it has finished on the device: the
+        step is prepared ahead but queued just in time, so at any moment the device holds at
+        most one forward of this engine, and the LM head and sampling of the one before (a
+        decode worker sharing its GPU checks its turn there).
         `while_running(plan, ready)`, in a step that samples, runs once the whole step is queued
         and before its samples are read; `ready()` says whether they are in (the prefill worker
         pushes the KV of prompts whose target came after their layers ran, while the device
@@ -438,9 +439,9 @@ class Engine:
         launched = None
         if not out.is_empty:
             prev_tokens = prev.samples.tokens if prev is not None and prev.samples is not None else None
-            gate = None if hold is None else (lambda: _after_step(prev, self.runner, hold))
-            idx, samples = self.runner.launch(out, None, prev_tokens, gate)
-            launched = _InFlight(out, idx, samples)
+            gate = None if hold is None else (lambda: _after_forward(prev, hold))
+            idx, samples, forward_done = self.runner.launch(out, None, prev_tokens, gate)
+            launched = _InFlight(out, idx, samples, forward_done)
             for j, i in enumerate(idx):
                 seq = out.scheduled[i].seq
                 seq.num_pending += 1
@@ -571,20 +572,22 @@ def _split_output(seq: Sequence, n: int) -> None:
 
 @dataclass
 class _InFlight:
-    """A launched step: its schedule, the scheduled indices that sample, and their samples."""
+    """A launched step: its schedule, the scheduled indices that sample, their samples, and the
+    event at the end of its forward (None where the forward has finished on return: a CPU)."""
 
     out: SchedulerOutput
     sample_index: list[int]
     samples: PendingSamples | None
+    forward_done: torch.cuda.Event | None = None
 
 
-def _after_step(prev: _InFlight | None, runner: ModelRunner, hold: Callable[[], None]) -> None:
-    """Wait for step `prev` to finish on the device (its samples, or the device itself for a step
-    without samples), then run `hold`: the gate that queues the next step only after it."""
-    if prev is not None and prev.samples is not None:
-        prev.samples.wait()
-    elif prev is not None:
-        runner.synchronize()
+def _after_forward(prev: _InFlight | None, hold: Callable[[], None]) -> None:
+    """Wait for step `prev`'s forward to finish on the device, then run `hold`: the gate that
+    queues the next step's forward only after it. The step's LM head and sampling may still run
+    meanwhile: they cover the host's reaction (waking, the turn's look, the graph's launch), so
+    the device does not idle between held steps."""
+    if prev is not None and prev.forward_done is not None:
+        prev.forward_done.synchronize()
     hold()
 
 

@@ -200,7 +200,7 @@ class ModelRunner:
         """Run swaps, the forward pass and sampling. Returns (scheduled indices that sampled, samples).
         `while_running(ready)`, in a step that samples, runs once the step is queued and before its
         samples are read; `ready()` says whether they are in (it returns at once or works until then)."""
-        idx, pending = self.launch(out, after_layer, before_forward=before_forward)
+        idx, pending, _ = self.launch(out, after_layer, before_forward=before_forward)
         if pending is None:
             return idx, None
         if while_running is not None:
@@ -210,23 +210,29 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
                prev_tokens: torch.Tensor | None = None,
-               before_forward: Callable[[], None] | None = None) -> tuple[list[int], PendingSamples | None]:
+               before_forward: Callable[[], None] | None = None,
+               ) -> tuple[list[int], PendingSamples | None, torch.cuda.Event | None]:
         """Queue swaps, the forward pass and sampling without waiting for the device. Returns
-        (scheduled indices that sample, their PendingSamples). `prev_tokens`: see `prepare`.
-        `before_forward()` runs once the inputs are prepared, right before the forward is queued
-        (`Engine.step`'s hold)."""
+        (scheduled indices that sample, their PendingSamples, the forward's end): the last is an
+        event recorded between the forward and the LM head on a CUDA device (None elsewhere,
+        where the forward has finished on return). `prev_tokens`: see `prepare`.
+        `before_forward()` runs once the inputs are prepared (a decode graph's copied in), right
+        before the forward is queued (`Engine.step`'s hold)."""
         for dev_blocks, host_blocks in out.swap_out:
             self.kv_cache.swap_out(dev_blocks, host_blocks)
         for host_blocks, dev_blocks in out.swap_in:
             self.kv_cache.swap_in(host_blocks, dev_blocks)
         if not out.scheduled:
-            return [], None
+            return [], None, None
         batch = self.prepare(out, prev_tokens)
+        bucket = None
+        if self.graphs is not None and batch.meta.is_decode and after_layer is None:
+            bucket = self.graphs.stage(batch.input_ids, batch.positions, batch.meta)
         if before_forward is not None:
             before_forward()
         hidden = None
-        if self.graphs is not None and batch.meta.is_decode and after_layer is None:
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket, batch.input_ids.shape[0])
         elif self.prefill_graphs is not None and not batch.meta.is_decode:
             hidden = self.prefill_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None and after_layer is not None:
@@ -234,15 +240,14 @@ class ModelRunner:
                     after_layer(layer)
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta, after_layer)
-        if not batch.sample_index:
-            return [], None
-        logits = self.model.logits(hidden[batch.sample_rows])[: len(batch.sample_index)]
-        return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index))
-
-    def synchronize(self) -> None:
-        """Wait for the work queued on the device (nothing to wait for on a CPU)."""
+        forward_done = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            forward_done = torch.cuda.Event()
+            forward_done.record()
+        if not batch.sample_index:
+            return [], None, forward_done
+        logits = self.model.logits(hidden[batch.sample_rows])[: len(batch.sample_index)]
+        return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index)), forward_done
 
     def stop(self) -> None:
         """`Engine.close()`: release whatever runs beside this runner (nothing here; a

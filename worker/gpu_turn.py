@@ -18,10 +18,12 @@ decode worker lets the prompt go first:
 - and while it holds a reservation or answers a Reserve (a prompt's prefill is coming or
   running: the gateway sends the Prefill with the Reserve), it holds each
   step's launch (`DecodeTurn.before_forward`, `Engine.step`'s hold): a step is prepared while
-  the one before runs, but queued on the device only once that one is done, after a second
-  look at the marks. Queued ahead, a decode worker keeps up to two steps on the GPU, and the
-  prompt shares the GPU with both; held, with at most the rest of one. Holding costs each step
-  the host's reaction to the one before (the GPU idles meanwhile). `--gpu-turn-hold` says when
+  the one before runs, but its forward is queued on the device only once that one's forward is
+  done, after a second look at the marks. Queued ahead, a decode worker keeps up to two steps on
+  the GPU, and the prompt shares the GPU with both; held, with at most the rest of one. The
+  host's reaction to the forward before (waking, the look, the graph's launch) runs while that
+  step's LM head and sampling do, so holding costs the device little idle time (it idled
+  through that reaction when the hold waited for the step's samples). `--gpu-turn-hold` says when
   to hold (`HOLD_MODES`): `always` (the default: a Reserve reaches the decode worker only ~2 ms
   before its prompt's forward starts, too late to keep a step from being queued ahead, so only
   holding every step lets the prompt go first: TTFT -3.5 ms at 2 req/s for +0.3 ms a decode
@@ -112,10 +114,11 @@ class GpuTurn:
         return 0.0
 
     def before_forward(self, pause: Callable[[float], bool] = _sleep) -> float:
-        """Called inside a step, once the device has finished the step before and right before
-        this one's forward is queued (only when `holds_launch`); returns the seconds it waited,
-        through `pause` as `before_step` (the engine loop's runs only the commands that may run
-        while a step is prepared: its batch is fixed by then)."""
+        """Called inside a step, once the device has finished the forward of the step before
+        (its LM head and sampling may still run) and right before this one's forward is queued
+        (only when `holds_launch`); returns the seconds it waited, through `pause` as
+        `before_step` (the engine loop's runs only the commands that may run while a step is
+        prepared: its batch is fixed by then)."""
         return 0.0
 
     def after_step(self) -> None:
