@@ -163,8 +163,7 @@ def fp8_parity(tmp: Path) -> dict:
     against the timed buckets (a batch that replays a larger graph may meet another GEMM kernel:
     rounding). And decode steps with rotary and the K/V store inside the decode kernel
     (TANDEM_FUSED_ROTARY=1) against the default, on a bf16 and an FP8 cache (the same rotation,
-    store and loop: identical tokens expected). And the splits merged by stage 1's last program
-    (DecodeTuning.merge_in_stage1) against stage 2, on both caches (summation order)."""
+    store and loop: identical tokens expected)."""
     from engine import LLM, SamplingParams
     from engine.attention import FUSED_ROTARY_ENV
     from engine.cuda_graphs import TIMED_BUCKETS_ENV
@@ -208,17 +207,11 @@ def fp8_parity(tmp: Path) -> dict:
     untimed = tokens({TIMED_BUCKETS_ENV: "0", **wide}, kv_cache_dtype="fp8")
     fused_kv = tokens({FUSED_ROTARY_ENV: "1", **wide}, kv_cache_dtype="fp8")
     bf16, fused_bf16 = tokens({}), tokens({FUSED_ROTARY_ENV: "1"})
-    # The last split program merging the splits (no stage 2) against stage 2: summation order only.
-    merged_bf16 = tokens({TUNING_ENV: json.dumps({"merge_in_stage1": True})})
-    merged_kv = tokens({TUNING_ENV: json.dumps({**dataclasses.asdict(FP8_TUNING), "merge_in_stage1": True})},
-                       kv_cache_dtype="fp8")
     return {"fp8_deferred_vs_scaled": agree(deferred, scaled), "fp8kv_warp_split_vs_2d_tile": agree(split_kv, plain_kv),
             "fp8kv_head_major_vs_default": agree(head_major, split_kv),
             "fp8kv_untimed_vs_timed_buckets": agree(untimed, split_kv),
             "fp8kv_fused_rotary_vs_default": agree(fused_kv, split_kv),
             "bf16_fused_rotary_vs_default": agree(fused_bf16, bf16),
-            "bf16_merge_in_stage1_vs_stage2": agree(merged_bf16, bf16),
-            "fp8kv_merge_in_stage1_vs_stage2": agree(merged_kv, plain_kv),
             "varied": len({t for o in deferred for t in o})}
 
 

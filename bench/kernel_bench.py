@@ -344,7 +344,7 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
-    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, merge_in_stage1, GB/s, max
+    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, max
     error vs reference]. `order`: where
     each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
@@ -374,49 +374,11 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
                     err, gbps = None, repr(exc)[:80]
                 rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
                              t.opaque_cvt, t.min_partition, t.resident, t.defer_sum, t.lazy_rescale, t.narrow_offsets,
-                             t.unsigned_index, t.warp_split, t.prefetch, t.merge_in_stage1, gbps, err])
+                             t.unsigned_index, t.warp_split, t.prefetch, gbps, err])
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress: the sweep takes minutes
             del kc, vc
     return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum, "
-            "lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, merge_in_stage1, GB/s, err]": rows}
-
-
-def merge_check(shapes: tuple[tuple[int, int], ...] = ((1, 1024), (3, 4000), (4, 1100)),
-                caches: tuple[str, ...] = ("bf16", "fp8")) -> dict:
-    """DecodeTuning.merge_in_stage1 on the GPU: the output of the engine's tuning at each
-    (batch, context) with the splits merged by stage 1's last program, against the same tuning
-    with stage 2, eager three times and replayed five times from a CUDA graph, and the counters
-    zero after each. Rows: [cache, batch, ctx, splits, max |diff| eager, max |diff| graph,
-    counters zero]; `ok` when every diff is under 1e-2 and every counter is zero."""
-    from tandem_kernels import decode_attention as da
-
-    rows: list[list] = []
-    for batch, ctx in shapes:
-        s = Shapes(decode_batch=batch, decode_ctx=ctx)
-        for cache in [DECODE_CACHES[c] for c in caches]:
-            kc, vc, table, cl = paged_kv(spread_lens(ctx, batch, 0.5), s, cache, "cuda")
-            q = torch.randn(batch, s.hq, s.d, device="cuda", dtype=torch.bfloat16)
-            staged_tuning = da.default_tuning(cache, batch * s.hk, da.num_sms(q.device))
-            merged = dataclasses.replace(staged_tuning, merge_in_stage1=True)
-            staged = da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, tuning=staged_tuning)
-            eager = max(max_err(da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, tuning=merged), staged)
-                        for _ in range(3))
-            zero = int(da.split_counts(q.device, batch * s.hk).abs().sum()) == 0
-            out = torch.empty_like(q)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                da.paged_decode_attention(q, kc, vc, table, cl, s.d ** -0.5, tuning=merged, out=out)
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize()
-            replayed = max_err(out, staged)
-            zero = zero and int(da.split_counts(q.device, batch * s.hk).abs().sum()) == 0
-            splits = da.choose_splits(batch, s.hk, table.shape[1] * s.block_size, da.num_sms(q.device), merged)
-            rows.append([str(cache).split(".")[-1], batch, ctx, splits, eager, replayed, zero])
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    ok = all(r[4] < 1e-2 and r[5] < 1e-2 and r[6] for r in rows)
-    return {"merge_check [cache, batch, ctx, splits, max diff eager, max diff graph, counters zero]": rows,
-            "merge_check_ok": ok}
+            "lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, err]": rows}
 
 
 def _at_more_rows(fastest: list) -> list:
@@ -602,8 +564,6 @@ def main() -> int:
                     help="with --gemv-sweep: time these GemvTiling fields instead of the grid (repeatable)")
     ap.add_argument("--extend-sweep", action="store_true",
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
-    ap.add_argument("--merge-check", action="store_true",
-                    help="only DecodeTuning.merge_in_stage1 against stage 2, eager and in a CUDA graph (GPU)")
     ap.add_argument("--extend-tiles", action="store_true",
                     help="only extend attention's tiles on packed prompts of 256-8,192 tokens (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
@@ -630,10 +590,6 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        if args.merge_check:
-            result = merge_check()
-            print(json.dumps(result))
-            return 0 if result["merge_check_ok"] else 1
         if args.decode_sweep or args.gemv_sweep or args.extend_sweep or args.extend_tiles:
             only = None
             if args.decode_tuning:

@@ -190,10 +190,8 @@ def decode_stage1(cache: torch.dtype, batch: int, ctx: int, tuning=None, hq: int
     out = torch.empty_like(q)
     partial = torch.empty(batch, hq, splits, d, dtype=torch.float32, **meta) if splits > 1 else None
     lse = torch.empty(batch, hq, splits, dtype=torch.float32, **meta) if splits > 1 else None
-    counts = (torch.empty(batch * hk, dtype=torch.int32, **meta)
-              if tuning.merge_in_stage1 and not tuning.warp_split and splits > 1 else None)
     _, args, consts = da.stage1_launch(q, kc, torch.empty_like(kc), table, lens, d ** -0.5, 1.0, 1.0, tuning, splits,
-                                       out, partial, lse, step if rotary else None, counts)
+                                       out, partial, lse, step if rotary else None)
     consts.update(PDL=pdl, launch_pdl=pdl)
     return compile_for_hopper(da.stage1_kernel(tuning), args, consts)
 

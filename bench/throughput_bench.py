@@ -177,7 +177,6 @@ def run_decode_b1_fused_gemv(ctx: Context) -> dict:
 # in one run (the fused GEMVs with the sweep's fastest tiling of each weight).
 
 SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's first tile before the PDL wait
-MERGE_TUNING = {**SMALL_BATCH_TUNING, "merge_in_stage1": True}  # and no stage 2 (DecodeTuning.merge_in_stage1)
 # The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
 # is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
 # late_reduce: a loop of 170 SASS instructions a tile for o_proj against 299 (kernel_ir, batch 1).
@@ -622,14 +621,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b4 with decode attention's first tile before the wait"),
     Section("decode_b4_fused_qkv_o", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj"),
             "decode_b4, qkv and o_proj as fused GEMVs"),
-    Section("decode_b1_merge_in_stage1", "", 75, 35, "child", _decode(1, MERGE_TUNING),
-            "decode_b1, decode attention's splits merged by stage 1's last program (no stage-2 kernel)"),
-    Section("decode_b4_merge_in_stage1", "", 75, 35, "child", _decode(4, MERGE_TUNING),
-            "decode_b4, the splits merged in stage 1"),
     Section("decode_b4_ctx1024", "", 75, 35, "child", _decode(4, prompt_len=1024),
             "4 sequences of 1,024-token prompts: the online TPOT's step (its attention reads ~4% of the weights' bytes, at a third of copy speed)"),
-    Section("decode_b4_ctx1024_merge_in_stage1", "", 75, 35, "child", _decode(4, MERGE_TUNING, prompt_len=1024),
-            "decode_b4_ctx1024, the splits merged in stage 1"),
     Section("decode_b1_no_pdl", "", 75, 35, "child", run_decode_b1_no_pdl,
             "decode_b1 with TANDEM_PDL=0 (no programmatic dependent launch)"),
     Section("decode_b1_cublas_workspace", "", 75, 35, "child", _cublas_workspace(run_decode_b1),

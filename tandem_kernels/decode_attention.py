@@ -4,10 +4,8 @@ Stage 1 (its kernels are in tandem_kernels.decode_stage1): one program per (sequ
 KV split) loads each K/V tile of its split once and scores it against all the query heads of
 that KV head's group with tl.dot, keeping an online softmax in fp32; it writes a normalized
 partial output and its log-sum-exp (log2 domain).
-Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp; with
-DecodeTuning.merge_in_stage1 the last of a (sequence, KV head)'s split programs to finish does
-that merge instead (an atomic counts them; split_counts), and no stage-2 kernel runs. With a
-single split, stage 1 writes the final output directly. An FP8 cache's V tile is widened to
+Stage 2: one program per (sequence, query head) merges the splits by their log-sum-exp.
+With a single split, stage 1 writes the final output directly. An FP8 cache's V tile is widened to
 fp16 where it is loaded (DecodeTuning.opaque_cvt), so it reaches the MMA as fp16 through shared
 memory rather than as bytes gathered across rows.
 Every launch decision depends only on tensor shapes (block_tables.shape[1] bounds the context),
@@ -79,9 +77,6 @@ class DecodeTuning:
     prefetch: load each program's first K/V tile before waiting on the kernel before (PDL), the
       step's own token excepted (the 2-D tile only, and not with rotary_store_and_decode's store;
       see _decode_stage1).
-    merge_in_stage1: where there are several splits, the last of a (sequence, KV head)'s split
-      programs to finish (counted by an atomic) merges the splits' partial outputs into the
-      output, as stage 2 would, so that no stage-2 kernel runs (the 2-D tile only).
     """
 
     block_n: int = 64
@@ -96,7 +91,6 @@ class DecodeTuning:
     unsigned_index: bool = False
     warp_split: bool = False
     prefetch: bool = False
-    merge_in_stage1: bool = False
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
@@ -272,16 +266,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     sms = num_sms(q.device)
     tuning = tuning or default_tuning(k_cache.dtype, bsz * hk, sms)
     splits = choose_splits(bsz, hk, block_tables.shape[1] * block_size, sms, tuning)
-    partial = lse = counts = None
+    partial = lse = None
     if splits > 1:
         partial = torch.empty((bsz, hq, splits, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
-        if tuning.merge_in_stage1 and not tuning.warp_split:
-            counts = split_counts(q.device, bsz * hk)
     grid, args, consts = stage1_launch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                                       tuning, splits, out, partial, lse, step, counts)
+                                       tuning, splits, out, partial, lse, step)
     stage1_kernel(tuning)[grid](*args, **consts)
-    if splits == 1 or counts is not None:
+    if splits == 1:
         return out
     _decode_stage2[(bsz, hq)](
         partial, lse, context_lens, out,
@@ -322,24 +314,6 @@ def rotary_store_and_decode(
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, tuning, out, step)
 
 
-MERGE_CHUNK = 8  # splits the merging program loads at once (merge_in_stage1): GROUP_PAD x 8 x D values
-_SPLIT_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-MIN_SPLIT_COUNTS = 4096  # counters first allocated for a device and stream: 16 KB
-
-
-def split_counts(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, at least `n`, for DecodeTuning.merge_in_stage1: one per (sequence,
-    KV head) of a launch, counting its finished split programs; the last resets its counter, so
-    every launch leaves them zero. One set per device and CUDA stream (launches on two streams,
-    the nano-batch halves, may run at once); kept for the process, so a CUDA graph that captured
-    a launch replays it with the same counters."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counts = _SPLIT_COUNTS.get(key)
-    if counts is None or counts.numel() < n:
-        counts = _SPLIT_COUNTS[key] = torch.zeros(max(n, MIN_SPLIT_COUNTS), dtype=torch.int32, device=device)
-    return counts
-
-
 def _last_offset(cache: torch.Tensor) -> int:
     """The largest element offset from a cache view's start that indexing it can reach."""
     return sum((n - 1) * s for n, s in zip(cache.shape, cache.stride()))
@@ -349,13 +323,12 @@ def stage1_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: float, v_scale: float, tuning: DecodeTuning,
     splits: int, out: torch.Tensor, partial: torch.Tensor | None, lse: torch.Tensor | None,
-    step: StepKV | None = None, counts: torch.Tensor | None = None,
+    step: StepKV | None = None,
 ) -> tuple[tuple[int, int, int], list, dict]:
     """Stage 1's launch for checked arguments: (grid, positional args, keyword constants incl.
     num_warps / num_stages). One split writes `out` directly; more write `partial` and `lse` for
-    stage 2, or, given `counts` (split_counts: DecodeTuning.merge_in_stage1), merge them into
-    `out` themselves. With `step`, q is unrotated and the kernel rotates it and stores the step's
-    K and V (rotary_store_and_decode). One home for the launcher and for bench/kernel_ir.py, which
+    stage 2. With `step`, q is unrotated and the kernel rotates it and stores the step's K and V
+    (rotary_store_and_decode). One home for the launcher and for bench/kernel_ir.py, which
     compiles the kernel as a launch specializes it, on tensors of the meta device."""
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     bsz, _, dim = q.shape
@@ -387,9 +360,6 @@ def stage1_launch(
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), *o_strides, *lse_strides,
             float(scale) * k_scale * LOG2E, float(v_scale)]
-    merge = counts is not None and splits > 1
-    args += [counts if merge else lse, out, out.stride(0), out.stride(1)]
-    consts.update(MERGE=merge, GROUP_PAD=next_pow2(group), MERGE_CHUNK=min(MERGE_CHUNK, next_pow2(splits)))
     if step is None:  # the step's arguments are not read: any pointer, no strides
         args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
         consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False,

@@ -159,7 +159,7 @@ def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale, count_ptr, final_ptr, f_s0, f_s1,
+    qk_scale, v_scale,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
@@ -168,8 +168,7 @@ def _decode_stage1(
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """PREFETCH (not with ROTARY): the program's first K/V tile is loaded before the PDL wait,
     but for the step's own token (position ctx - 1), which the kernel before (rotary and store)
@@ -248,54 +247,6 @@ def _decode_stage1(
             tl.store(o_ptr + b * o_s0 + heads[:, None] * o_s1 + split * o_s2 + d[None, :], out, mask=o_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * lse_s0 + heads * lse_s1 + split, lse, mask=h_mask)
-            if MERGE:
-                _merge_if_last(o_ptr, lse_ptr, count_ptr, final_ptr, b, kvh, ctx, d, d_mask,
-                               o_s0, o_s1, o_s2, lse_s0, lse_s1, f_s0, f_s1, GROUP, GROUP_PAD, MIN_PARTITION,
-                               BLOCK_N, MERGE_CHUNK)
-
-
-@triton.jit
-def _merge_if_last(o_ptr, lse_ptr, count_ptr, final_ptr, b, kvh, ctx, d, d_mask,
-                   o_s0, o_s1, o_s2, lse_s0, lse_s1, f_s0, f_s1, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   MIN_PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """DecodeTuning.merge_in_stage1, after a split program stored its partial output and
-    log-sum-exp: count it done for (b, kvh); the last of the sequence's live splits (those its
-    context reaches; split 0 at least) merges every split's partials into `final` as
-    _decode_stage2 does, for the group's heads at once, MERGE_CHUNK splits a load, and zeroes the
-    counter for the next launch. The barrier puts all of this program's stores before its count
-    (a release at GPU scope); the merging program's count is an acquire, and it reads the others'
-    partials through L2 (.cg), where their stores went."""
-    tl.debug_barrier()
-    count = count_ptr + b * tl.num_programs(1) + kvh
-    live = tl.maximum(_live_splits(ctx, tl.num_programs(2), MIN_PARTITION, BLOCK_N), 1)
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == live - 1:
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-        h = tl.arange(0, GROUP_PAD)
-        heads = kvh * GROUP + h
-        h_mask = h < GROUP
-        lse_rows = lse_ptr + b * lse_s0 + heads[:, None] * lse_s1
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        for c in range(0, live, MERGE_CHUNK):
-            s = c + tl.arange(0, MERGE_CHUNK)
-            lse = tl.load(lse_rows + s[None, :], mask=h_mask[:, None] & (s < live)[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(lse, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a token (context 0): every weight is 0
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, d.shape[0]], tl.float32)
-        for c in range(0, live, MERGE_CHUNK):
-            s = c + tl.arange(0, MERGE_CHUNK)
-            s_mask = h_mask[:, None] & (s < live)[None, :]
-            lse = tl.load(lse_rows + s[None, :], mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0)  # [GROUP_PAD, MERGE_CHUNK]
-            parts = tl.load(o_ptr + b * o_s0 + heads[:, None, None] * o_s1 + s[None, :, None] * o_s2
-                            + d[None, None, :], mask=(w > 0.0)[:, :, None] & d_mask[None, None, :], other=0.0,
-                            cache_modifier=".cg")
-            acc += tl.sum(parts * w[:, :, None], 1)
-            total += tl.sum(w, 1)
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        tl.store(final_ptr + b * f_s0 + heads[:, None] * f_s1 + d[None, :], out.to(final_ptr.dtype.element_ty),
-                 mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
@@ -303,7 +254,7 @@ def _decode_stage1_warps(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
     q_s0, q_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, bt_s0,
     o_s0, o_s1, o_s2, lse_s0, lse_s1,
-    qk_scale, v_scale, count_ptr, final_ptr, f_s0, f_s1,
+    qk_scale, v_scale,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, kn_s0, kn_s1, vn_s0, vn_s1, cs_s0, k_store_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIRECT: tl.constexpr,
@@ -312,15 +263,14 @@ def _decode_stage1_warps(
     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr, BLOCKS_AHEAD: tl.constexpr,
     PDL: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr,
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
-    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, WARPS: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr, WARPS: tl.constexpr,
 ):
     """_decode_stage1 with DecodeTuning.warp_split: a tile is [WARPS, BLOCK_N // WARPS] tokens,
     each row of it one warp's, with its own running max, sum and accumulator; they merge after
     the loop. The dots are transposed against _decode_stage1's (scores [tokens, heads], the
     accumulator [D, heads]), so the query heads are the MMA's N (BLOCK_H: at least 8) rather than
     its M (at least 16): less padding of a 4-head group, half the accumulator. Same arguments
-    (DEFER_SUM, LAZY, PREFETCH and the MERGE ones are not used)."""
+    (DEFER_SUM, LAZY and PREFETCH are not used)."""
     pdl_begin(PDL)
     b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
     if (start < ctx) | (split == 0):  # split 0 always writes: context 0 must give zeros

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,23 +156,6 @@ def test_small_batch_pdl_builds_load_what_no_kernel_writes_before_the_wait(tmp_p
         wait = ptx.find("griddepcontrol.wait")
         assert wait > 0 and ptx[:wait].count("ld.global") >= 1, projection
         assert ptx[wait:].count("ld.global") >= 2, projection  # x (and the norm's residual), the next tiles
-
-
-def test_merge_in_stage1_builds_for_the_gpu(tmp_path):
-    """DecodeTuning.merge_in_stage1 (the last split program merges the splits) compiles for sm_90
-    at batch 1 and 4, plain and rotary, without spills; its PTX counts with an acquire-release
-    atomic at GPU scope and reads the other programs' partials through L2 (ld.global.cg)."""
-    for batch in ("1", "4"):
-        for rotary in ((), ("--rotary",)):
-            built = kernel_ir("--pdl", "--batch", batch, "--ctx", "1024", "--dump", str(tmp_path), *rotary,
-                              "--tuning", '{"prefetch": true, "resident": 3, "merge_in_stage1": true}')
-            for cache in ("bf16", "fp8e4nv"):
-                row = pick(built, "decode_stage1", cache, merge_in_stage1=True)
-                assert row["spilled_bytes"] == 0, (batch, rotary, row)
-                ptx = (tmp_path / f"{row['name']}.ptx").read_text()
-                assert re.search(r"atom\.[a-z_.]*acq_rel[a-z_.]*\.gpu|atom\.[a-z_.]*gpu[a-z_.]*acq_rel", ptx), \
-                    (batch, rotary, cache)
-                assert "ld.global.cg" in ptx, (batch, rotary, cache)
 
 
 @pytest.mark.parametrize("batch", ["1", "8"])

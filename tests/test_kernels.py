@@ -376,57 +376,6 @@ def case_decode_softmax_variants() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
-def case_decode_merge_in_stage1() -> None:
-    """merge_in_stage1 (the last split program of a sequence and KV head merges the splits; no
-    stage 2) gives stage 2's result up to the order of the fp32 sums, for bf16 and FP8 caches,
-    GQA 1 and 4, contexts of one split, several and 0 (zeros), with and without the prefetch and
-    with rotary_store_and_decode; every counter is back at zero after each launch, and a second
-    launch on the same counters gives the same bytes."""
-    from tandem_kernels import decode_attention as da, reference as ref
-
-    for cdt, hq, hk, prefetch in ((torch.bfloat16, 4, 1, False), (torch.bfloat16, 8, 2, True),
-                                  (FP8, 8, 2, False), (FP8, 4, 1, True)):
-        b, d, bs, width = 4, 32, 16, 12
-        what = f"decode merge_in_stage1 cache={cdt} heads={hq}/{hk} prefetch={prefetch}"
-        lens = [width * bs, int(torch.randint(1, 2 * bs, ())), 0, int(torch.randint(bs, width * bs, ()))]
-        kc, vc, table = paged(lens, bs, hk, d, cdt, width)
-        q = rand(b, hq, d, dtype=torch.bfloat16)
-        ctx = torch.tensor(lens, dtype=torch.int32)
-        scales = (0.5, 1.5) if cdt == FP8 else (1.0, 1.0)
-        base = da.DecodeTuning(block_n=16, min_partition=16, opaque_cvt="v" if cdt == FP8 else "", prefetch=prefetch)
-        merged = dataclasses.replace(base, merge_in_stage1=True)
-        assert da.choose_splits(b, hk, width * bs, 132, merged) > 1, what  # the merge has splits to merge
-        staged = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, *scales, tuning=base)
-        got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, *scales, tuning=merged)
-        counts = da.split_counts(q.device, b * hk)
-        assert int(counts.abs().sum()) == 0, f"{what}: counters left at {counts[:b * hk].tolist()}"
-        assert torch.equal(got[2].float(), torch.zeros_like(got[2].float())), f"{what}: context 0"
-        close(got, staged, torch.bfloat16, what + " vs stage 2", scale=1.0)
-        live = ctx > 0
-        want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, *scales)
-        close(got[live], want, torch.bfloat16, what, scale=2.0)
-        again = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, *scales, tuning=merged)
-        assert torch.equal(again, got), f"{what}: a second launch on the same counters"
-    # With the step's own token rotated and stored in the kernel (rotary_store_and_decode).
-    b, hq, hk, d, bs, width = 3, 8, 2, 64, 16, 10
-    lens = [width * bs, 37, int(torch.randint(2, width * bs, ()))]
-    kc, vc, table = paged(lens, bs, hk, d, torch.bfloat16, width)
-    qkv = rand(b, (hq + 2 * hk) * d, dtype=torch.bfloat16, scale=2.0)
-    q, k, v = (y.view(b, -1, d) for y in qkv.split([hq * d, hk * d, hk * d], dim=-1))
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
-    cos_sin = ref.rope_cos_sin_cache(width * bs + 1, d, inv)
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    pos = (ctx - 1).long()
-    slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs for i, p in enumerate(pos.tolist())])
-    outs = []
-    for merge in (False, True):
-        tuning = da.DecodeTuning(block_n=16, min_partition=16, merge_in_stage1=merge)
-        kcm, vcm = kc.clone(), vc.clone()
-        outs.append(da.rotary_store_and_decode(q, k, v, pos, cos_sin, kcm, vcm, slots, d, True, table, ctx,
-                                               d ** -0.5, tuning=tuning))
-    close(outs[1], outs[0], torch.bfloat16, "rotary_store_and_decode merge_in_stage1 vs stage 2", scale=1.0)
-
-
 def case_decode_warp_split() -> None:
     """warp_split (each warp's own online softmax over its share of a tile, merged after the loop)
     gives the reference's result: scores growing along the context (the warps' maxima differ and

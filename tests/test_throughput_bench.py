@@ -310,8 +310,8 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     assert seen["fused"] is None and seen["batch"] == 1
     assert json.loads(seen["env"][TUNING_ENV]) == tb.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
     assert seen["prompt_len"] == 128
-    # The online TPOT's shape: 4 sequences of 1,024-token prompts, the splits merged in stage 1.
+    # The online TPOT's shape: 4 sequences of 1,024-token prompts, the engine's own tuning.
     monkeypatch.delenv(TUNING_ENV, raising=False)
-    tb.SECTIONS["decode_b4_ctx1024_merge_in_stage1"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
+    tb.SECTIONS["decode_b4_ctx1024"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
     assert seen["batch"] == 4 and seen["prompt_len"] == 1024 and seen["fused"] is None
-    assert json.loads(seen["env"][TUNING_ENV]) == {**tb.SMALL_BATCH_TUNING, "merge_in_stage1": True}
+    assert seen["env"][TUNING_ENV] is None
