@@ -367,7 +367,9 @@ class Clusters:
     """At most one `tandem up` at a time (bench/up_bench.py's start_up / stop), kept running for
     the next section of the same mode; a mode that failed to start is not retried."""
 
-    MODES = {"disagg": [], "colocated": ["--colocated"], "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"]}
+    MODES = {"disagg": [], "colocated": ["--colocated"],
+             "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"],
+             "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"]}
 
     def __init__(self, model_dir: Path, log_root: Path, up_args: list[str] = ()) -> None:
         self.model_dir, self.log_root, self.up_args = model_dir, log_root, list(up_args)
@@ -590,6 +592,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("max_rate", "B", 170, 125, "cluster", run_max_rate, "`tandem up`, highest rate within the SLO"),
     Section("colocated", "B", 110, 80, "cluster", lambda c: run_services(c, "colocated"), "`tandem up --colocated`"),
     Section("online_colocated", "B", 75, 45, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
+    Section("online_hold_reserving", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_hold_reserving"),
+            "online with --gpu-turn-hold reserving: the held launch's cost on TPOT against `online` (always)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),

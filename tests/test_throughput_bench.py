@@ -124,6 +124,17 @@ def _row(rate: float, capacity: float) -> dict:
             "ttft_p99_ms": 2_000.0 if over else 120.0, "tpot_p50_ms": 6.0, "tpot_p99_ms": 9.0}
 
 
+def test_every_cluster_mode_is_flags_that_tandem_up_takes():
+    """Each Clusters mode's flags parse as `tandem up`'s (a misspelt one would fail only on the
+    device), and the hold section's mode asks for the hold it compares."""
+    from entrypoints.launcher import parse_args
+
+    for mode, flags in tb.Clusters.MODES.items():
+        parse_args(["--model", "m", *flags])
+    assert parse_args(["--model", "m", *tb.Clusters.MODES["disagg_hold_reserving"]]).gpu_turn_hold == "reserving"
+    assert parse_args(["--model", "m"]).gpu_turn_hold != "reserving"  # `online`, its baseline, holds otherwise
+
+
 def test_max_rate_search_steps_up_then_bisects():
     seen = []
 

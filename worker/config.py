@@ -300,9 +300,10 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="decode: the longest a step waits for prefill steps on its GPU (the most a running "
                         "stream's token is delayed on a prefill's account)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
-                   help="decode: when to queue a step only once the step before has finished and no prefill "
-                        "step holds the GPU: always (a prompt's forward then shares the GPU with at most the "
-                        "rest of one decode step: lower TTFT, each decode step ~0.3 ms later on an H200), "
+                   help="decode: when to queue a step's forward only once the step before's forward has "
+                        "finished and no prefill step holds the GPU: always (a prompt's forward then shares the "
+                        "GPU with at most the rest of one decode step: lower TTFT, for the host's reaction "
+                        "between steps, under the LM head and sampling of the one before), "
                         "reserving (only while a prefill for this worker is known to be near), off")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (0: any free port; default off)")
     p.add_argument("--redis-url", default=None, help="publish KV events to this Redis prefix index (default: none; the gateway's embedded index)")

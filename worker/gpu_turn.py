@@ -27,8 +27,9 @@ decode worker lets the prompt go first:
   to hold (`HOLD_MODES`): `always` (the default: a Reserve reaches the decode worker only ~2 ms
   before its prompt's forward starts, too late to keep a step from being queued ahead, so only
   holding every step lets the prompt go first: TTFT -3.5 ms at 2 req/s for +0.3 ms a decode
-  step, BENCHMARKS §21), `reserving` (only while a prefill is known to be near), `off`. Reserve
-  commands run during a held wait (`EngineLoop.submit(in_hold=True)`).
+  step when the hold waited for the samples, BENCHMARKS §21, §34), `reserving` (only while a
+  prefill is known to be near), `off`. Reserve commands run during a held wait
+  (`EngineLoop.submit(in_hold=True)`).
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
