@@ -278,11 +278,6 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return smallest_bucket(self.buckets, n)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Replay the graph for this batch; None when it does not fit (caller runs eagerly)."""
-        bs = self.stage(input_ids, positions, meta)
-        return None if bs is None else self.replay(bs, input_ids.shape[0])
-
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int | None:
         """Queue the copies of this batch into the graphs' inputs and return the bucket whose
         graph `replay` then runs; None when it does not fit (caller runs eagerly). The copies
