@@ -344,9 +344,8 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
-    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, max
-    error vs reference]. `order`: where
-    each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
+    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, max error vs
+    reference]. `order`: where each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
     `caches` (DECODE_CACHES names). `shapes`: these (batch, context) pairs instead. `spread`: the
     contexts of a batch vary around its ctx (spread_lens); GB/s counts the bytes of each."""

@@ -46,8 +46,8 @@ __all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", 
            "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
-# When a decode worker holds a step's launch until the step before has finished and the turn is
-# free: every step, only while a prefill for it is near (a reservation held or a Reserve
+# When a decode worker holds a step's launch until the step before's forward has finished and the
+# turn is free: every step, only while a prefill for it is near (a reservation held or a Reserve
 # arriving), or never (steps are queued ahead).
 HOLD_MODES = ("always", "reserving", "off")
 DEFAULT_HOLD = "always"
