@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -510,6 +511,69 @@ def extend_tiles(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((32, 256), (
     return {"extend_tiles [cache, prompts, q_len, block_m, block_n, warps, stages, TFLOP/s]": rows}
 
 
+# Peers extend_peers times against ours: name -> (q, k, v, k and v expanded to the query heads,
+# cu_seqlens, prompts, length, scale) -> [T, Hq, D]. Both SDPA rows need prompts of one length.
+def _peer_fa2_varlen(q, k, v, ke, ve, cu, seqs, n, scale):
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale)[0]
+
+
+def _peer_cudnn_ragged(q, k, v, ke, ve, cu, seqs, n, scale):
+    return torch.ops.aten._cudnn_attention_forward(q, ke, ve, None, cu, cu, n, n, False, 0.0, True, False,
+                                                   scale=scale)[0]
+
+
+def _peer_sdpa(backend_name: str):
+    def run(q, k, v, ke, ve, cu, seqs, n, scale):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qb, kb, vb = (x.view(seqs, n, q.shape[1], q.shape[2]).transpose(1, 2) for x in (q, ke, ve))
+        with sdpa_kernel(getattr(SDPBackend, backend_name)):
+            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+    return run
+
+
+EXTEND_PEERS = {"torch_fa2_varlen": _peer_fa2_varlen, "cudnn_ragged": _peer_cudnn_ragged,
+                "sdpa_cudnn_batched": _peer_sdpa("CUDNN_ATTENTION"), "sdpa_flash_batched": _peer_sdpa("FLASH_ATTENTION")}
+
+
+def extend_peers(s: Shapes, prompts: tuple[tuple[int, int], ...] = ((8, 1024), (16, 512), (4, 2048), (1, 8192),
+                                                                    (1, 1024), (2, 1024))) -> dict:
+    """Prefill attention over fresh prompts (no cached prefix), packed as a prefill step packs
+    them (`prompts`: (count, length)): ours (extend_attention with new_kv, as the engine calls it)
+    against torch's own kernels on the same q, k, v: FlashAttention-2 varlen (GQA as is), cuDNN's
+    ragged entry, and SDPA on [prompts, heads, length, dim] through cuDNN and through
+    FlashAttention (k and v expanded to the query heads beforehand, not timed). TFLOP/s of the
+    causal (query, key) pairs, and each peer's largest difference from ours."""
+    from tandem_kernels import extend_attention as ea
+
+    rows = []
+    for seqs, n in prompts:
+        t = seqs * n
+        kc, vc, table, sl = paged_kv([n] * seqs, s, torch.bfloat16, "cuda")
+        qkv = torch.randn(t, (s.hq + 2 * s.hk) * s.d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (x.view(t, -1, s.d) for x in qkv.split([s.hq * s.d, s.hk * s.d, s.hk * s.d], dim=-1))
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        ke, ve = (x.repeat_interleave(s.hq // s.hk, dim=1) for x in (k, v))
+        cu = torch.arange(0, t + 1, n, dtype=torch.int32, device="cuda")
+        scale, flops = s.d ** -0.5, 4.0 * s.hq * s.d * (n * (n + 1) // 2) * seqs
+        ours = (lambda: ea.extend_attention(q, kc, vc, table, cu, sl, scale, new_kv=(k, v)))
+        want = ours().float()
+        row: dict[str, Any] = {"prompts": seqs, "length": n,
+                               "ours_TFLOPs": round(flops / bench_ms(ours, reps=40, graph=False) / 1e9, 1)}
+        for name, peer in EXTEND_PEERS.items():
+            fn = (lambda peer=peer: peer(q, k, v, ke, ve, cu, seqs, n, scale))
+            try:
+                diff = (fn().float() - want).abs().max().item()
+                row[name] = {"TFLOPs": round(flops / bench_ms(fn, reps=40, graph=False) / 1e9, 1),
+                             "max_diff": round(diff, 4)}
+            except Exception as exc:  # a peer this torch or GPU lacks
+                row[name] = {"error": repr(exc)[:200]}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return {"extend_peers": rows, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+
+
 def sweep(s: Shapes) -> dict:
     """Time the attention kernels over alternative configurations."""
     from tandem_kernels import extend_attention as ea
@@ -565,6 +629,8 @@ def main() -> int:
                     help="only extend attention with its block-table entries read a tile ahead or not (GPU)")
     ap.add_argument("--extend-tiles", action="store_true",
                     help="only extend attention's tiles on packed prompts of 256-8,192 tokens (GPU)")
+    ap.add_argument("--extend-peers", action="store_true",
+                    help="only prefill attention on fresh packed prompts against torch's FlashAttention-2 and cuDNN (GPU)")
     ap.add_argument("--block-order", choices=BLOCK_ORDERS, default="random",
                     help="where the decode sweep's sequences' KV blocks lie (see paged_kv)")
     ap.add_argument("--decode-tuning", action="append", default=None, metavar="JSON",
@@ -589,7 +655,7 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("no CUDA device; use --cpu-smoke with TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        if args.decode_sweep or args.gemv_sweep or args.extend_sweep or args.extend_tiles:
+        if args.decode_sweep or args.gemv_sweep or args.extend_sweep or args.extend_tiles or args.extend_peers:
             only = None
             if args.decode_tuning:
                 from tandem_kernels.decode_attention import DecodeTuning
@@ -599,7 +665,8 @@ def main() -> int:
                               **(gemv_sweep(weights=tuple(w for w in args.gemv_weights.split(",") if w),
                                             tilings=_gemv_tilings(args.gemv_tiling)) if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {}),
-                              **(extend_tiles(Shapes()) if args.extend_tiles else {})}))
+                              **(extend_tiles(Shapes()) if args.extend_tiles else {}),
+                              **(extend_peers(Shapes()) if args.extend_peers else {})}))
             return 0
         s = Shapes()
         result = {"mode": "gpu", "device": torch.cuda.get_device_name(), "shapes": asdict(s),
