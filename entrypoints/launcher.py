@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         if fitted is not None:
             print(f"tandem up: --max-model-len {fitted}: a request of the model's whole context does not fit "
                   f"both the prefill and the decode worker sharing a GPU; pass --max-model-len (with "
-                  f"--gpus or --gpu-memory-fraction) to choose", flush=True)
+                  f"--gpus or --gpu-memory-fraction) to choose. Each of the two holds the weights, which "
+                  f"leaves the decode worker fewer running sequences: --colocated (one worker) serves "
+                  f"more of them on this GPU", flush=True)
             a.max_model_len = fitted
         placement = placement_for(a, model=model)
     except PlacementError as exc:
