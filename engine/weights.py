@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from engine.config import LOAD_FORMATS, ModelConfig
 from engine.model import CausalLM
+from engine.rope import build_cos_sin_cache
 from engine.quant.formats import UNUSED_SUFFIXES, Fp8CheckpointFormat, checkpoint_fp8_format
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,28 @@ def load_model(
         load_fp8_safetensors(model, Path(model_dir), fp8)
     else:
         load_safetensors(model, Path(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def model_without_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+                          quantization: str | None = None) -> CausalLM:
+    """The CausalLM that load_model (then `quantization`, as Engine applies it) makes, with its
+    parameters on the meta device (no memory, no values) and its rotary cache on `device`: the
+    modules a process binds to weights another process loaded (engine/shared_weights.py)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
+    fp8 = checkpoint_fp8_format(config.raw)
+    with torch.device("meta"), default_dtype(dtype):
+        model = CausalLM(config)
+    model.cos_sin_cache = build_cos_sin_cache(config, device)
+    from engine.quant.fp8 import QUANTIZATIONS, convert_to_fp8
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if fp8 is not None and load_format != "dummy":  # as load_fp8_safetensors converts
+        convert_to_fp8(model, quantize_weights=False, skip=lambda name: _fp8_skipped(name, fp8))
+    if quantization is not None or (fp8 is not None and load_format == "dummy"):  # as apply_quantization
+        convert_to_fp8(model, quantize_weights=False)
     return model.eval().requires_grad_(False)
 
 

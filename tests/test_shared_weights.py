@@ -1,0 +1,128 @@
+"""engine/shared_weights.py: one copy of the weights for the processes on one device, kept while
+any of them lives; engine/weights.py model_without_weights builds what load_model builds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.quant import apply_quantization
+from engine.shared_weights import ALIGN, Arena, Manifest, plan
+from engine.weights import load_model, model_without_weights
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "glm4"])
+def test_model_without_weights_has_the_loaded_models_parameters(tiny_models, family, quantization):
+    config = ModelConfig.from_dir(tiny_models[family])
+    loaded = load_model(tiny_models[family], config, torch.float32, torch.device("cpu"))
+    apply_quantization(loaded, quantization)
+    empty = model_without_weights(config, torch.float32, torch.device("cpu"), quantization=quantization)
+    assert all(p.is_meta for p in empty.parameters())
+    ident = {"model": family}
+    assert plan(empty, ident).difference(plan(loaded, ident)) is None
+    assert torch.equal(empty.cos_sin_cache, loaded.cos_sin_cache)
+    if quantization:
+        assert any(p.dtype == torch.float8_e4m3fn for p in empty.parameters())
+
+
+def test_plan_aligns_every_parameter_and_names_the_first_difference(tiny_models):
+    config = ModelConfig.from_dir(tiny_models["llama"])
+    model = model_without_weights(config, torch.float32, torch.device("cpu"))
+    m = plan(model, {"model": "a", "dtype": "torch.float32"})
+    assert [e.name for e in m.entries] == [n for n, _ in model.named_parameters()]
+    assert all(e.offset % ALIGN == 0 for e in m.entries)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in zip(m.entries, m.entries[1:]))
+    assert m.nbytes == m.entries[-1].offset + m.entries[-1].nbytes
+    assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
+    other = plan(model_without_weights(config, torch.bfloat16, torch.device("cpu")), {"model": "a", "dtype": "torch.float32"})
+    assert "parameter embed_tokens.weight" in m.difference(other) and "torch.bfloat16" in m.difference(other)
+    assert "dtype 'torch.bfloat16'" in m.difference(plan(model, {"model": "a", "dtype": "torch.bfloat16"}))
+
+
+def test_a_host_arena_mapped_from_its_descriptor_is_the_same_memory():
+    a = Arena(torch.device("cpu"), 4096)
+    b = Arena(torch.device("cpu"), 4096, a.export_fd())
+    a.tensor[100:108] = torch.arange(8, dtype=torch.uint8)
+    assert torch.equal(b.tensor[100:108], torch.arange(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="fewer than"):
+        Arena(torch.device("cpu"), 8192, a.export_fd())
+
+
+class Holder:
+    """tests/shared_weights_holder.py in a process of its own."""
+
+    def __init__(self, rendezvous: Path, model_dir: Path, dtype: str = "float32") -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_weights_holder", str(rendezvous),
+                                      str(model_dir), dtype], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.first = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"holder exited with {self.proc.wait(timeout=30)}"
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def test_processes_share_one_copy_that_outlives_whoever_loaded_it(tiny_models, tmp_path):
+    rv, model_dir = tmp_path / "rv", tiny_models["llama"]
+    a = Holder(rv, model_dir)
+    holders = [a]
+    try:
+        assert a.first["loaded_here"] is True
+        b = Holder(rv, model_dir)
+        holders.append(b)
+        assert b.first == {"loaded_here": False, "sum": a.first["sum"]}
+        # One copy: a write through one process is what the other reads.
+        changed = a.ask("fill norm.weight 3.0")["sum"]
+        assert changed != a.first["sum"]
+        assert b.ask("sum")["sum"] == changed
+        # kill -9 of the process that loaded the weights: the other keeps them and hands them on.
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(timeout=30)
+        assert b.ask("sum")["sum"] == changed
+        c = Holder(rv, model_dir)
+        holders.append(c)
+        assert c.first == {"loaded_here": False, "sum": changed}
+        assert not (rv / f"{a.proc.pid}.sock").exists()  # the dead one's socket is gone
+        # Weights of another dtype are refused, naming the difference (loading a second copy
+        # would overfill a device sized for one).
+        d = Holder(rv, model_dir, "bfloat16")
+        holders.append(d)
+        assert "dtype" in d.first["error"] and "--dtype" in d.first["error"]
+    finally:
+        for h in holders:
+            h.stop()
+
+
+def test_the_first_process_loads_when_every_socket_is_stale(tiny_models, tmp_path):
+    rv, model_dir = tmp_path / "rv", tiny_models["llama"]
+    a = Holder(rv, model_dir)
+    a.stop()  # killed: its socket file stays behind
+    assert list(rv.glob("*.sock"))
+    b = Holder(rv, model_dir)
+    try:
+        assert b.first["loaded_here"] is True and b.first["sum"] == a.first["sum"]
+        assert [p.name for p in rv.glob("*.sock")] == [f"{b.proc.pid}.sock"]
+    finally:
+        b.stop()
