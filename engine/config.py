@@ -98,6 +98,13 @@ class EngineConfig:
     # scales; engine/quant/fp8.py) or None (the checkpoint's weights as they are; an FP8
     # checkpoint loads as FP8 either way).
     quantization: str | None = None
+    # A rendezvous directory (engine/shared_weights.py) where the processes on one device keep one
+    # copy of the weights: the first loads them, the others map them. None: this process's own copy.
+    shared_weights_dir: str | None = None
+    # Whether this process's memory budget (gpu_memory_fraction) holds the shared weights: true
+    # for one process of those sharing (tandem up: the decode worker), false for the others,
+    # whose budget then holds no weights at all.
+    shared_weights_charged: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -130,7 +137,10 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gb: must be > 0, got {self.cpu_kv_cache_gb!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "cuda_graphs", "warm_up"):
+        if self.shared_weights_dir is not None and not (isinstance(self.shared_weights_dir, str)
+                                                        and self.shared_weights_dir):
+            raise ValueError(f"shared_weights_dir: a directory path or None, got {self.shared_weights_dir!r}")
+        for name in ("enable_prefix_cache", "cuda_graphs", "warm_up", "shared_weights_charged"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
         if self.fused_decode_gemv is not None and not isinstance(self.fused_decode_gemv, bool):

@@ -37,7 +37,9 @@ from engine.sampler import PendingSamples, Sampler, TokenLogprobs
 from engine.scheduler import PrefillAlone, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SeqStatus
 from engine.shard import ModelShard, WholeModel
+from engine.shared_weights import SharedWeights, load_shared
 from engine.warm_up import warm_up
+from engine.weights import model_without_weights
 from tandem.detokenize import IncrementalDetokenizer
 from tandem.hashing import model_identity, seed_hash
 from tandem.rules import STOP_STRING, STOP_TOKEN, Stop, StopChecker, StopText, blocks_needed, check_prompt_ids
@@ -100,10 +102,14 @@ class Engine:
             require_fp8_device(device, "kv_cache_dtype 'fp8' (--kv-cache-dtype fp8)")
         if config.quantization == "fp8":
             require_fp8_device(device, "quantization 'fp8' (--quantization fp8)")
-        check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
-                          1 if self.shard.runs_alone else _world_size(self.shard))
-        self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
-        if config.quantization is not None:
+        if config.shared_weights_dir is None or config.shared_weights_charged:
+            check_weights_fit(self.model_config, dtype, device, config.gpu_memory_fraction,
+                              1 if self.shard.runs_alone else _world_size(self.shard))
+        self.shared_weights: SharedWeights | None = None
+        if config.shared_weights_dir is not None:
+            self.model, kv_config = self._load_shared(path, dtype, device), self.model_config
+        else:
+            self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
             apply_quantization(self.model, config.quantization)
         if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
             require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")
@@ -116,9 +122,10 @@ class Engine:
                             sum(enabled), len(enabled))
         kv_dtype = KVCache.storage_dtype(config.kv_cache_dtype, dtype)
         block_bytes = KVCache.bytes_per_block(kv_config, config.block_size, kv_dtype)
+        charged = self.shared_weights.manifest.nbytes if self.shared_weights and config.shared_weights_charged else 0
         num_blocks = config.num_kv_blocks or derive_num_blocks(
             config, self.model, self.model_config, kv_config, kv_dtype, dtype, device, self.shard.runs_alone,
-            _world_size(self.shard), self.max_model_len, block_bytes)
+            _world_size(self.shard), self.max_model_len, block_bytes, shared_weight_bytes=charged)
         num_host = int(config.swap_space_gb * 2**30 // block_bytes)
         # Block ids are the scheduling process's, so every process of the replica needs as many.
         num_blocks, num_host = self.shard.agree_block_counts(num_blocks, num_host, device)
@@ -521,9 +528,30 @@ class Engine:
         """
         return self.shard.follow(self.model, self.kv_cache, self.device, on_step)
 
+    def _load_shared(self, path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """The model with its weights in the shared arena of config.shared_weights_dir: loaded
+        here (then quantized) when no other process holds them, else mapped from one."""
+        config = self.config
+        if not isinstance(self.shard, WholeModel):
+            raise ValueError("shared_weights_dir: shared weights need the whole model in one process (--tp 1)")
+        identity = {"model": self.identity, "dtype": str(dtype), "quantization": config.quantization,
+                    "device": device.type}
+
+        def load() -> torch.nn.Module:
+            model, _ = self.shard.load(path, self.model_config, dtype, device, config.load_format)
+            return apply_quantization(model, config.quantization)
+
+        self.shared_weights = load_shared(
+            config.shared_weights_dir, identity, device, load=load,
+            build=lambda: model_without_weights(self.model_config, dtype, device, config.load_format,
+                                                config.quantization))
+        return self.shared_weights.model
+
     def close(self) -> None:
         """Release whatever runs beside this engine's runner (tensor-parallel followers wait in
-        `follow()`) and unhook the late-compile watch; idempotent."""
+        `follow()`), stop serving shared weights and unhook the late-compile watch; idempotent."""
+        if self.shared_weights is not None:
+            self.shared_weights.close()
         if self.runner is not None:
             self.runner.stop()
         if self.late_compiles is not None:

@@ -3,7 +3,8 @@
 `Engine` sizes its KV pool here, after its weights are loaded and before the pool exists:
 
     kv bytes = gpu_memory_fraction × the GPU's total memory
-               − weights (what this process has allocated once they are loaded)
+               − weights (what this process has allocated once they are loaded, plus the
+                 weights it shares with other processes and is charged for: shared_weights.py)
                − activations of the largest step (measured: a forward of max_batched_tokens
                  prompt tokens and the logits of the largest decode batch, as vLLM profiles)
                − CUDA graphs of the decode batches and of prefill steps up to
@@ -168,28 +169,30 @@ def prefill_graph_bytes(step_activations: int, num_tokens: int, prefill_graph_to
 
 def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
             graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0,
-            graph_rows: int | None = None) -> MemoryPlan:
+            graph_rows: int | None = None, shared_weight_bytes: int = 0) -> MemoryPlan:
     """The budget of an engine on `device` whose weights are loaded: `step_activations` from
     `profile_step` (or `estimate_step`) for a step of `num_tokens`; `max_batch` the largest
     decode batch (sampler rows, and the largest CUDA graph when `graph_batches` > 0 graphs are
     captured, unless `graph_rows` names the largest graph's rows); `prefill_graph_tokens` the
     largest prefill graph (engine/prefill_graphs.py, whose pool holds a step of that many tokens'
-    activations), 0 for none."""
+    activations), 0 for none; `shared_weight_bytes` the weights in a shared arena
+    (engine/shared_weights.py) this engine's budget holds, which torch does not count."""
     total = torch.cuda.get_device_properties(device).total_memory
     per_token = step_activations / max(1, num_tokens)
     rows = graph_rows or max_batch
     graphs = int(per_token * rows * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
     graphs += prefill_graph_bytes(step_activations, num_tokens, prefill_graph_tokens)
-    return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device),
+    return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device) + shared_weight_bytes,
                       activations=step_activations, graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
 
 
 def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig, kv_config: ModelConfig,
                       kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, alone: bool, world_size: int,
-                      max_model_len: int, block_bytes: int) -> int:
+                      max_model_len: int, block_bytes: int, shared_weight_bytes: int = 0) -> int:
     """KV blocks for an engine whose weights are loaded on `device`. On CUDA: the whole budget
-    of its gpu_memory_fraction once weights, the largest step's activations (profiled when the
+    of its gpu_memory_fraction once weights (its own allocations, plus `shared_weight_bytes` of
+    weights it shares with other processes and is charged for), the largest step's activations (profiled when the
     process runs the model `alone`, else `estimate_step` for its tensor-parallel share), CUDA
     graphs, the sampler and the rest are counted (`plan_kv`); on the CPU: cpu_kv_cache_gb. With
     an explicit max_running, no more than max_running max-length requests can use. ValueError
@@ -213,7 +216,7 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
         plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
                        num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
                        graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size,
-                       prefill_graph_tokens=prefill_tokens)
+                       prefill_graph_tokens=prefill_tokens, shared_weight_bytes=shared_weight_bytes)
         blocks = max(0, plan.kv) // block_bytes
         logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
         if blocks < per_request:

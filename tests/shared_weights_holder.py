@@ -1,9 +1,10 @@
-"""A process that holds a tiny model's weights through engine.shared_weights, for
-tests/test_shared_weights.py: `python -m tests.shared_weights_holder RENDEZVOUS MODEL_DIR [DTYPE]`.
+"""A process whose engine keeps its weights in a shared arena (EngineConfig.shared_weights_dir),
+for tests/test_shared_weights.py: `python -m tests.shared_weights_holder RENDEZVOUS MODEL_DIR [DTYPE]`.
 
-Prints one JSON line once its model is up ({"loaded_here", "sum"}), then answers commands on
-stdin, one JSON line each: "sum" (the parameters' float64 sum), "fill NAME VALUE" (writes a
-parameter in place: the test's proof that the memory is shared), "exit"."""
+Prints one JSON line once its engine is up ({"loaded_here", "sum"}, or {"error"}), then answers
+commands on stdin, one JSON line each: "sum" (the parameters' float64 sum), "fill NAME VALUE"
+(writes a parameter in place: the test's proof that the memory is shared), "tokens" (greedy
+tokens of a fixed prompt), "exit"."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,10 @@ import sys
 
 import torch
 
-from engine.config import ModelConfig, parse_dtype
-from engine.shared_weights import load_shared
-from engine.weights import load_model, model_without_weights
+from engine.llm import LLM
+from tandem.types import SamplingParams
+
+PROMPT = [1, 5, 9, 2, 7]
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -22,26 +24,27 @@ def checksum(model: torch.nn.Module) -> float:
 
 def main() -> int:
     rendezvous, model_dir = sys.argv[1], sys.argv[2]
-    dtype = parse_dtype(sys.argv[3] if len(sys.argv) > 3 else "float32", "dtype")
-    config, device = ModelConfig.from_dir(model_dir), torch.device("cpu")
-    identity = {"model": model_dir, "dtype": str(dtype), "quantization": None}
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
     try:
-        shared = load_shared(rendezvous, identity, device,
-                             build=lambda: model_without_weights(config, dtype, device, "auto"),
-                             load=lambda: load_model(model_dir, config, dtype, device, "auto"))
+        llm = LLM(model_dir, dtype=dtype, device="cpu", shared_weights_dir=rendezvous, num_kv_blocks=64)
     except ValueError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 2
-    params = dict(shared.model.named_parameters())
-    print(json.dumps({"loaded_here": shared.loaded_here, "sum": checksum(shared.model)}), flush=True)
+    shared = llm.engine.shared_weights
+    params = dict(llm.engine.model.named_parameters())
+    print(json.dumps({"loaded_here": shared.loaded_here, "sum": checksum(llm.engine.model)}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "exit":
             break
         if cmd[0] == "fill":
             params[cmd[1]].data.fill_(float(cmd[2]))
-        print(json.dumps({"sum": checksum(shared.model)}), flush=True)
-    shared.close()
+        if cmd[0] == "tokens":
+            out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            print(json.dumps({"tokens": out[0].token_ids}), flush=True)
+            continue
+        print(json.dumps({"sum": checksum(llm.engine.model)}), flush=True)
+    llm.close()
     return 0
 
 

@@ -109,7 +109,8 @@ def test_processes_share_one_copy_that_outlives_whoever_loaded_it(tiny_models, t
         # would overfill a device sized for one).
         d = Holder(rv, model_dir, "bfloat16")
         holders.append(d)
-        assert "dtype" in d.first["error"] and "--dtype" in d.first["error"]
+        assert "dtype 'torch.float32' where this worker has 'torch.bfloat16'" in d.first["error"]
+        assert "--dtype" in d.first["error"]
     finally:
         for h in holders:
             h.stop()
@@ -126,3 +127,46 @@ def test_the_first_process_loads_when_every_socket_is_stale(tiny_models, tmp_pat
         assert [p.name for p in rv.glob("*.sock")] == [f"{b.proc.pid}.sock"]
     finally:
         b.stop()
+
+
+def test_an_engine_on_mapped_weights_decodes_as_one_with_its_own(tiny_models, tmp_path):
+    """Greedy tokens of an engine whose weights another process loaded equal a plain engine's,
+    and the loading process's own."""
+    from engine.llm import LLM
+    from tandem.types import SamplingParams
+
+    from tests.shared_weights_holder import PROMPT
+
+    model_dir = tiny_models["qwen3"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64).generate([PROMPT], params)[0].token_ids
+    a = Holder(tmp_path / "rv", model_dir)
+    try:
+        assert a.first["loaded_here"] is True
+        mapped = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+                     shared_weights_dir=str(tmp_path / "rv"))
+        try:
+            assert mapped.engine.shared_weights.loaded_here is False
+            assert all(not p.is_meta for p in mapped.engine.model.parameters())
+            assert mapped.generate([PROMPT], params)[0].token_ids == plain
+            assert a.ask("tokens")["tokens"] == plain
+        finally:
+            mapped.close()
+    finally:
+        a.stop()
+
+
+def test_shared_weights_flags_are_checked():
+    from engine.config import EngineConfig
+    from worker.config import build_parser, config_from_args
+
+    with pytest.raises(ValueError, match="shared_weights_dir"):
+        EngineConfig(model_path="m", shared_weights_dir="")
+    with pytest.raises(ValueError, match="shared_weights_charged"):
+        EngineConfig(model_path="m", shared_weights_dir="d", shared_weights_charged="no")
+    args = build_parser("decode").parse_args(["--model", "m", "--shared-weights-uncharged"])
+    with pytest.raises(ValueError, match="--shared-weights-uncharged: only with --shared-weights-dir"):
+        config_from_args(args, "decode")
+    args = build_parser("decode").parse_args(["--model", "m", "--shared-weights-dir", "/r", "--shared-weights-uncharged"])
+    engine = config_from_args(args, "decode").engine
+    assert engine.shared_weights_dir == "/r" and engine.shared_weights_charged is False

@@ -258,6 +258,13 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                    help="fp8: e4m3 KV cache, twice the tokens")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="fp8: quantize the weights to e4m3 at load (per-channel scales; FP8 checkpoints load as FP8 anyway)")
+    p.add_argument("--shared-weights-dir", default=None, metavar="DIR",
+                   help="keep one copy of the weights with the other workers on this device that name DIR: the "
+                        "first loads them, the others map them, and they live while any of those workers does "
+                        "(default: this worker's own copy; tandem up --share-weights sets it)")
+    p.add_argument("--shared-weights-uncharged", action="store_true",
+                   help="with --shared-weights-dir: this worker's --gpu-memory-fraction holds no weights (another "
+                        "worker's holds them; tandem up charges the decode worker)")
     p.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", "--mem-fraction-static", type=float,
                    default=0.90, dest="gpu_memory_fraction",
                    help="share of the GPU's total memory this worker may use (weights, activations, graphs, KV)")
@@ -335,6 +342,8 @@ def _prefill_graph_tokens(args: argparse.Namespace, role: str) -> int:
 
 def config_from_args(args: argparse.Namespace, role: str | None = None) -> WorkerConfig:
     role = role or args.role
+    if args.shared_weights_uncharged and not args.shared_weights_dir:
+        raise ValueError("--shared-weights-uncharged: only with --shared-weights-dir")
     port = args.port if args.port is not None else DEFAULT_PORTS[role]
     engine = EngineConfig(
         model_path=args.model,
@@ -350,6 +359,8 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        shared_weights_dir=args.shared_weights_dir,
+        shared_weights_charged=not args.shared_weights_uncharged,
         gpu_memory_fraction=args.gpu_memory_fraction,
         swap_space_gb=args.swap_space_gb,
         cuda_graphs=not args.no_cuda_graphs,
