@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -37,8 +38,8 @@ from pathlib import Path
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
-from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, parse_gpus, place,
-                                   visible_gpu_count)
+from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
+                                   place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
@@ -90,7 +91,8 @@ def _sizing(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
                 max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
                 max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
-                prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None else a.prefill_graph_tokens)
+                prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None else a.prefill_graph_tokens,
+                shared_weights=a.share_weights)
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:
@@ -151,6 +153,7 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
                               auth_token=auth_token, tls_ca=a.tls_ca)
 
     disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
+    shared = shared_weights_flags(placement, ready_dir) if a.share_weights and ready_dir is not None else {}
 
     def turn(name: str) -> list[str]:
         """--gpu-turn for a worker sharing its GPU with workers of the other role (worker.gpu_turn):
@@ -171,17 +174,19 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
 
     for w in placement.workers:
         port = free_port()
+        share = shared.get(w.name, [])
         if w.role == "both":
-            argv = ["--role", "both", "--port", str(port), "--worker-id", w.name.replace("worker-", "both-"), *common]
+            argv = ["--role", "both", "--port", str(port), "--worker-id", w.name.replace("worker-", "both-"), *common,
+                    *share]
             children.append(child(w.name, "worker", argv, port))
         elif w.role == "prefill":
             children.append(child(w.name, "prefill", ["--port", str(port), "--worker-id", w.name,
                                                       "--kv-push", placement.kv_push(w.name, a.kv_push),
-                                                      *turn(w.name), *disagg], port))
+                                                      *turn(w.name), *disagg, *share], port))
         else:
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(child(w.name, "decode", ["--port", str(port), "--worker-id", w.name,
-                                                     "--kv-address", kv, *turn(w.name), *disagg], port))
+                                                     "--kv-address", kv, *turn(w.name), *disagg, *share], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port), "--load-format", a.load_format]
     for c in children:
         gw += {"prefill": ["--prefill"], "decode": ["--decode"], "worker": ["--worker"]}[c.role] + [c.address]
@@ -209,6 +214,25 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
     return children
 
 
+def shared_weights_flags(placement: Placement, run_dir: Path) -> dict[str, list[str]]:
+    """--share-weights: worker name -> its --shared-weights-dir flags, for every worker that
+    shares its device (the same GPUs, or the CPU) with another. One rendezvous directory per
+    device, in the run directory; the first decode worker there (else the first worker) is
+    charged with the weights, the others' memory shares hold none."""
+    groups: dict[tuple[int, ...], list[WorkerPlacement]] = {}
+    for w in placement.workers:
+        groups.setdefault(tuple(w.gpus), []).append(w)
+    flags: dict[str, list[str]] = {}
+    for gpus, workers in groups.items():
+        if len(workers) < 2:
+            continue
+        where = run_dir / ("weights-gpu" + "-".join(map(str, gpus)) if gpus else "weights-cpu")
+        charged = next((w for w in workers if w.role == "decode"), workers[0])
+        for w in workers:
+            flags[w.name] = ["--shared-weights-dir", str(where)] + ([] if w is charged else ["--shared-weights-uncharged"])
+    return flags
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="tandem up", description="Start a local Tandem cluster and supervise it.",
                                 formatter_class=HelpFormatter)
@@ -221,6 +245,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-workers", type=int, default=1, help="decode workers (role-both ones with --colocated)")
     p.add_argument("--colocated", action="store_true",
                    help="run --decode-workers role-both workers, no disaggregation (default: disaggregated)")
+    p.add_argument("--share-weights", action="store_true",
+                   help="workers on one device keep one copy of the weights (the first loads them, the others "
+                        "map them; a prefill worker's memory share then holds none, a decode worker's does): "
+                        "more KV for the decode worker where prefill and decode share a GPU (needs --tp 1)")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
     p.add_argument("--gpus", default=None,
@@ -314,6 +342,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.gpu_memory_fraction <= 1:
         p.error(f"--gpu-memory-fraction must be in (0, 1], got {a.gpu_memory_fraction}")
+    if a.share_weights and a.tp > 1:
+        p.error("--share-weights: the workers' weights are shared whole, so it needs --tp 1")
     if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
         p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
     try:
@@ -404,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem up: --max-model-len {fitted}: a request of the model's whole context does not fit "
                   f"both the prefill and the decode worker sharing a GPU; pass --max-model-len (with "
                   f"--gpus or --gpu-memory-fraction) to choose. Each of the two holds the weights, which "
-                  f"leaves the decode worker fewer running sequences: --colocated (one worker) serves "
-                  f"more of them on this GPU", flush=True)
+                  f"leaves the decode worker fewer running sequences: --share-weights (one copy for both) "
+                  f"or --colocated (one worker) serves more of them on this GPU", flush=True)
             a.max_model_len = fitted
         placement = placement_for(a, model=model)
     except PlacementError as exc:
@@ -479,9 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
-        for f in ready_dir.glob("*"):
-            f.unlink(missing_ok=True)
-        ready_dir.rmdir()
+        shutil.rmtree(ready_dir, ignore_errors=True)  # ready, token and turn files, weight rendezvous
         if supervisor is not None:
             supervisor.close()
         print("Tandem stopped.", flush=True)

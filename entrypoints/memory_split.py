@@ -42,8 +42,9 @@ MIN_FITTED_CONTEXT = 4096  # fitting_max_model_len halves the context no further
 
 def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: str, max_model_len: int | None,
                        max_batched_tokens: int, max_running: int | None = None, tp: int = 1,
-                       prefill_graph_tokens: int = 0) -> int:
-    """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights of `dtype`,
+                       prefill_graph_tokens: int = 0, shared_weights: bool = False) -> int:
+    """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights of `dtype`
+    (none where `shared_weights`: a decode worker's share holds them, engine/shared_weights.py),
     KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
     activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
     `max_running` rows, or the device's ceiling before the pool is known), its prefill graphs
@@ -54,7 +55,7 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
     rows = max_running or MAX_RUNNING_CEILING_CUDA
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
-    weights = mc.num_params() * dtype.itemsize // tp
+    weights = 0 if shared_weights else mc.num_params() * dtype.itemsize // tp
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
     graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
@@ -80,18 +81,20 @@ def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, 
 def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                      dtype: str | None, kv_cache_dtype: str, max_model_len: int | None, max_batched_tokens: int,
                      max_running: int | None, tp: int, cluster_share: float,
-                     prefill_graph_tokens: int = 0) -> float | None:
+                     prefill_graph_tokens: int = 0, shared_weights: bool = False) -> float | None:
     """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
-    first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi); None
-    when no GPU does, its size cannot be read, or the model's config cannot (the workers then
-    report what is wrong with it)."""
+    first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi; with
+    `shared_weights` the weights are in a decode worker's share); None when no GPU does, its
+    size cannot be read, or the model's config cannot (the workers then report what is wrong
+    with it)."""
     shared = _shared_gpu(placement, model, physical, dtype)
     if shared is None:
         return None
     gpu, here, size, mc, element = shared
     need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
                               max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
-                              max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens)
+                              max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens,
+                              shared_weights=shared_weights)
     ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
     logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
                 need / GiB, gpu, size / GiB, ratio)
@@ -101,29 +104,32 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
 def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                           dtype: str | None, kv_cache_dtype: str, max_batched_tokens: int,
                           max_running: int | None, tp: int, cluster_share: float,
-                          prefill_graph_tokens: int = 0) -> int | None:
+                          prefill_graph_tokens: int = 0, shared_weights: bool = False) -> int | None:
     """For a cluster given no --max-model-len: the model's context halved until, on the first GPU
     of `placement` hosting both roles, its prefill and decode workers can each hold one request
     of it (each needs prefill_need_bytes; a decode worker no prefill graphs but
     DECODE_GRAPH_BYTES of decode graphs) within `cluster_share` of the GPU. None when the model's
     own context fits, no GPU is shared, its size or the model cannot be read, or not even
-    MIN_FITTED_CONTEXT fits (the workers then name the flag to change). Llama-3.1-8B on an 80 GB
+    MIN_FITTED_CONTEXT fits (the workers then name the flag to change). With `shared_weights`
+    the GPU holds the weights once, in the first decode worker's share. Llama-3.1-8B on an 80 GB
     H100: 131,072 tokens need ~79 GiB of the 71 that 0.9 of it leaves; 65,536 fit."""
     shared = _shared_gpu(placement, model, physical, dtype)
     if shared is None:
         return None
     _, here, size, mc, element = shared
 
-    def need(context: int, graph_tokens: int) -> int:
+    def need(context: int, graph_tokens: int, shared: bool) -> int:
         return prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype, max_model_len=context,
                                   max_batched_tokens=max_batched_tokens, max_running=max_running, tp=tp,
-                                  prefill_graph_tokens=graph_tokens)
+                                  prefill_graph_tokens=graph_tokens, shared_weights=shared)
 
     budget = cluster_share * size * CUDA_VISIBLE_SHARE
     context = mc.max_position_embeddings
     while context >= MIN_FITTED_CONTEXT:
-        prefill, decode = need(context, prefill_graph_tokens), need(context, 0) + DECODE_GRAPH_BYTES
-        if here.count("prefill") * prefill + here.count("decode") * decode <= budget:
+        prefill = need(context, prefill_graph_tokens, shared_weights)
+        decode = need(context, 0, shared_weights) + DECODE_GRAPH_BYTES
+        weights_once = need(context, 0, False) - need(context, 0, True) if shared_weights else 0
+        if here.count("prefill") * prefill + here.count("decode") * decode + weights_once <= budget:
             return None if context == mc.max_position_embeddings else context
         context //= 2
     return None

@@ -165,3 +165,25 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
     assert fitted_max_model_len(parse_args(["--colocated"]), str(model_dir), visible=1) is None
     smi(H200_MIB)
     assert fitted_max_model_len(parse_args([]), str(model_dir), visible=1) is None
+
+
+def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worker_more(model_dir: Path,
+                                                                                      tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """With --share-weights the prefill worker's need holds no weights, the decode worker's share
+    grows by them, and on an 80 GB H100 Llama-3.1-8B's whole context fits the pair again."""
+    from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
+
+    mc = ModelConfig.from_dict(LLAMA31_8B)
+    assert _need() - _need(shared_weights=True) == mc.num_params() * 2
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho {H100_MIB}\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert fitted_max_model_len(parse_args(["--share-weights"]), str(model_dir), visible=1) is None
+    a, b = parse_args(["--max-model-len", "65536"]), parse_args(["--max-model-len", "65536", "--share-weights"])
+    own = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
+    shared = placement_for(b, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
+    gained = (shared - own) * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
+    assert gained == pytest.approx(mc.num_params() * 2, rel=1e-3)  # the prefill worker's copy, now K/V
