@@ -61,10 +61,10 @@ def test_a_host_arena_mapped_from_its_descriptor_is_the_same_memory():
 class Holder:
     """tests/shared_weights_holder.py in a process of its own."""
 
-    def __init__(self, rendezvous: Path, model_dir: Path, dtype: str = "float32") -> None:
+    def __init__(self, rendezvous: Path, model_dir: Path, dtype: str = "float32", device: str = "cpu") -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_weights_holder", str(rendezvous),
-                                      str(model_dir), dtype], cwd=REPO, env=env, text=True,
+                                      str(model_dir), dtype, device], cwd=REPO, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.first = self.read()
 
@@ -170,3 +170,37 @@ def test_shared_weights_flags_are_checked():
     args = build_parser("decode").parse_args(["--model", "m", "--shared-weights-dir", "/r", "--shared-weights-uncharged"])
     engine = config_from_args(args, "decode").engine
     assert engine.shared_weights_dir == "/r" and engine.shared_weights_charged is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the cuMem arena)")
+def test_gpu_processes_share_one_copy_that_outlives_whoever_loaded_it(tiny_models, tmp_path):
+    """On a GPU: the arena is a cuMem allocation passed as a file descriptor; a write through one
+    process is read by the other, it outlives the loader's kill -9, and greedy tokens of the
+    process that mapped it equal a plain engine's."""
+    from engine.llm import LLM
+    from tandem.types import SamplingParams
+
+    from tests.shared_weights_holder import PROMPT
+
+    rv, model_dir = tmp_path / "rv", tiny_models["llama"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(str(model_dir), dtype="bfloat16", device="cuda", num_kv_blocks=64).generate([PROMPT], params)
+    holders = [Holder(rv, model_dir, "bfloat16", "cuda")]
+    try:
+        a = holders[0]
+        assert a.first["loaded_here"] is True
+        b = Holder(rv, model_dir, "bfloat16", "cuda")
+        holders.append(b)
+        assert b.first == {"loaded_here": False, "sum": a.first["sum"]}
+        assert b.ask("tokens")["tokens"] == plain[0].token_ids
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(timeout=30)
+        assert b.ask("tokens")["tokens"] == plain[0].token_ids
+        c = Holder(rv, model_dir, "bfloat16", "cuda")
+        holders.append(c)
+        assert c.first == {"loaded_here": False, "sum": a.first["sum"]}
+        changed = c.ask("fill norm.weight 2.0")["sum"]
+        assert changed != a.first["sum"] and b.ask("sum")["sum"] == changed
+    finally:
+        for h in holders:
+            h.stop()
