@@ -71,6 +71,19 @@ def _prop(device: int) -> _AllocationProp:
     return prop
 
 
+def _make_current(device: int) -> None:
+    """Make `device`'s primary context (the one torch uses) current on this thread if none is:
+    the rendezvous thread that exports descriptors never ran a CUDA call of its own."""
+    lib, ctx = _driver(), ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
 def granularity(device: int) -> int:
     """The size every allocation of `device` is rounded up to (2 MiB on current GPUs)."""
     size = ctypes.c_size_t()
@@ -115,6 +128,7 @@ class DeviceMemory:
 
     def export_fd(self) -> int:
         """A new file descriptor for this memory, for another process (the caller closes it)."""
+        _make_current(self.device.index)
         fd = ctypes.c_int()
         _check(_driver().cuMemExportToShareableHandle(ctypes.byref(fd), self.handle, _HANDLE_TYPE_POSIX_FD,
                                                       ctypes.c_ulonglong(0)), "cuMemExportToShareableHandle")
