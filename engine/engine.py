@@ -543,8 +543,7 @@ class Engine:
 
         self.shared_weights = load_shared(
             config.shared_weights_dir, identity, device, load=load,
-            build=lambda: model_without_weights(self.model_config, dtype, device, config.load_format,
-                                                config.quantization))
+            build=lambda: model_without_weights(self.model_config, dtype, config.load_format, config.quantization))
         return self.shared_weights.model
 
     def close(self) -> None:

@@ -95,11 +95,14 @@ class Manifest:
 
 
 def plan(model: nn.Module, identity: dict[str, Any]) -> Manifest:
-    """The arena layout of `model`'s parameters (meta or real: only shapes and dtypes are read)."""
+    """The arena layout of `model`'s parameters and buffers (the rotary cache, FP8 unit scales:
+    values fixed at build, read-only like the weights), meta or real: only shapes and dtypes are
+    read."""
     entries, at = [], 0
-    for name, p in model.named_parameters():
+    for name, owner, attr in _tensor_owners(model):
+        t = getattr(owner, attr)
         at = -(-at // ALIGN) * ALIGN
-        e = Entry(name, tuple(p.shape), str(p.dtype), at)
+        e = Entry(name, tuple(t.shape), str(t.dtype), at)
         entries.append(e)
         at += e.nbytes
     return Manifest(dict(identity), tuple(entries), max(at, 1))
@@ -147,38 +150,53 @@ class Arena:
 
 
 def move_into(model: nn.Module, manifest: Manifest, arena: Arena) -> None:
-    """Copy each of `model`'s parameters into its place in `arena` and make the parameter a view
-    of it (the original's memory is freed as it goes; the caller empties torch's cache)."""
-    params = dict(model.named_parameters())
+    """Copy each of `model`'s parameters and buffers into its place in `arena` and make it a view
+    of that place (the original's memory is freed as it goes; the caller empties torch's cache)."""
+    bind(model, manifest, arena, copy=True)
+
+
+def bind(model: nn.Module, manifest: Manifest, arena: Arena, copy: bool = False) -> None:
+    """Make each of `model`'s parameters and buffers a view of its place in `arena`, first copying
+    its values there where `copy` (else they are the arena's: meta tensors of a model built
+    without weights). Every one must have an entry (the manifests were compared); a tensor two
+    modules hold (tied) is one entry, and both get the view."""
+    entries = {e.name: e for e in manifest.entries}
     with torch.no_grad():
-        for e in manifest.entries:
-            p = params[e.name]
-            dst = arena.view(e)
-            dst.copy_(p.data)
-            p.data = dst
+        for name, holders in _tensor_holders(model).items():
+            e = entries.get(name)
+            if e is None:
+                raise ValueError(f"shared weights: the arena has no tensor {name}")
+            view = arena.view(e)
+            owner, attr = holders[0]
+            old = owner._parameters[attr] if attr in owner._parameters else owner._buffers[attr]
+            if copy:
+                view.copy_(old.data)
+            new = nn.Parameter(view, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else view
+            for owner, attr in holders:
+                (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = new
 
 
-def bind(model: nn.Module, manifest: Manifest, arena: Arena) -> None:
-    """Make each of `model`'s parameters (meta ones, built without weights) a view of its place
-    in `arena`; every parameter must have an entry (the manifests were compared)."""
-    params = {e.name: e for e in manifest.entries}
-    for name, owner, attr in _parameter_owners(model):
-        e = params.get(name)
-        if e is None:
-            raise ValueError(f"shared weights: the arena has no parameter {name}")
-        old = getattr(owner, attr)
-        setattr(owner, attr, nn.Parameter(arena.view(e), requires_grad=old.requires_grad))
+def _tensor_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(full name, owning module, attribute) of each parameter, then each buffer, once each (a
+    tensor held by several modules: its first holder)."""
+    for name, holders in _tensor_holders(model).items():
+        yield name, *holders[0]
 
 
-def _parameter_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(full name, owning module, attribute) of each parameter, once each (tied ones: the first)."""
-    seen: set[int] = set()
-    for prefix, module in model.named_modules():
-        for attr, p in module.named_parameters(recurse=False):
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield (f"{prefix}.{attr}" if prefix else attr), module, attr
+def _tensor_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Each parameter's, then each buffer's, full name (its first holder's) -> every (module,
+    attribute) that holds it, in module order."""
+    by_id: dict[int, list[tuple[nn.Module, str]]] = {}
+    names: dict[int, str] = {}
+    for kind in ("_parameters", "_buffers"):
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for attr, t in getattr(module, kind).items():
+                if t is None:
+                    continue
+                names.setdefault(id(t), f"{prefix}.{attr}" if prefix else attr)
+                if (module, attr) not in by_id.setdefault(id(t), []):
+                    by_id[id(t)].append((module, attr))
+    return {names[i]: holders for i, holders in by_id.items()}
 
 
 class Rendezvous:

@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 from engine.config import LOAD_FORMATS, ModelConfig
 from engine.model import CausalLM
-from engine.rope import build_cos_sin_cache
 from engine.quant.formats import UNUSED_SUFFIXES, Fp8CheckpointFormat, checkpoint_fp8_format
 
 logger = logging.getLogger(__name__)
@@ -60,17 +59,16 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def model_without_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+def model_without_weights(config: ModelConfig, dtype: torch.dtype, load_format: str = "auto",
                           quantization: str | None = None) -> CausalLM:
     """The CausalLM that load_model (then `quantization`, as Engine applies it) makes, with its
-    parameters on the meta device (no memory, no values) and its rotary cache on `device`: the
-    modules a process binds to weights another process loaded (engine/shared_weights.py)."""
+    parameters and buffers on the meta device (no memory, no values): the modules a process binds
+    to the tensors another process loaded (engine/shared_weights.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     fp8 = checkpoint_fp8_format(config.raw)
     with torch.device("meta"), default_dtype(dtype):
         model = CausalLM(config)
-    model.cos_sin_cache = build_cos_sin_cache(config, device)
     from engine.quant.fp8 import QUANTIZATIONS, convert_to_fp8
 
     if quantization is not None and quantization not in QUANTIZATIONS:

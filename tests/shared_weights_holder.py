@@ -1,5 +1,5 @@
 """A process whose engine keeps its weights in a shared arena (EngineConfig.shared_weights_dir),
-for tests/test_shared_weights.py: `python -m tests.shared_weights_holder RENDEZVOUS MODEL_DIR [DTYPE [DEVICE]]`.
+for tests/test_shared_weights.py: `python -m tests.shared_weights_holder RENDEZVOUS MODEL_DIR [DTYPE [DEVICE [QUANTIZATION]]]`.
 
 Prints one JSON line once its engine is up ({"loaded_here", "sum"}, or {"error"}), then answers
 commands on stdin, one JSON line each: "sum" (the parameters' float64 sum), "fill NAME VALUE"
@@ -26,8 +26,10 @@ def main() -> int:
     rendezvous, model_dir = sys.argv[1], sys.argv[2]
     dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
     device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    quantization = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None
     try:
-        llm = LLM(model_dir, dtype=dtype, device=device, shared_weights_dir=rendezvous, num_kv_blocks=64)
+        llm = LLM(model_dir, dtype=dtype, device=device, shared_weights_dir=rendezvous, num_kv_blocks=64,
+                  quantization=quantization)
     except ValueError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 2

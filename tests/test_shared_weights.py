@@ -26,25 +26,25 @@ def test_model_without_weights_has_the_loaded_models_parameters(tiny_models, fam
     config = ModelConfig.from_dir(tiny_models[family])
     loaded = load_model(tiny_models[family], config, torch.float32, torch.device("cpu"))
     apply_quantization(loaded, quantization)
-    empty = model_without_weights(config, torch.float32, torch.device("cpu"), quantization=quantization)
-    assert all(p.is_meta for p in empty.parameters())
+    empty = model_without_weights(config, torch.float32, quantization=quantization)
+    assert all(t.is_meta for t in [*empty.parameters(), *empty.buffers()])
     ident = {"model": family}
     assert plan(empty, ident).difference(plan(loaded, ident)) is None
-    assert torch.equal(empty.cos_sin_cache, loaded.cos_sin_cache)
+    assert "cos_sin_cache" in [e.name for e in plan(empty, ident).entries]  # buffers are shared too
     if quantization:
         assert any(p.dtype == torch.float8_e4m3fn for p in empty.parameters())
 
 
 def test_plan_aligns_every_parameter_and_names_the_first_difference(tiny_models):
     config = ModelConfig.from_dir(tiny_models["llama"])
-    model = model_without_weights(config, torch.float32, torch.device("cpu"))
+    model = model_without_weights(config, torch.float32)
     m = plan(model, {"model": "a", "dtype": "torch.float32"})
-    assert [e.name for e in m.entries] == [n for n, _ in model.named_parameters()]
+    assert [e.name for e in m.entries] == [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     assert all(e.offset % ALIGN == 0 for e in m.entries)
     assert all(a.offset + a.nbytes <= b.offset for a, b in zip(m.entries, m.entries[1:]))
     assert m.nbytes == m.entries[-1].offset + m.entries[-1].nbytes
     assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
-    other = plan(model_without_weights(config, torch.bfloat16, torch.device("cpu")), {"model": "a", "dtype": "torch.float32"})
+    other = plan(model_without_weights(config, torch.bfloat16), {"model": "a", "dtype": "torch.float32"})
     assert "parameter embed_tokens.weight" in m.difference(other) and "torch.bfloat16" in m.difference(other)
     assert "dtype 'torch.bfloat16'" in m.difference(plan(model, {"model": "a", "dtype": "torch.bfloat16"}))
 
@@ -61,10 +61,12 @@ def test_a_host_arena_mapped_from_its_descriptor_is_the_same_memory():
 class Holder:
     """tests/shared_weights_holder.py in a process of its own."""
 
-    def __init__(self, rendezvous: Path, model_dir: Path, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(self, rendezvous: Path, model_dir: Path, dtype: str = "float32", device: str = "cpu",
+                 quantization: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_weights_holder", str(rendezvous),
-                                      str(model_dir), dtype, device], cwd=REPO, env=env, text=True,
+                                      str(model_dir), dtype, device, quantization or "none"], cwd=REPO, env=env,
+                                     text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.first = self.read()
 
@@ -129,9 +131,10 @@ def test_the_first_process_loads_when_every_socket_is_stale(tiny_models, tmp_pat
         b.stop()
 
 
-def test_an_engine_on_mapped_weights_decodes_as_one_with_its_own(tiny_models, tmp_path):
-    """Greedy tokens of an engine whose weights another process loaded equal a plain engine's,
-    and the loading process's own."""
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_an_engine_on_mapped_weights_decodes_as_one_with_its_own(tiny_models, tmp_path, quantization):
+    """Greedy tokens of an engine whose weights another process loaded (and quantized) equal a
+    plain engine's, and the loading process's own."""
     from engine.llm import LLM
     from tandem.types import SamplingParams
 
@@ -139,15 +142,16 @@ def test_an_engine_on_mapped_weights_decodes_as_one_with_its_own(tiny_models, tm
 
     model_dir = tiny_models["qwen3"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    plain = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64).generate([PROMPT], params)[0].token_ids
-    a = Holder(tmp_path / "rv", model_dir)
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, quantization=quantization)
+    plain = LLM(str(model_dir), **kw).generate([PROMPT], params)[0].token_ids
+    a = Holder(tmp_path / "rv", model_dir, quantization=quantization)
     try:
         assert a.first["loaded_here"] is True
-        mapped = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64,
-                     shared_weights_dir=str(tmp_path / "rv"))
+        mapped = LLM(str(model_dir), **kw, shared_weights_dir=str(tmp_path / "rv"))
         try:
             assert mapped.engine.shared_weights.loaded_here is False
-            assert all(not p.is_meta for p in mapped.engine.model.parameters())
+            model = mapped.engine.model
+            assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
             assert mapped.generate([PROMPT], params)[0].token_ids == plain
             assert a.ask("tokens")["tokens"] == plain
         finally:
