@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 ALIGN = 256  # every parameter starts at a multiple (the widest vector load a kernel makes)
 CONNECT_TIMEOUT_S = 5.0
 MAX_HEADER = 1 << 24  # a manifest's bytes at most (a 1,000-layer model's names fit)
+MAX_SOCKET_PATH = 107  # sockaddr_un's sun_path, less its terminating NUL
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,9 @@ class Rendezvous:
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
+        if len(str(self.dir.resolve() / f"{2**22}.sock")) > MAX_SOCKET_PATH:
+            raise ValueError(f"shared_weights_dir: {str(directory)!r} is too long for the Unix sockets it holds "
+                             f"(at most {MAX_SOCKET_PATH} bytes with a socket's name); choose a shorter path")
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._server: socket.socket | None = None
         self._thread: threading.Thread | None = None

@@ -208,3 +208,10 @@ def test_gpu_processes_share_one_copy_that_outlives_whoever_loaded_it(tiny_model
     finally:
         for h in holders:
             h.stop()
+
+
+def test_a_rendezvous_path_too_long_for_a_socket_names_the_field(tmp_path):
+    from engine.shared_weights import Rendezvous
+
+    with pytest.raises(ValueError, match="shared_weights_dir: .* too long"):
+        Rendezvous(tmp_path / ("d" * 120))
