@@ -4,22 +4,24 @@ Where a prefill and a decode worker share a GPU, each would load the weights: tw
 on an 80 GB card the decode worker's K/V loses what the second copy takes (BENCHMARKS.md §35).
 Workers given the same rendezvous directory keep one copy instead:
 
-- the first to come loads its model as usual, moves every parameter into an *arena* (one block
+- the first to come loads its model as usual, moves every parameter and buffer (the rotary
+  cache, FP8 unit scales: fixed at build like the weights) into an *arena* (one block
   of memory another process can map: a memfd for host memory, `engine.cuda_vmm.DeviceMemory`
   on a GPU) and serves the arena on a Unix socket in the directory;
 - a worker that comes after builds its model without weights (on the meta device), asks a
   serving worker for the arena, receives it as a file descriptor (SCM_RIGHTS) with its
-  manifest, maps it and binds its parameters to views of it; it then serves the arena too.
+  manifest, maps it and binds its parameters and buffers to views of it; it then serves the
+  arena too.
 
 The memory lives while any process maps it, so either worker may be killed and restarted: the
 survivor keeps the weights and hands them to the newcomer. A lock file orders the workers that
-come at once (the second waits while the first loads). The manifest names every parameter
-(name, shape, dtype, byte offset, in `named_parameters` order) and what the weights are
+come at once (the second waits while the first loads). The manifest names every tensor (name,
+shape, dtype, byte offset; parameters, then buffers, in module order) and what the weights are
 (`identity`: the model, its dtype and quantization); a newcomer whose own differs refuses the
 arena with an error naming the first difference, as loading a second copy would overfill a
 device sized for one.
 
-The weights are read-only once shared: no worker writes its parameters after loading.
+The tensors are read-only once shared: no worker writes its parameters or buffers after loading.
 """
 from __future__ import annotations
 
