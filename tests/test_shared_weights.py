@@ -215,3 +215,17 @@ def test_a_rendezvous_path_too_long_for_a_socket_names_the_field(tmp_path):
 
     with pytest.raises(ValueError, match="shared_weights_dir: .* too long"):
         Rendezvous(tmp_path / ("d" * 120))
+
+
+def test_the_driver_structs_have_cudas_layout():
+    """engine/cuda_vmm.py's ctypes mirrors of cuda.h (64-bit): CUmemAllocationProp is 32 bytes
+    with its location at 8 and allocFlags at 24; CUmemAccessDesc 12, its flags at 8."""
+    import ctypes
+
+    from engine import cuda_vmm
+
+    assert ctypes.sizeof(cuda_vmm._AllocationProp) == 32
+    assert cuda_vmm._AllocationProp.location.offset == 8 and cuda_vmm._AllocationProp.allocFlags.offset == 24
+    assert ctypes.sizeof(cuda_vmm._AccessDesc) == 12 and cuda_vmm._AccessDesc.flags.offset == 8
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        cuda_vmm.DeviceMemory(torch.device("cpu"), 1)
