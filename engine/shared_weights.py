@@ -134,6 +134,8 @@ class Arena:
         if device.type != "cpu":
             raise ValueError(f"shared weights: a cpu or cuda device, got {device}")
         if fd is None:
+            if not hasattr(os, "memfd_create"):
+                raise ValueError("shared_weights_dir: weights shared in host memory need Linux (memfd_create)")
             fd = os.memfd_create("tandem-weights", os.MFD_CLOEXEC)
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size < nbytes:
