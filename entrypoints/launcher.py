@@ -398,6 +398,9 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
                                                  "cuda" if w.gpus else "cpu")
         p.info.setdefault("max_running", running)
         where = f"GPU {','.join(map(str, w.gpus))} ({w.memory_fraction:.0%} of memory)" if w.gpus else "CPU"
+        if "--shared-weights-dir" in p.argv:  # --share-weights: on a GPU, say whose share holds the copy
+            where += ", weights shared" + ("" if not w.gpus else " (not in this share)"
+                                           if "--shared-weights-uncharged" in p.argv else " (in this share)")
         metrics = f", metrics :{p.info['metrics_port']}" if p.info.get("metrics_port") else ""
         rows.append(f"  {p.name:<10} {where}: {blocks} KV blocks = {blocks * block} tokens "
                     f"(max {min(max_model_len, blocks * block)} per request), max running {running}{metrics}")
