@@ -566,10 +566,11 @@ async def _prefill_stall(target: str, prompts: Sequence[str], max_tokens: int, f
 
 # ---------------------------------------------------------------- scenario: kill -9
 
-def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400) -> FaultResult:
+def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400,
+                  result: FaultResult | None = None) -> FaultResult:
     """SIGKILL a decode worker mid-stream (streams resume elsewhere, exactly once) or the prefill
     worker of two (its prefills retry on the other)."""
-    result = FaultResult(f"kill-{role}", f"kill -9 a {role} worker mid-stream", requests=n_streams)
+    result = result or FaultResult(f"kill-{role}", f"kill -9 a {role} worker mid-stream", requests=n_streams)
     prefill = ["p0", "p1"] if role == "prefill" else ["p0"]
     decode = ["d0", "dv"] if role == "decode" else ["d0", "d1"]
     gw = r.gateway(prefill, decode)
@@ -604,6 +605,30 @@ def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400)
     finally:
         gw.stop()
     return result
+
+
+def killed_weight_loader(model: Path, work: Path, n_streams: int = 16, max_tokens: int = 400) -> FaultResult:
+    """Workers sharing one copy of the weights (--shared-weights-dir, engine/shared_weights.py):
+    SIGKILL the decode worker that loaded them mid-stream. The prefill and the other decode
+    worker map its copy; their streams and the ones that resume on them must keep the fault-free
+    tokens (the copy outlives its loader)."""
+    from engine.engine import OVERLAP_ENV
+
+    overlap = {OVERLAP_ENV: "1"}
+    shared = ["--shared-weights-dir", str(work / "weights"), "--log-level", "INFO"]  # INFO: who loaded, who mapped
+    loader = start_workers([("decode", worker_flags(640, 64) + shared, overlap)], model, work / "loader")[0]
+    mapped = start_workers([("prefill", worker_flags() + shared), ("decode", worker_flags(640, 64) + shared, overlap)],
+                           model, work / "mapped")
+    r = Rig(model, work, {"dv": loader, "p0": mapped[0], "d0": mapped[1]})
+    try:
+        logs = [(w.log_path.read_text() if w.log_path else "") for w in (loader, *mapped)]
+        if "loaded here" not in logs[0] or not all("mapped from" in text for text in logs[1:]):
+            raise RuntimeError("kill_weight_loader: the first decode worker did not load the weights the others map")
+        result = FaultResult("kill-weight-loader", "kill -9 the decode worker whose weights the others map, "
+                             "mid-stream", requests=n_streams)
+        return killed_worker(r, "decode", n_streams, max_tokens, result)
+    finally:
+        r.stop()
 
 
 # ---------------------------------------------------------------- scenario: corrupt KV frames
@@ -768,7 +793,7 @@ def redis_down(model: Path, work: Path, n: int = 120, max_tokens: int = 16) -> F
 # ---------------------------------------------------------------- main
 
 SCENARIOS = ("lifecycle", "lifecycle_kill", "burst", "sigstop_decode", "sigstop_prefill", "kill_decode",
-             "kill_prefill", "corrupt", "malformed", "redis_down")
+             "kill_prefill", "corrupt", "malformed", "redis_down", "kill_weight_loader")
 
 
 def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: int, with_defaults: bool) -> list[FaultResult]:
@@ -786,6 +811,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
     results: list[FaultResult] = []
     if "redis_down" in only:
         results.append(redis_down(model, work, n(120)))
+    if "kill_weight_loader" in only:
+        results.append(killed_weight_loader(model, work / "shared", n(16)))
     with rig(model, work, specs) as r:
         for name in only:
             logger.info("scenario %s", name)

@@ -11,7 +11,9 @@ counts (TANDEM_FAULT_SCALE=1 runs the full counts: 500 requests, a 3,000-call bu
 - SIGSTOP of a decode worker with streams on it: they resume elsewhere with the fault-free
   tokens while it is still frozen; a burst of 32 splits no worse than 20/12; SIGSTOP of a
   prefill worker: its prefills migrate;
-- malformed protobuf (bad UTF-8, truncated) answers INVALID_ARGUMENT.
+- malformed protobuf (bad UTF-8, truncated) answers INVALID_ARGUMENT;
+- workers sharing one copy of the weights: SIGKILL of the decode worker that loaded them
+  mid-stream leaves the others' copy, and every stream keeps the fault-free tokens.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.faults import (FaultResult, Rig, burst, frozen_worker, lifecycle, malformed, start_rig,
-                          worker_flags)
+from bench.faults import (FaultResult, Rig, burst, frozen_worker, killed_weight_loader, lifecycle, malformed,
+                          start_rig, worker_flags)
 from engine.engine import OVERLAP_ENV
 
 SCALE = float(os.environ.get("TANDEM_FAULT_SCALE", "0"))  # 0: the CI counts below
@@ -90,3 +92,11 @@ def test_decode_worker_killed_during_random_aborts(rig: Rig) -> None:
     """Last: the killed worker stays dead."""
     result = lifecycle(rig, count(48, 500), seed=2, kill="dv", decode=("d0", "dv"))
     clean(result)
+
+
+def test_killing_the_worker_whose_weights_the_others_map_loses_no_token(tiny_models: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """Its own workers (one loads, two map); the streams on the killed one resume on the other."""
+    result = killed_weight_loader(tiny_models["llama"], tmp_path, count(8, 16), max_tokens=200)
+    clean(result)
+    assert result.outcomes["OK"] == result.requests
