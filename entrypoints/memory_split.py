@@ -16,6 +16,7 @@ instead of 60%; with `--max-model-len 32768` the decode worker gets 70%.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import subprocess
@@ -159,10 +160,14 @@ def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int,
 
 def gpu_memory_bytes(physical_gpu: str) -> int | None:
     """Total memory of one GPU (an index or UUID as CUDA_VISIBLE_DEVICES names it), read with
-    nvidia-smi so that `tandem up` itself never opens a CUDA context; None when it cannot tell."""
+    nvidia-smi so that `tandem up` itself never opens a CUDA context; None when it cannot tell.
+    Asked once per GPU and nvidia-smi executable (`tandem up` sizes the context, then the shares)."""
     exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
+    return None if exe is None else _asked_memory_bytes(exe, physical_gpu)
+
+
+@functools.lru_cache(maxsize=64)
+def _asked_memory_bytes(exe: str, physical_gpu: str) -> int | None:
     try:
         out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", physical_gpu],
                              capture_output=True, text=True, timeout=20, check=True).stdout

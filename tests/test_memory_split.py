@@ -112,6 +112,7 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
     assert fixed.worker("decode-0").memory_fraction == pytest.approx(0.6)
     apart = placement_for(parse_args([]), visible=2, model=str(model_dir))  # nothing shared: nothing to derive
     assert apart.worker("decode-0").memory_fraction == apart.worker("prefill-0").memory_fraction == 0.9
+    assert len(nvidia_smi.read_text().splitlines()) == 1  # asked once for the GPU, however often it is sized
 
 
 def test_without_nvidia_smi_the_fixed_ratio_stays(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
