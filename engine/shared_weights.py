@@ -259,7 +259,11 @@ class Rendezvous:
                 except OSError:
                     return  # closed
                 with conn:
-                    fd = arena.export_fd()
+                    try:
+                        fd = arena.export_fd()
+                    except (OSError, RuntimeError) as exc:  # the asker is told by the closed connection
+                        logger.error("shared weights: could not export the arena (%s)", exc)
+                        continue
                     try:  # the descriptor rides on the header's length; the header follows
                         socket.send_fds(conn, [len(header).to_bytes(8, "little")], [fd])
                         conn.sendall(header)
@@ -272,6 +276,7 @@ class Rendezvous:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop serving: the socket goes, so no newcomer asks this process any more."""
         self._closed = True
         if self._server is not None:
             self._server.close()
@@ -316,6 +321,7 @@ class SharedWeights:
     loaded_here: bool
 
     def close(self) -> None:
+        """Stop handing the arena to newcomers; this process keeps its mapping (the model uses it)."""
         self.rendezvous.close()
 
 
