@@ -90,6 +90,11 @@ class MemoryPlan:
         return f"{self.limit / GiB:.1f} GiB = {parts}, KV {max(0, self.kv) / GiB:.1f} GiB"
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of one tensor-parallel rank's weights of `dtype`."""
+    return config.num_params() * dtype.itemsize // tp
+
+
 def check_weights_fit(config: ModelConfig, dtype: torch.dtype, device: torch.device, fraction: float,
                       tp: int = 1) -> None:
     """Before loading: ValueError naming --gpu-memory-fraction (and --tp) when the weights alone
@@ -97,7 +102,7 @@ def check_weights_fit(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     if device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    weights = config.num_params() * torch.empty((), dtype=dtype).element_size() // tp
+    weights = weight_bytes(config, dtype, tp)
     if weights + NON_TORCH_BYTES > fraction * total:
         raise ValueError(
             f"gpu_memory_fraction: the weights take {weights / GiB:.1f} GiB, more than --gpu-memory-fraction "

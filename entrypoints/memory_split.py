@@ -27,7 +27,7 @@ import torch
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
 from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
-                           prefill_graph_bytes)
+                           prefill_graph_bytes, weight_bytes)
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
     rows = max_running or MAX_RUNNING_CEILING_CUDA
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
-    weights = 0 if shared_weights else mc.num_params() * dtype.itemsize // tp
+    weights = 0 if shared_weights else weight_bytes(mc, dtype, tp)
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
     graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
@@ -129,7 +129,7 @@ def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[
     while context >= MIN_FITTED_CONTEXT:
         prefill = need(context, prefill_graph_tokens, shared_weights)
         decode = need(context, 0, shared_weights) + DECODE_GRAPH_BYTES
-        weights_once = need(context, 0, False) - need(context, 0, True) if shared_weights else 0
+        weights_once = weight_bytes(mc, element, tp) if shared_weights else 0
         if here.count("prefill") * prefill + here.count("decode") * decode + weights_once <= budget:
             return None if context == mc.max_position_embeddings else context
         context //= 2
