@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import socket
@@ -51,7 +52,7 @@ MAX_SOCKET_PATH = 107  # sockaddr_un's sun_path, less its terminating NUL
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter's place in the arena."""
+    """One tensor's place in the arena."""
 
     name: str
     shape: tuple[int, ...]
@@ -60,10 +61,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def plan(model: nn.Module, identity: dict[str, Any]) -> Manifest:
     values fixed at build, read-only like the weights), meta or real: only shapes and dtypes are
     read."""
     entries, at = [], 0
-    for name, owner, attr in _tensor_owners(model):
+    for name, ((owner, attr), *_) in _tensor_holders(model).items():
         t = getattr(owner, attr)
         at = -(-at // ALIGN) * ALIGN
         e = Entry(name, tuple(t.shape), str(t.dtype), at)
@@ -179,13 +177,6 @@ def bind(model: nn.Module, manifest: Manifest, arena: Arena, copy: bool = False)
             new = nn.Parameter(view, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else view
             for owner, attr in holders:
                 (owner._parameters if attr in owner._parameters else owner._buffers)[attr] = new
-
-
-def _tensor_owners(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
-    """(full name, owning module, attribute) of each parameter, then each buffer, once each (a
-    tensor held by several modules: its first holder)."""
-    for name, holders in _tensor_holders(model).items():
-        yield name, *holders[0]
 
 
 def _tensor_holders(model: nn.Module) -> dict[str, list[tuple[nn.Module, str]]]:
