@@ -30,6 +30,8 @@ def processes_with(marker: str) -> list[int]:
 
 
 def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int, Path]:
+    """`tandem up ARGS` once it says it is up: (its process, with what it printed until then as
+    `printed`; its port; its log directory)."""
     port = free_port()
     log_dir = tmp_path / "logs"
     env = {**os.environ, "HOME": str(tmp_path)}  # the demo model is made under this HOME
@@ -42,6 +44,7 @@ def start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int, Path]:
     for line in proc.stdout:
         lines.append(line)
         if "Tandem is up" in line:
+            proc.printed = "".join(lines)
             return proc, port, log_dir
         if time.time() > deadline:
             break

@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from entrypoints.cluster import free_port
 from tandem import Client
-from tests.test_launcher import cmdline, processes_with, stop
-
-
-def start_up(tmp_path, *args: str):
-    """tests.test_launcher.start_up, keeping what `tandem up` printed up to "Tandem is up"."""
-    port, log_dir = free_port(), tmp_path / "logs"
-    proc = subprocess.Popen([sys.executable, "-m", "entrypoints", "up", "--port", str(port), "--log-dir",
-                             str(log_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HOME": str(tmp_path)})
-    lines, deadline = [], time.time() + 240
-    for line in proc.stdout:
-        lines.append(line)
-        if "Tandem is up" in line:
-            return proc, port, log_dir, "".join(lines)
-        if time.time() > deadline:
-            break
-    proc.kill()
-    raise AssertionError("cluster did not come up:\n" + "".join(lines[-30:]))
+from tests.test_launcher import cmdline, processes_with, start_up, stop
 
 
 def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path) -> None:
@@ -66,9 +46,9 @@ def shared_log_line(path) -> str:
 
 
 def test_up_shares_the_weights_and_a_killed_loader_is_replaced_from_the_survivor(tmp_path) -> None:
-    proc, port, log_dir, printed = start_up(tmp_path, "--share-weights")
+    proc, port, log_dir = start_up(tmp_path, "--share-weights")
     try:
-        assert "prefill-0  CPU, weights shared:" in printed and "decode-0   CPU, weights shared:" in printed
+        assert "prefill-0  CPU, weights shared:" in proc.printed and "decode-0   CPU, weights shared:" in proc.printed
         logs = {name: shared_log_line(log_dir / f"{name}.log") for name in ("prefill-0", "decode-0")}
         loader = next(n for n, line in logs.items() if "loaded here" in line)
         mapper = next(n for n, line in logs.items() if "mapped from" in line)
