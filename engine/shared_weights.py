@@ -87,10 +87,10 @@ class Manifest:
             if self.identity.get(key) != other.identity.get(key):
                 return f"{key} {other.identity.get(key)!r} where this worker has {self.identity.get(key)!r}"
         if len(self.entries) != len(other.entries):
-            return f"{len(other.entries)} parameters where this worker has {len(self.entries)}"
+            return f"{len(other.entries)} tensors (parameters and buffers) where this worker has {len(self.entries)}"
         for mine, theirs in zip(self.entries, other.entries):
             if mine != theirs:
-                return (f"parameter {theirs.name} {list(theirs.shape)} {theirs.dtype} where this worker has "
+                return (f"tensor {theirs.name} {list(theirs.shape)} {theirs.dtype} where this worker has "
                         f"{mine.name} {list(mine.shape)} {mine.dtype}")
         return None
 

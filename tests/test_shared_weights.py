@@ -45,7 +45,7 @@ def test_plan_aligns_every_parameter_and_names_the_first_difference(tiny_models)
     assert m.nbytes == m.entries[-1].offset + m.entries[-1].nbytes
     assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
     other = plan(model_without_weights(config, torch.bfloat16), {"model": "a", "dtype": "torch.float32"})
-    assert "parameter embed_tokens.weight" in m.difference(other) and "torch.bfloat16" in m.difference(other)
+    assert "tensor embed_tokens.weight" in m.difference(other) and "torch.bfloat16" in m.difference(other)
     assert "dtype 'torch.bfloat16'" in m.difference(plan(model, {"model": "a", "dtype": "torch.bfloat16"}))
 
 
