@@ -63,14 +63,16 @@ def make_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, min(128000, vocab - 2), (n, length), generator=g).tolist()
 
 
-def start_up(model_dir: Path, port: int, log_dir: Path, extra: list[str]) -> tuple[subprocess.Popen, list[str], float]:
-    """`tandem up` until it prints "Tandem is up"; returns the process, its banner lines, seconds."""
+def start_up(model_dir: Path, port: int, log_dir: Path, extra: list[str],
+             env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str], float]:
+    """`tandem up` until it prints "Tandem is up" (`env`: more environment for it and its
+    children); returns the process, its banner lines, seconds."""
     cmd = [sys.executable, "-m", "entrypoints", "up", "--model", str(model_dir), "--load-format", "dummy",
            "--port", str(port), "--log-dir", str(log_dir), *extra]
     log("starting:", " ".join(cmd[1:]))
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **NVLS_OFF,
+                            env={**os.environ, **NVLS_OFF, **(env or {}),
                                  "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     lines: list[str] = []
     deadline = time.time() + UP_TIMEOUT_S

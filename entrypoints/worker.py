@@ -8,6 +8,7 @@ so that the worker package never imports prefill or decode.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -81,6 +82,23 @@ def add_role_services(worker: WorkerServer, server: grpc.aio.Server, runtime: Wo
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+# Overrides GIL_SWITCH_INTERVAL_S, in microseconds (a measurement knob: how long the engine thread
+# may wait for the GIL when the step before's forward ends, BENCHMARKS.md §36).
+GIL_SWITCH_ENV = "TANDEM_GIL_SWITCH_US"
+
+
+def gil_switch_interval_s() -> float:
+    """The worker's GIL switch interval: GIL_SWITCH_ENV's microseconds, else GIL_SWITCH_INTERVAL_S."""
+    value = os.environ.get(GIL_SWITCH_ENV, "").strip()
+    if not value:
+        return GIL_SWITCH_INTERVAL_S
+    try:
+        us = float(value)
+    except ValueError:
+        us = float("nan")
+    if not 1 <= us <= 100_000:
+        raise ValueError(f"{GIL_SWITCH_ENV} must be microseconds in [1, 100000], got {value!r}")
+    return us / 1e6
 
 
 def setup_logging(level: str, role: str) -> None:
@@ -95,7 +113,7 @@ def run(config: WorkerConfig) -> int:
     # The engine thread holds the GIL for most of each step; the gRPC loop and the KV transfer
     # threads each need it for a moment per message. Hand it over after 0.5 ms rather than the
     # default 5 ms, or every layer of an incoming KV transfer waits up to 5 ms for the GIL.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(gil_switch_interval_s())
     server = WorkerServer(config, add_role_services)
     try:
         aio.run(server.serve_forever())
