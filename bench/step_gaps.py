@@ -42,6 +42,7 @@ HISTOGRAMS = {"tandem_engine_step_seconds": None, "tandem_prefill_stage_seconds"
 KV_SECONDS = "tandem_kv_transfer_seconds_total"
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 TURN_WAIT = "tandem_worker_gpu_turn_wait_seconds_total"
+DEVICE_IDLE = "tandem_engine_device_idle_seconds_total"
 
 
 def metrics_ports(banner: list[str]) -> dict[str, int]:
@@ -60,7 +61,7 @@ def scrape(port: int) -> dict[str, float]:
     the seconds its steps waited for their turn on a shared GPU."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0, "turn_wait_seconds": 0.0}
+    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0, "turn_wait_seconds": 0.0, "device_idle_seconds": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             for name, label in HISTOGRAMS.items():
@@ -74,6 +75,8 @@ def scrape(port: int) -> dict[str, float]:
                 out["kv_bytes"] += s.value
             elif s.name == TURN_WAIT:
                 out["turn_wait_seconds"] += s.value
+            elif s.name == DEVICE_IDLE:
+                out["device_idle_seconds"] += s.value
     return out
 
 
@@ -106,16 +109,18 @@ def scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
 
 def stage_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
     """"process stage" -> mean ms between two `scrape_all`s (engine steps, the prefill worker's
-    stages, the gateway's worker calls), and each process's turn wait per engine step."""
+    stages, the gateway's worker calls), and each process's turn wait and device idle time
+    (tandem_engine_device_idle_seconds) per engine step."""
     out = {}
     for w in after:
         means = means_ms(before[w], after[w])
         for key, (ms, _count) in means.items():
             out[f"{w} {SHORT.get(key, key)}"] = round(ms, 3)
         steps = means.get("tandem_engine_step_seconds", (0.0, 0))[1]
-        waited = after[w]["turn_wait_seconds"] - before[w]["turn_wait_seconds"]
-        if steps and waited:
-            out[f"{w} turn_wait_per_step"] = round(waited / steps * 1e3, 3)
+        for key, name in (("turn_wait_seconds", "turn_wait_per_step"), ("device_idle_seconds", "device_idle_per_step")):
+            spent = after[w].get(key, 0.0) - before[w].get(key, 0.0)
+            if steps and spent:
+                out[f"{w} {name}"] = round(spent / steps * 1e3, 3)
     return out
 
 

@@ -24,6 +24,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.cublas import default_no_workspace
 from engine.cuda_graphs import MAX_GRAPH_BATCH
+from engine.device_idle import DeviceIdleClock
 from engine.jit_watch import LateCompileWatch
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
@@ -556,6 +557,16 @@ class Engine:
         if self.late_compiles is not None:
             self.late_compiles.uninstall()
             self.late_compiles = None
+
+    def measure_device_idle(self) -> DeviceIdleClock | None:
+        """Start measuring how long the device waits for the host between steps
+        (engine/device_idle.py); the clock is read with its `take()` on the engine's thread.
+        None where there is nothing to measure: the CPU, or a follower rank."""
+        if self.runner is None or self.runner.device.type != "cuda":
+            return None
+        if self.runner.idle_clock is None:
+            self.runner.idle_clock = DeviceIdleClock(self.runner.device)
+        return self.runner.idle_clock
 
     # ---- introspection --------------------------------------------------------------------
     @property

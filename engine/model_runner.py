@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.device_idle import DeviceIdleClock
 from engine.cuda_graphs import (DEFAULT_BUCKETS, DecodeGraphs, fastest_buckets, smallest_bucket, spare_buckets,
                                 timed_buckets_enabled)
 from engine.kv_cache import KVCache
@@ -58,6 +59,9 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+        # engine.device_idle.DeviceIdleClock while the device's waits for the host are measured
+        # (Engine.measure_device_idle); None: nothing is recorded.
+        self.idle_clock: DeviceIdleClock | None = None
         self.prefill_graphs = None  # engine.prefill_graphs.PrefillGraphs once captured
         self.logits_buckets: list[int] | None = None  # see bucket_logits
         self.logits_max_rows = 0  # the most rows a step samples, once bucket_logits has run
@@ -230,6 +234,8 @@ class ModelRunner:
             bucket = self.graphs.stage(batch.input_ids, batch.positions, batch.meta)
         if before_forward is not None:
             before_forward()
+        if self.idle_clock is not None:
+            self.idle_clock.forward_starts()
         hidden = None
         if bucket is not None:
             hidden = self.graphs.replay(bucket, batch.input_ids.shape[0])
@@ -245,9 +251,14 @@ class ModelRunner:
             forward_done = torch.cuda.Event()
             forward_done.record()
         if not batch.sample_index:
+            if self.idle_clock is not None:
+                self.idle_clock.step_ends()
             return [], None, forward_done
         logits = self.model.logits(hidden[batch.sample_rows])[: len(batch.sample_index)]
-        return batch.sample_index, self.sampler.launch(logits, self._rows(out, batch.sample_index)), forward_done
+        samples = self.sampler.launch(logits, self._rows(out, batch.sample_index))
+        if self.idle_clock is not None:
+            self.idle_clock.step_ends()
+        return batch.sample_index, samples, forward_done
 
     def stop(self) -> None:
         """`Engine.close()`: release whatever runs beside this runner (nothing here; a

@@ -121,6 +121,10 @@ class WorkerMetrics(MetricsEndpoint):
         self._turn_wait = Counter("tandem_worker_gpu_turn_wait_seconds",
                                   "Seconds a decode worker's steps waited for prefill steps on its GPU (--gpu-turn)",
                                   list(labels), registry=self.registry).labels(**labels)
+        self._device_idle = Counter("tandem_engine_device_idle_seconds",
+                                    "Seconds the GPU waited for the host between engine steps: from a step's last "
+                                    "kernel to the next step's forward, on the device's clock (engine/device_idle.py)",
+                                    list(labels), registry=self.registry).labels(**labels)
         ProcessCollector(registry=self.registry)
         self._labels = labels
 
@@ -129,6 +133,9 @@ class WorkerMetrics(MetricsEndpoint):
 
     def observe_turn_wait(self, seconds: float) -> None:
         self._turn_wait.inc(seconds)
+
+    def observe_device_idle(self, seconds: float) -> None:
+        self._device_idle.inc(seconds)
 
     def observe_prefill(self, stage: str, seconds: float) -> None:
         """A Prefill call's `stage` ("compute", "handover", "queue", "finish" or "commit") took `seconds`."""

@@ -45,6 +45,7 @@ from worker.streams import AsyncBridge
 if TYPE_CHECKING:
     from grpc_health.v1.health import HealthServicer
 
+    from engine.device_idle import DeviceIdleClock
     from engine.engine import Engine
     from kvtransfer import KVReceiver, KVSender
     from worker.index_publisher import IndexPublisher
@@ -93,6 +94,7 @@ class WorkerServer:
         self.advertised_host = advertised_host(config.host, config.advertise_host)
         self.metrics_port: int | None = None
         self._step_fault = StepDelay.from_env(config.worker_id)  # test-only fault hook (worker/faults.py)
+        self._idle_clock: DeviceIdleClock | None = None  # engine.device_idle, where metrics are on and a GPU runs
         self._stopping = False
         self._skip_wait = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -160,6 +162,7 @@ class WorkerServer:
         metrics = WorkerMetrics(runtime.worker_id, runtime.role, lambda: runtime.loop.stats, runtime.kv_stats,
                                 lambda: runtime.draining, model=model.name or model.resolve().name)
         self.metrics_port = metrics.serve(self.config.host, self.config.metrics_port)
+        self._idle_clock = self.engine.measure_device_idle()  # read after each step, on the engine thread
         runtime.metrics = metrics
 
     def _observe_step(self, seconds: float) -> None:
@@ -167,6 +170,8 @@ class WorkerServer:
             seconds += self._step_fault.after_step()
         if self.runtime is not None and self.runtime.metrics is not None:
             self.runtime.metrics.observe_step(seconds)
+            if self._idle_clock is not None:
+                self.runtime.metrics.observe_device_idle(self._idle_clock.take()[0])
 
     def _observe_turn_wait(self, seconds: float) -> None:
         if self.runtime is not None and self.runtime.metrics is not None:

@@ -1,0 +1,68 @@
+"""How long a GPU waits for the host between engine steps.
+
+A step's kernels are queued by the host; when the host queues the next step's forward only after
+the device has finished everything before it (a slow schedule, a held launch waiting for the
+GIL or for the turn of a prefill on the same GPU), the device sits idle in between. CUDA events
+with timing, recorded on the step's stream after the step's last kernel and right before the
+next forward, measure that gap on the device's own clock: the time from one step's end to the
+next forward's start, which is idle time plus the few copies queued between them (swaps, a
+decode graph's staged inputs).
+
+`DeviceIdleClock` is called on the engine thread only: `forward_starts` right before a forward
+is queued, `step_ends` after the step's last kernel is queued, `take` whenever the caller wants
+the gaps completed since the last `take` (it never waits for the device: a gap is counted once
+its second event has been reached). Events are reused.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class DeviceIdleClock:
+    """Seconds the current CUDA stream of `device` spent between one step's end and the next
+    forward's start (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"DeviceIdleClock needs a CUDA device, got {device}")
+        self.device = device
+        self._end: torch.cuda.Event | None = None  # the last step's end, not yet paired
+        self._pairs: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._free: list[torch.cuda.Event] = []
+        self._seconds = 0.0
+        self._gaps = 0
+
+    def _event(self) -> torch.cuda.Event:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def forward_starts(self) -> None:
+        """Right before a step's forward is queued: the end of the gap that began at the step
+        before's end (none before the first step)."""
+        if self._end is None:
+            return
+        self._pairs.append((self._end, self._event()))
+        self._end = None
+
+    def step_ends(self) -> None:
+        """After the step's last kernel is queued: a gap begins."""
+        if self._end is not None:  # a step whose forward start was not marked: no gap
+            self._free.append(self._end)
+        self._end = self._event()
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, gaps) of the gaps the device has passed since the last `take`."""
+        while self._pairs and self._pairs[0][1].query():
+            end, start = self._pairs.popleft()
+            self._seconds += end.elapsed_time(start) / 1e3
+            self._gaps += 1
+            self._free += (end, start)
+        taken = (self._seconds, self._gaps)
+        self._seconds, self._gaps = 0.0, 0
+        return taken
+
+
+__all__ = ["DeviceIdleClock"]
