@@ -71,19 +71,6 @@ def _prop(device: int) -> _AllocationProp:
     return prop
 
 
-def _make_current(device: int) -> None:
-    """Make `device`'s primary context (the one torch uses) current on this thread if none is:
-    the rendezvous thread that exports descriptors never ran a CUDA call of its own."""
-    lib, ctx = _driver(), ctypes.c_void_p()
-    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if ctx.value:
-        return
-    dev = ctypes.c_int()
-    _check(lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
-    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-
 def granularity(device: int) -> int:
     """The size every allocation of `device` is rounded up to (2 MiB on current GPUs)."""
     size = ctypes.c_size_t()
@@ -115,8 +102,13 @@ class DeviceMemory:
                 try:
                     _check(lib.cuMemImportFromShareableHandle(ctypes.byref(self.handle), ctypes.c_void_p(fd),
                                                               _HANDLE_TYPE_POSIX_FD), "cuMemImportFromShareableHandle")
-                finally:
+                except BaseException:
                     os.close(fd)
+                    raise
+            # The descriptor is kept: a handle imported from one cannot be exported again
+            # (CUDA_ERROR_INVALID_VALUE), so a process that imported the memory hands on copies
+            # of the descriptor it received (`export_fd`), and the one that made it does the same.
+            self._fd = fd if fd is not None else self._export()
             _check(lib.cuMemAddressReserve(ctypes.byref(self.ptr), ctypes.c_size_t(self.size), ctypes.c_size_t(0),
                                            ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
             _check(lib.cuMemMap(self.ptr, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
@@ -126,13 +118,15 @@ class DeviceMemory:
                    "cuMemSetAccess")
         self.tensor = torch.as_tensor(_CudaArray(self.ptr.value, nbytes), device=self.device)
 
-    def export_fd(self) -> int:
-        """A new file descriptor for this memory, for another process (the caller closes it)."""
-        _make_current(self.device.index)
+    def _export(self) -> int:
         fd = ctypes.c_int()
         _check(_driver().cuMemExportToShareableHandle(ctypes.byref(fd), self.handle, _HANDLE_TYPE_POSIX_FD,
                                                       ctypes.c_ulonglong(0)), "cuMemExportToShareableHandle")
         return fd.value
+
+    def export_fd(self) -> int:
+        """A new file descriptor for this memory, for another process (the caller closes it)."""
+        return os.dup(self._fd)
 
     def close(self) -> None:
         """Unmap and release this process's hold (the memory lives on in other processes holding it)."""
@@ -143,6 +137,7 @@ class DeviceMemory:
                 lib.cuMemUnmap(self.ptr, ctypes.c_size_t(self.size))
                 lib.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.size))
                 lib.cuMemRelease(self.handle)
+            os.close(self._fd)
             self.ptr = ctypes.c_ulonglong(0)
 
 
