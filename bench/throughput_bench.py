@@ -370,7 +370,8 @@ class Clusters:
     MODES = {"disagg": [], "colocated": ["--colocated"],
              "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"],
              "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"],
-             "disagg_share_weights": ["--share-weights"]}
+             "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": []}
+    ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"}}  # a mode's environment (entrypoints/worker.py)
 
     def __init__(self, model_dir: Path, log_root: Path, up_args: list[str] = ()) -> None:
         self.model_dir, self.log_root, self.up_args = model_dir, log_root, list(up_args)
@@ -394,7 +395,7 @@ class Clusters:
         up_bench.UP_TIMEOUT_S = max(30.0, timeout_s)  # start_up reads it for its deadline
         try:
             proc, banner, up_s = up_bench.start_up(self.model_dir, port, self.log_root / f"logs-{mode}",
-                                                   [*self.MODES[mode], *self.up_args])
+                                                   [*self.MODES[mode], *self.up_args], self.ENV.get(mode))
         except Exception as exc:
             self.failed[mode] = repr(exc)[:2000]
             raise
@@ -597,10 +598,13 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("online_colocated", "B", 75, 45, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
     Section("online_hold_reserving", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_hold_reserving"),
             "online with --gpu-turn-hold reserving: the held launch's cost on TPOT against `online` (always)"),
-    Section("services_share_weights", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_share_weights"),
-            "`tandem up --share-weights`: one copy of the weights, the decode worker's K/V larger by it"),
-    Section("online_share_weights", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_share_weights"),
-            "online with --share-weights (TTFT / TPOT against `online`)"),
+    Section("online_gil_100us", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_gil_100us"),
+            "online with the workers' GIL switch interval at 0.1 ms (TANDEM_GIL_SWITCH_US; 0.5 ms by default): "
+            "whether the held launch waits for the GIL"),
+    Section("services_own_weights", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_own_weights"),
+            "`tandem up --no-share-weights`: a copy of the weights each, the decode worker's K/V smaller by one"),
+    Section("online_own_weights", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_own_weights"),
+            "online with --no-share-weights (TTFT / TPOT against `online`)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
@@ -704,7 +708,7 @@ RATIOS = {
     "services_vs_offline": (("services", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "colocated_vs_offline": (("colocated", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_small_prefill_vs_offline": (("services_small_prefill", "output_tok_s"), ("offline_subset", "output_tok_s")),
-    "services_share_weights_vs_offline": (("services_share_weights", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "services_own_weights_vs_offline": (("services_own_weights", "output_tok_s"), ("offline_subset", "output_tok_s")),
 }
 
 
@@ -737,7 +741,7 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
         "services_out_tok_s": g("services", "output_tok_s"), "colocated_out_tok_s": g("colocated", "output_tok_s"),
         "offline_subset_out_tok_s": g("offline_subset", "output_tok_s"),
         "services_vs_offline": None, "colocated_vs_offline": None, "services_small_prefill_vs_offline": None,
-        "services_share_weights_vs_offline": None,
+        "services_own_weights_vs_offline": None,
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),

@@ -25,6 +25,7 @@ tail), and on Ctrl-C / SIGTERM stops the gateway first, then the workers.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import logging
 import os
@@ -60,7 +61,7 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
         return placement
     from entrypoints.memory_split import shared_gpu_ratio
 
-    ratio = shared_gpu_ratio(placement, model, physical_gpus, max_model_len=a.max_model_len, **_sizing(a))
+    ratio = shared_gpu_ratio(placement, model, physical_gpus, max_model_len=a.max_model_len, **_sizing(a, placement))
     return placement if ratio is None else _placed(a, visible, ratio)
 
 
@@ -73,7 +74,7 @@ def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None 
     from entrypoints.memory_split import fitting_max_model_len
 
     placement = _placed(a, visible, a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
-    return fitting_max_model_len(placement, model, physical_gpus, **_sizing(a))
+    return fitting_max_model_len(placement, model, physical_gpus, **_sizing(a, placement))
 
 
 def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placement:
@@ -84,7 +85,17 @@ def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placeme
                  memory_fraction=a.gpu_memory_fraction, kv_transport=a.kv_transport, prefill_memory_ratio=ratio)
 
 
-def _sizing(a: argparse.Namespace) -> dict:
+def shares_weights(a: argparse.Namespace, placement: Placement) -> bool:
+    """Whether the workers of `placement` that share a device keep one copy of the weights:
+    --share-weights / --no-share-weights, else (the default) where two or more workers share a
+    GPU and each holds whole weights (--tp 1). On the CPU only when asked."""
+    if a.share_weights is not None:
+        return a.share_weights
+    per_gpu = Counter(g for w in placement.workers for g in w.gpus)
+    return a.tp == 1 and any(n > 1 for n in per_gpu.values())
+
+
+def _sizing(a: argparse.Namespace, placement: Placement) -> dict:
     """The flags entrypoints.memory_split sizes a worker's need from, with the workers' defaults."""
     from engine.config import EngineConfig
 
@@ -92,7 +103,7 @@ def _sizing(a: argparse.Namespace) -> dict:
                 max_batched_tokens=a.max_batched_tokens or EngineConfig.max_batched_tokens,
                 max_running=a.max_running, tp=a.tp, cluster_share=a.gpu_memory_fraction,
                 prefill_graph_tokens=PREFILL_GRAPH_TOKENS if a.prefill_graph_tokens is None else a.prefill_graph_tokens,
-                shared_weights=a.share_weights)
+                shared_weights=shares_weights(a, placement))
 
 
 def physical_gpus(gpus: tuple[int, ...]) -> str:
@@ -153,7 +164,7 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
                               auth_token=auth_token, tls_ca=a.tls_ca)
 
     disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
-    shared = shared_weights_flags(placement, ready_dir) if a.share_weights and ready_dir is not None else {}
+    shared = shared_weights_flags(placement, ready_dir) if shares_weights(a, placement) and ready_dir is not None else {}
 
     def turn(name: str) -> list[str]:
         """--gpu-turn for a worker sharing its GPU with workers of the other role (worker.gpu_turn):
@@ -245,10 +256,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-workers", type=int, default=1, help="decode workers (role-both ones with --colocated)")
     p.add_argument("--colocated", action="store_true",
                    help="run --decode-workers role-both workers, no disaggregation (default: disaggregated)")
-    p.add_argument("--share-weights", action="store_true",
+    p.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="workers on one device keep one copy of the weights (the first loads them, the others "
                         "map them; a prefill worker's memory share then holds none, a decode worker's does): "
-                        "more KV for the decode worker where prefill and decode share a GPU (needs --tp 1)")
+                        "more KV for the decode worker where prefill and decode share a GPU (needs --tp 1; "
+                        "default: on where workers share a GPU with --tp 1, off on the CPU)")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
     p.add_argument("--gpus", default=None,
@@ -434,11 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fitted = fitted_max_model_len(a, model)
         if fitted is not None:
+            why = ("" if a.share_weights is not False else
+                   " With --no-share-weights each of the two holds the weights, which leaves the decode worker "
+                   "fewer running sequences: one copy for both (the default) or --colocated (one worker) serves "
+                   "more of them on this GPU")
             print(f"tandem up: --max-model-len {fitted}: a request of the model's whole context does not fit "
                   f"both the prefill and the decode worker sharing a GPU; pass --max-model-len (with "
-                  f"--gpus or --gpu-memory-fraction) to choose. Each of the two holds the weights, which "
-                  f"leaves the decode worker fewer running sequences: --share-weights (one copy for both) "
-                  f"or --colocated (one worker) serves more of them on this GPU", flush=True)
+                  f"--gpus or --gpu-memory-fraction) to choose.{why}", flush=True)
             a.max_model_len = fitted
         placement = placement_for(a, model=model)
     except PlacementError as exc:

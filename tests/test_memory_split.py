@@ -100,13 +100,20 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
     from entrypoints.launcher import parse_args, placement_for
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    own = placement_for(parse_args(["--no-share-weights"]), visible=1, model=str(model_dir))
     assert "-i 3" in nvidia_smi.read_text()  # the physical GPU, as the workers will see it
-    pre, dec = pl.worker("prefill-0").memory_fraction, pl.worker("decode-0").memory_fraction
+    pre, dec = own.worker("prefill-0").memory_fraction, own.worker("decode-0").memory_fraction
     need = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS)  # the worker's default graphs
     assert pre * (H200_MIB << 20) * CUDA_VISIBLE_SHARE == pytest.approx(need, abs=(H200_MIB << 20) * 5e-5)
     assert pre + dec == pytest.approx(0.9, abs=2e-4) and 0.6 < dec < 0.7  # §11: 60% with the fixed ratio
-    short = placement_for(parse_args(["--max-model-len", "8192"]), visible=1, model=str(model_dir))
+    # By default the two share one copy of the weights, charged to the decode worker: the prefill
+    # worker's share holds none of them.
+    one = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    pre_one = one.worker("prefill-0").memory_fraction
+    need_one = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS, shared_weights=True)
+    assert pre_one * (H200_MIB << 20) * CUDA_VISIBLE_SHARE == pytest.approx(need_one, abs=(H200_MIB << 20) * 5e-5)
+    assert pre_one + one.worker("decode-0").memory_fraction == pytest.approx(0.9, abs=2e-4) and pre_one < pre - 0.1
+    short = placement_for(parse_args(["--max-model-len", "8192", "--no-share-weights"]), visible=1, model=str(model_dir))
     assert short.worker("decode-0").memory_fraction > dec + 0.05
     fixed = placement_for(parse_args(["--prefill-memory-ratio", "0.5"]), visible=1, model=str(model_dir))
     assert fixed.worker("decode-0").memory_fraction == pytest.approx(0.6)
@@ -139,10 +146,11 @@ H100_MIB = 81559
 
 def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_dir: Path, tmp_path: Path,
                                                                           monkeypatch) -> None:
-    """Given no --max-model-len, `tandem up` on one 80 GB H100 halves Llama-3.1-8B's 131,072-token
-    context until a prefill and a decode worker sharing the GPU can each hold a request of it
-    (65,536), and the placement then gives the decode worker room for one; on an H200, with
-    --max-model-len, or with nothing shared, it keeps what it was given."""
+    """Given no --max-model-len and --no-share-weights, `tandem up` on one 80 GB H100 halves
+    Llama-3.1-8B's 131,072-token context until a prefill and a decode worker sharing the GPU can
+    each hold a request of it (65,536), and the placement then gives the decode worker room for
+    one; with one copy of the weights (the default), on an H200, with --max-model-len, or with
+    nothing shared, it keeps what it was given."""
     from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
     from entrypoints.memory_split import DECODE_GRAPH_BYTES
 
@@ -154,25 +162,28 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     smi(H100_MIB)
-    a = parse_args([])
+    assert fitted_max_model_len(parse_args([]), str(model_dir), visible=1) is None  # one copy: it fits
+    a = parse_args(["--no-share-weights"])
     assert fitted_max_model_len(a, str(model_dir), visible=1) == 65536
     a.max_model_len = 65536
     decode = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     room = decode * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
     assert room >= _need(max_model_len=65536) + DECODE_GRAPH_BYTES  # one request of it, and its step
     assert room < _need() + DECODE_GRAPH_BYTES  # the whole context would not have fit
-    assert fitted_max_model_len(parse_args(["--max-model-len", "131072"]), str(model_dir), visible=1) is None
-    assert fitted_max_model_len(parse_args([]), str(model_dir), visible=2) is None  # a GPU each
-    assert fitted_max_model_len(parse_args(["--colocated"]), str(model_dir), visible=1) is None
+    assert fitted_max_model_len(parse_args(["--max-model-len", "131072", "--no-share-weights"]), str(model_dir),
+                                visible=1) is None
+    assert fitted_max_model_len(parse_args(["--no-share-weights"]), str(model_dir), visible=2) is None  # a GPU each
+    assert fitted_max_model_len(parse_args(["--colocated", "--no-share-weights"]), str(model_dir), visible=1) is None
     smi(H200_MIB)
-    assert fitted_max_model_len(parse_args([]), str(model_dir), visible=1) is None
+    assert fitted_max_model_len(parse_args(["--no-share-weights"]), str(model_dir), visible=1) is None
 
 
 def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worker_more(model_dir: Path,
                                                                                       tmp_path: Path,
                                                                                       monkeypatch) -> None:
-    """With --share-weights the prefill worker's need holds no weights, the decode worker's share
-    grows by them, and on an 80 GB H100 Llama-3.1-8B's whole context fits the pair again."""
+    """With one copy of the weights (the default on a GPU) the prefill worker's need holds no
+    weights, the decode worker's share grows by them, and on an 80 GB H100 Llama-3.1-8B's whole
+    context fits the pair again."""
     from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
 
     mc = ModelConfig.from_dict(LLAMA31_8B)
@@ -183,7 +194,7 @@ def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worke
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert fitted_max_model_len(parse_args(["--share-weights"]), str(model_dir), visible=1) is None
-    a, b = parse_args(["--max-model-len", "65536"]), parse_args(["--max-model-len", "65536", "--share-weights"])
+    a, b = parse_args(["--max-model-len", "65536", "--no-share-weights"]), parse_args(["--max-model-len", "65536"])
     own = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     shared = placement_for(b, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     gained = (shared - own) * (H100_MIB << 20) * CUDA_VISIBLE_SHARE

@@ -34,9 +34,17 @@ def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path) -> No
     assert sorted(len(v) for v in two.values()) == [0, 1, 1, 2, 2]  # per GPU: one charged, one not
     with pytest.raises(SystemExit):
         parse_args(["--share-weights", "--tp", "2"])
-    plain = build_children(parse_args([]), "/models/m", placement=placement_for(parse_args([]), visible=1),
-                           ready_dir=tmp_path)
-    assert all("--shared-weights-dir" not in c.argv for c in plain)
+
+    def default(*argv: str, visible: int) -> list[str]:  # the workers given a rendezvous, without --share-weights
+        a = parse_args(list(argv))
+        children = build_children(a, "/models/m", placement=placement_for(a, visible=visible), ready_dir=tmp_path)
+        return [c.name for c in children if "--shared-weights-dir" in c.argv]
+
+    assert default(visible=1) == ["prefill-0", "decode-0"]  # on by default where workers share a GPU
+    assert default("--colocated", "--decode-workers", "2", visible=1) == ["worker-0", "worker-1"]
+    assert default(visible=2) == [] and default(visible=0) == []  # a GPU each; the CPU only when asked
+    assert default("--tp", "2", visible=2) == []  # split weights are not shared
+    assert default("--no-share-weights", visible=1) == []
 
 
 def shared_log_line(path) -> str:
