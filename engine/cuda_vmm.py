@@ -71,6 +71,28 @@ def _prop(device: int) -> _AllocationProp:
     return prop
 
 
+_ATTR_VIRTUAL_MEMORY_MANAGEMENT = 102  # CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+_ATTR_POSIX_FD_HANDLES = 103  # CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+
+
+def can_share(device: int) -> bool:
+    """Whether GPU `device` (an index this process sees) makes memory another process can map:
+    the virtual memory management API with POSIX file descriptor handles (not every platform has
+    them: WSL, some virtual GPUs). False without a driver. Makes no context."""
+    try:
+        lib = _driver()
+    except OSError:
+        return False
+    dev = ctypes.c_int()
+    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
+        return False
+    for attr in (_ATTR_VIRTUAL_MEMORY_MANAGEMENT, _ATTR_POSIX_FD_HANDLES):
+        value = ctypes.c_int()
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), attr, dev) != 0 or not value.value:
+            return False
+    return True
+
+
 def granularity(device: int) -> int:
     """The size every allocation of `device` is rounded up to (2 MiB on current GPUs)."""
     size = ctypes.c_size_t()
@@ -149,4 +171,4 @@ class _CudaArray:
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
 
 
-__all__ = ["DeviceMemory", "granularity"]
+__all__ = ["DeviceMemory", "can_share", "granularity"]

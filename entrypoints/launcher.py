@@ -25,7 +25,7 @@ tail), and on Ctrl-C / SIGTERM stops the gateway first, then the workers.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import functools
 import json
 import logging
 import os
@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
@@ -88,11 +89,22 @@ def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placeme
 def shares_weights(a: argparse.Namespace, placement: Placement) -> bool:
     """Whether the workers of `placement` that share a device keep one copy of the weights:
     --share-weights / --no-share-weights, else (the default) where two or more workers share a
-    GPU and each holds whole weights (--tp 1). On the CPU only when asked."""
+    GPU that can share memory between processes and each holds whole weights (--tp 1). On the CPU
+    only when asked."""
     if a.share_weights is not None:
         return a.share_weights
     per_gpu = Counter(g for w in placement.workers for g in w.gpus)
-    return a.tp == 1 and any(n > 1 for n in per_gpu.values())
+    shared = [g for g, n in per_gpu.items() if n > 1]
+    return a.tp == 1 and bool(shared) and all(gpu_can_share_memory(g) for g in shared)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_can_share_memory(gpu: int) -> bool:
+    """Whether GPU `gpu` (an index this process sees) can hold memory other processes map
+    (engine.cuda_vmm.can_share); where it cannot, the default keeps a copy of the weights each."""
+    from engine.cuda_vmm import can_share
+
+    return can_share(gpu)
 
 
 def _sizing(a: argparse.Namespace, placement: Placement) -> dict:

@@ -97,7 +97,10 @@ def nvidia_smi(tmp_path: Path, monkeypatch) -> Path:
 
 
 def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidia_smi: Path, monkeypatch) -> None:
+    from entrypoints import launcher
     from entrypoints.launcher import parse_args, placement_for
+
+    monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     own = placement_for(parse_args(["--no-share-weights"]), visible=1, model=str(model_dir))
@@ -151,8 +154,11 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
     each hold a request of it (65,536), and the placement then gives the decode worker room for
     one; with one copy of the weights (the default), on an H200, with --max-model-len, or with
     nothing shared, it keeps what it was given."""
+    from entrypoints import launcher
     from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
     from entrypoints.memory_split import DECODE_GRAPH_BYTES
+
+    monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
 
     def smi(mib: int) -> None:
         bin_dir = tmp_path / f"bin{mib}"
@@ -194,7 +200,8 @@ def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worke
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert fitted_max_model_len(parse_args(["--share-weights"]), str(model_dir), visible=1) is None
-    a, b = parse_args(["--max-model-len", "65536", "--no-share-weights"]), parse_args(["--max-model-len", "65536"])
+    a = parse_args(["--max-model-len", "65536", "--no-share-weights"])
+    b = parse_args(["--max-model-len", "65536", "--share-weights"])
     own = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     shared = placement_for(b, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     gained = (shared - own) * (H100_MIB << 20) * CUDA_VISIBLE_SHARE

@@ -12,8 +12,11 @@ from tandem import Client
 from tests.test_launcher import cmdline, processes_with, start_up, stop
 
 
-def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path) -> None:
+def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path, monkeypatch) -> None:
+    from entrypoints import launcher
     from entrypoints.launcher import build_children, parse_args, placement_for
+
+    monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)  # these GPUs are placed, not real
 
     def flags(*argv: str, visible: int = 1) -> dict[str, list[str]]:
         a = parse_args(["--share-weights", *argv])
@@ -45,6 +48,8 @@ def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path) -> No
     assert default(visible=2) == [] and default(visible=0) == []  # a GPU each; the CPU only when asked
     assert default("--tp", "2", visible=2) == []  # split weights are not shared
     assert default("--no-share-weights", visible=1) == []
+    monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: False)  # no cuMem file descriptors there
+    assert default(visible=1) == [] and flags()["decode-0"] == [gpu0]  # asked for, it is still tried
 
 
 def shared_log_line(path) -> str:

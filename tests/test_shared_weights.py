@@ -229,3 +229,5 @@ def test_the_driver_structs_have_cudas_layout():
     assert ctypes.sizeof(cuda_vmm._AccessDesc) == 12 and cuda_vmm._AccessDesc.flags.offset == 8
     with pytest.raises(ValueError, match="needs a CUDA device"):
         cuda_vmm.DeviceMemory(torch.device("cpu"), 1)
+    # Where CUDA runs (the GPU test's machines: an H100 shares), a GPU that can; without it, none.
+    assert cuda_vmm.can_share(0) is torch.cuda.is_available()
