@@ -27,7 +27,6 @@ class DeviceIdleClock:
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"DeviceIdleClock needs a CUDA device, got {device}")
-        self.device = device
         self._end: torch.cuda.Event | None = None  # the last step's end, not yet paired
         self._pairs: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._free: list[torch.cuda.Event] = []

@@ -176,7 +176,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
                               auth_token=auth_token, tls_ca=a.tls_ca)
 
     disagg = common + (["--kv-transport", placement.kv_transport] if placement.kv_transport else [])
-    shared = shared_weights_flags(placement, ready_dir) if shares_weights(a, placement) and ready_dir is not None else {}
+    sharing = ready_dir is not None and shares_weights(a, placement)
+    shared = shared_weights_flags(placement, ready_dir) if sharing else {}
 
     def turn(name: str) -> list[str]:
         """--gpu-turn for a worker sharing its GPU with workers of the other role (worker.gpu_turn):
@@ -272,7 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="workers on one device keep one copy of the weights (the first loads them, the others "
                         "map them; a prefill worker's memory share then holds none, a decode worker's does): "
                         "more KV for the decode worker where prefill and decode share a GPU (needs --tp 1; "
-                        "default: on where workers share a GPU with --tp 1, off on the CPU)")
+                        "default: on where workers share a GPU that can share memory between processes, with --tp 1; "
+                        "off on the CPU)")
     p.add_argument("--tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
                    help="tensor-parallel ranks per worker (one GPU each on CUDA; each worker starts its own ranks)")
     p.add_argument("--gpus", default=None,
