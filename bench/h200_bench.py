@@ -223,7 +223,8 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     `fused`: EngineConfig.fused_decode_gemv (None: the engine's default). Batch 1 reports
     decode_b1_* keys, a larger batch decode_b<N>_*, a prompt other than 128 tokens
     decode_b<N>_ctx<len>_*; and the projections the engine ran as fused GEMVs
-    (`fused_gemv_projections`, "" for none)."""
+    (`fused_gemv_projections`, "" for none), and how long the device waited for the host between
+    one step's end and the next forward's start (`*_device_idle_ms_per_step`, engine/device_idle.py)."""
     from engine import LLM, SamplingParams
     from engine.config import ModelConfig
     from engine.kv_cache import KVCache
@@ -244,13 +245,16 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
             break
     for _ in range(5):
         eng.step()
+    idle_clock = eng.measure_device_idle()
     torch.cuda.synchronize()
+    idle_clock.take()  # the gaps before the timed steps
     n = 200
     t = time.perf_counter()
     for _ in range(n):
         eng.step()
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - t) / n
+    idle_s, gaps = idle_clock.take()
     floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
     fused_projections = ",".join(p for p in GEMV_PROJECTIONS if p in eng.model.layers[0].fused_decode)
     for request_id in eng.request_ids():
@@ -262,7 +266,8 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     name = f"decode_b{batch}" + (f"_ctx{prompt_len}" if prompt_len != 128 else "")
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
             "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
-            "kv_read_fraction": round(kv_bytes / weight_bytes(cfg), 3), "fused_gemv_projections": fused_projections}
+            "kv_read_fraction": round(kv_bytes / weight_bytes(cfg), 3), "fused_gemv_projections": fused_projections,
+            f"{name}_device_idle_ms_per_step": round(idle_s * 1e3 / max(gaps, 1), 4)}
 
 
 def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:

@@ -6,6 +6,7 @@ import logging
 import torch
 
 from engine.config import KV_CACHE_LAYOUTS, ModelConfig
+from engine.uploads import upload
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,11 @@ class KVCache:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
-        src = torch.tensor(device_blocks, dtype=torch.long, device=self.stacked.device)
+        src = upload(device_blocks, torch.long, self.stacked.device)
         dst = torch.tensor(host_blocks, dtype=torch.long)
         self.host[:, :, dst] = self.stacked.index_select(2, src).to("cpu")
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         src = torch.tensor(host_blocks, dtype=torch.long)
-        dst = torch.tensor(device_blocks, dtype=torch.long, device=self.stacked.device)
+        dst = upload(device_blocks, torch.long, self.stacked.device)
         self.stacked.index_copy_(2, dst, self.host[:, :, src].to(self.stacked.device, non_blocking=True))

@@ -23,6 +23,7 @@ from engine.model import CausalLM, LayerHook
 from engine.sampler import PendingSamples, Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.uploads import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +189,10 @@ class ModelRunner:
         would undo the overlap of this step's preparation with the step before)."""
         sizes = [len(x) for x in lists]
         host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=sum(sizes)))
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return list(torch.split(host, sizes))
+        return list(torch.split(to_device(host, self.device), sizes))
 
     def _upload_table(self, tables: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(tables)
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return host
+        return to_device(torch.from_numpy(tables), self.device)
 
     def execute(self, out: SchedulerOutput, after_layer: LayerHook | None = None,
                 before_forward: Callable[[], None] | None = None,

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.uploads import to_device, upload
 from tandem.types import SamplingParams
 from tandem_kernels import ops
 
@@ -168,7 +169,7 @@ class Sampler:
         batch = len(rows)
         x = raw.to(torch.float32, copy=True)
         if mask_tokens:
-            where = torch.tensor([mask_rows, mask_tokens], dtype=torch.long).to(device)
+            where = upload([mask_rows, mask_tokens], torch.long, device)
             x[where[0], where[1]] = float("-inf")
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
@@ -198,7 +199,7 @@ class Sampler:
         toks = torch.cat(seqs) if seqs else torch.empty(0, dtype=torch.long)
         toks = torch.where((toks < 0) | (toks >= vocab), vocab, toks)
         row_of = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
-        return (row_of * (vocab + 1) + toks).to(device)
+        return to_device(row_of * (vocab + 1) + toks, device)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then an exponential race.
@@ -208,7 +209,7 @@ class Sampler:
         vocab = self.vocab_size
         device = x.device
         params = [row.params for row in rows]
-        table = torch.tensor(
+        table = upload(
             [
                 [
                     p.temperature,
@@ -218,8 +219,9 @@ class Sampler:
                 ]
                 for p in params
             ],
-            dtype=torch.float32,
-        ).to(device)
+            torch.float32,
+            device,
+        )
         temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in table.unbind(1))  # each [S, 1]
         need_k = any(0 < p.top_k < vocab for p in params)
         need_p = any(p.top_p < 1.0 for p in params)
@@ -375,7 +377,7 @@ class PendingSamples:
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(positions, dtype=torch.long).to(device)
+    return upload(positions, torch.long, device)
 
 
 def _as_tokens(seq: Sequence[int]) -> torch.Tensor:
@@ -395,7 +397,7 @@ def _row_values(
     column = [default] * batch
     for i, v in zip(row_ids, values):
         column[i] = v
-    return torch.tensor(column, dtype=torch.float32).to(device).unsqueeze(1)
+    return upload(column, torch.float32, device).unsqueeze(1)
 
 
 __all__ = ["PendingSamples", "Sampler", "SamplingRow", "SamplerOutput", "TokenLogprobs", "step_seed"]

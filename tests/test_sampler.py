@@ -381,3 +381,28 @@ def test_a_sequence_keeps_its_sampling_row_until_its_lists_or_params_change():
     again = _sampling_row(seq, eos)
     assert again is not moved and again.params.repetition_penalty == 1.3
     assert _sampling_row(seq, frozenset({3})).eos_token_ids == frozenset({3})
+
+
+# ---------------------------------------------------------------- the host never waits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: only a GPU copy can make the host wait")
+def test_launch_queues_every_kind_of_row_without_a_host_wait():
+    """Sampled, filtered, penalised, min_tokens-masked and partly log-prob rows are all queued
+    without a synchronizing call (engine/uploads.py: an upload from pageable memory would make
+    the host wait for the step queued before it, and the device idle after it)."""
+    rows = [_row(SamplingParams(temperature=0.8, top_p=0.9)),
+            _row(SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2), output=(4, 5)),
+            _row(SamplingParams(temperature=1.0, top_k=7, min_tokens=3, presence_penalty=0.5), output=(7,), eos={2}),
+            _row(GREEDY)]
+    logits = _logits(4, 500, seed=3).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = Sampler(500, seed=2).launch(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = pending.result()
+    assert out.token_ids[3] == int(logits[3].argmax())
+    assert out.logprobs[1] is not None and len(out.logprobs[1].top) == 2
+    assert out.token_ids[2] != 2  # masked until min_tokens
