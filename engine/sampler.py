@@ -124,7 +124,7 @@ class Sampler:
         lp_index = None if len(lp_rows) in (0, batch) else _index(lp_rows, device)
         raw_logprobs = None
         if lp_rows:
-            src = raw if lp_index is None else raw[lp_index]
+            src = raw if lp_index is None else raw.index_select(0, lp_index)
             raw_logprobs = torch.log_softmax(src.float(), dim=-1)  # [L, V]
 
         penalised = self._apply_penalties(raw, rows)
@@ -136,7 +136,7 @@ class Sampler:
             tokens = ops.argmax_rows(x)  # greedy answer for every row; sampled rows overwrite it
             if sampled:
                 index = _index(sampled, device)
-                tokens[index] = self._sample(x[index], [rows[i] for i in sampled])
+                tokens.index_copy_(0, index, self._sample(x.index_select(0, index), [rows[i] for i in sampled]))
         return self._start_copy(tokens, raw_logprobs, lp_rows, lp_index, params)
 
     # ------------------------------------------------------------------ stages
@@ -167,16 +167,18 @@ class Sampler:
 
         device = raw.device
         batch = len(rows)
-        x = raw.to(torch.float32, copy=True)
+        x = raw.to(torch.float32, copy=True).contiguous()  # [B, V]: flat indices below
         if mask_tokens:
-            where = upload([mask_rows, mask_tokens], torch.long, device)
-            x[where[0], where[1]] = float("-inf")
+            # index_fill_ takes the value as a kernel argument (an indexed assignment of a Python
+            # float copies it to the device first, and that copy waits for the stream)
+            flat = upload([r * vocab + t for r, t in zip(mask_rows, mask_tokens)], torch.long, device)
+            x.view(-1).index_fill_(0, flat, float("-inf"))
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
             histories = [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows]
             flat = self._flat_token_index(rep_rows, histories, device)
             seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
-            seen[flat] = True
+            seen.index_fill_(0, flat, True)
             seen = seen.view(batch, vocab + 1)[:, :vocab]
             penalty = _row_values(batch, rep_rows, [rows[i].params.repetition_penalty for i in rep_rows], 1.0, device)
             x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
@@ -305,7 +307,7 @@ class Sampler:
         parts = [tokens.to(torch.float64)]
         k_max = 0
         if raw_logprobs is not None:
-            picked = tokens if lp_index is None else tokens[lp_index]
+            picked = tokens if lp_index is None else tokens.index_select(0, lp_index)
             parts.append(raw_logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).to(torch.float64))
             k_max = min(max(params[i].logprobs or 0 for i in lp_rows), self.vocab_size)
             if k_max:
