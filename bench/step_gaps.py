@@ -42,7 +42,8 @@ HISTOGRAMS = {"tandem_engine_step_seconds": None, "tandem_prefill_stage_seconds"
 KV_SECONDS = "tandem_kv_transfer_seconds_total"
 KV_BYTES = "tandem_kv_transfer_bytes_total"
 TURN_WAIT = "tandem_worker_gpu_turn_wait_seconds_total"
-DEVICE_IDLE = "tandem_engine_device_idle_seconds_total"
+DEVICE_IDLE = "tandem_engine_device_idle_seconds"  # a histogram of the gaps between steps
+LONG_GAP_S = "0.001"  # its bucket bound: gaps longer than this are the host falling behind, not copies
 
 
 def metrics_ports(banner: list[str]) -> dict[str, int]:
@@ -61,7 +62,8 @@ def scrape(port: int) -> dict[str, float]:
     the seconds its steps waited for their turn on a shared GPU."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0, "turn_wait_seconds": 0.0, "device_idle_seconds": 0.0}
+    out: dict[str, float] = {"kv_seconds": 0.0, "kv_bytes": 0.0, "turn_wait_seconds": 0.0, "device_idle_seconds": 0.0,
+                             "device_idle_gaps": 0.0, "device_idle_short_gaps": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             for name, label in HISTOGRAMS.items():
@@ -75,8 +77,12 @@ def scrape(port: int) -> dict[str, float]:
                 out["kv_bytes"] += s.value
             elif s.name == TURN_WAIT:
                 out["turn_wait_seconds"] += s.value
-            elif s.name == DEVICE_IDLE:
+            elif s.name == DEVICE_IDLE + "_sum":
                 out["device_idle_seconds"] += s.value
+            elif s.name == DEVICE_IDLE + "_count":
+                out["device_idle_gaps"] += s.value
+            elif s.name == DEVICE_IDLE + "_bucket" and s.labels.get("le") == LONG_GAP_S:
+                out["device_idle_short_gaps"] += s.value
     return out
 
 
@@ -109,8 +115,10 @@ def scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
 
 def stage_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, float]:
     """"process stage" -> mean ms between two `scrape_all`s (engine steps, the prefill worker's
-    stages, the gateway's worker calls), and each process's turn wait and device idle time
-    (tandem_engine_device_idle_seconds) per engine step."""
+    stages, the gateway's worker calls), each process's turn wait and device idle time
+    (tandem_engine_device_idle_seconds) per engine step, and how many of its gaps between steps
+    were longer than 1 ms per 1,000 steps (`long_idle_gaps_per_1k_steps`) with their mean
+    (`long_idle_gap_mean`: idle time less 50 µs for each short gap, over the long ones; an upper bound)."""
     out = {}
     for w in after:
         means = means_ms(before[w], after[w])
@@ -121,6 +129,14 @@ def stage_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, 
             spent = after[w].get(key, 0.0) - before[w].get(key, 0.0)
             if steps and spent:
                 out[f"{w} {name}"] = round(spent / steps * 1e3, 3)
+        gaps = after[w].get("device_idle_gaps", 0.0) - before[w].get("device_idle_gaps", 0.0)
+        short = after[w].get("device_idle_short_gaps", 0.0) - before[w].get("device_idle_short_gaps", 0.0)
+        if steps and gaps:
+            long_gaps = gaps - short
+            out[f"{w} long_idle_gaps_per_1k_steps"] = round(long_gaps / steps * 1e3, 2)
+            if long_gaps:
+                idle = after[w]["device_idle_seconds"] - before[w].get("device_idle_seconds", 0.0)
+                out[f"{w} long_idle_gap_mean"] = round(max(0.0, idle - short * 50e-6) / long_gaps * 1e3, 3)
     return out
 
 

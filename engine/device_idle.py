@@ -9,9 +9,9 @@ next forward's start, which is idle time plus the few copies queued between them
 decode graph's staged inputs).
 
 `DeviceIdleClock` is called on the engine thread only: `forward_starts` right before a forward
-is queued, `step_ends` after the step's last kernel is queued, `take` whenever the caller wants
-the gaps completed since the last `take` (it never waits for the device: a gap is counted once
-its second event has been reached). Events are reused.
+is queued, `step_ends` after the step's last kernel is queued, `take_gaps` (each gap) or `take`
+(their sum and number) whenever the caller wants the gaps completed since the last take (it never
+waits for the device: a gap is counted once its second event has been reached). Events are reused.
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ class DeviceIdleClock:
         self._end: torch.cuda.Event | None = None  # the last step's end, not yet paired
         self._pairs: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._free: list[torch.cuda.Event] = []
-        self._seconds = 0.0
-        self._gaps = 0
 
     def _event(self) -> torch.cuda.Event:
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
@@ -52,16 +50,19 @@ class DeviceIdleClock:
             self._free.append(self._end)
         self._end = self._event()
 
-    def take(self) -> tuple[float, int]:
-        """(seconds, gaps) of the gaps the device has passed since the last `take`."""
+    def take_gaps(self) -> list[float]:
+        """The seconds of each gap the device has passed since the last take, in order."""
+        gaps = []
         while self._pairs and self._pairs[0][1].query():
             end, start = self._pairs.popleft()
-            self._seconds += end.elapsed_time(start) / 1e3
-            self._gaps += 1
+            gaps.append(end.elapsed_time(start) / 1e3)
             self._free += (end, start)
-        taken = (self._seconds, self._gaps)
-        self._seconds, self._gaps = 0.0, 0
-        return taken
+        return gaps
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, gaps): the sum and number of `take_gaps`."""
+        gaps = self.take_gaps()
+        return sum(gaps), len(gaps)
 
 
 __all__ = ["DeviceIdleClock"]

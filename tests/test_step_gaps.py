@@ -48,3 +48,25 @@ def test_bad_flags_name_the_flag():
         r = subprocess.run([sys.executable, "bench/step_gaps.py", "--model", "x", *argv], cwd=REPO,
                            capture_output=True, text=True, timeout=60, env=ENV)
         assert r.returncode == 2 and flag in r.stderr, (argv, r.stderr[-500:])
+
+
+def test_device_idle_gaps_scraped_from_a_worker_endpoint_split_short_from_long():
+    """A worker's idle-gap histogram, served over HTTP and read back as step_gaps reads it: the
+    idle time per step, and the gaps over 1 ms counted apart from the short ones."""
+    sys.path.insert(0, str(REPO))
+    from bench.step_gaps import scrape, stage_means
+    from worker.metrics import WorkerMetrics
+    from worker.stats import StatsSnapshot
+
+    metrics = WorkerMetrics("decode-0", "decode", StatsSnapshot, lambda: {}, lambda: False)
+    port = metrics.serve("127.0.0.1", 0)
+    before = {"decode-0": scrape(port)}
+    for _ in range(10):
+        metrics.observe_step(0.005)
+    short = [0.00002 * (i + 1) for i in range(8)]
+    metrics.observe_device_idle(short + [0.004, 0.012])
+    means = stage_means(before, {"decode-0": scrape(port)})
+    assert means["decode-0 step"] == 5.0
+    assert means["decode-0 device_idle_per_step"] == round((sum(short) + 0.016) / 10 * 1e3, 3)
+    assert means["decode-0 long_idle_gaps_per_1k_steps"] == 200.0  # 2 long gaps in 10 steps
+    assert 8.0 <= means["decode-0 long_idle_gap_mean"] <= 8.0 + sum(short) / 2 * 1e3

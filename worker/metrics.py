@@ -25,6 +25,9 @@ from worker.stats import StatsSnapshot
 logger = logging.getLogger(__name__)
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# A step queued ahead leaves a gap of a few copies (~10-50 µs); a host that fell behind, a held
+# launch or another process's kernels leave longer ones.
+_IDLE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0)
 
 
 class _SnapshotCollector(Collector):
@@ -121,10 +124,11 @@ class WorkerMetrics(MetricsEndpoint):
         self._turn_wait = Counter("tandem_worker_gpu_turn_wait_seconds",
                                   "Seconds a decode worker's steps waited for prefill steps on its GPU (--gpu-turn)",
                                   list(labels), registry=self.registry).labels(**labels)
-        self._device_idle = Counter("tandem_engine_device_idle_seconds",
-                                    "Seconds the GPU waited for the host between engine steps: from a step's last "
-                                    "kernel to the next step's forward, on the device's clock (engine/device_idle.py)",
-                                    list(labels), registry=self.registry).labels(**labels)
+        self._device_idle = Histogram("tandem_engine_device_idle_seconds",
+                                      "Each wait of the GPU for the host between engine steps: from a step's last "
+                                      "kernel to the next step's forward, on the device's clock "
+                                      "(engine/device_idle.py); the sum is the device's idle time",
+                                      list(labels), buckets=_IDLE_BUCKETS, registry=self.registry).labels(**labels)
         ProcessCollector(registry=self.registry)
         self._labels = labels
 
@@ -134,8 +138,10 @@ class WorkerMetrics(MetricsEndpoint):
     def observe_turn_wait(self, seconds: float) -> None:
         self._turn_wait.inc(seconds)
 
-    def observe_device_idle(self, seconds: float) -> None:
-        self._device_idle.inc(seconds)
+    def observe_device_idle(self, gaps: list[float]) -> None:
+        """The seconds of each gap between steps (DeviceIdleClock.take_gaps)."""
+        for seconds in gaps:
+            self._device_idle.observe(seconds)
 
     def observe_prefill(self, stage: str, seconds: float) -> None:
         """A Prefill call's `stage` ("compute", "handover", "queue", "finish" or "commit") took `seconds`."""

@@ -171,7 +171,7 @@ class WorkerServer:
         if self.runtime is not None and self.runtime.metrics is not None:
             self.runtime.metrics.observe_step(seconds)
             if self._idle_clock is not None:
-                self.runtime.metrics.observe_device_idle(self._idle_clock.take()[0])
+                self.runtime.metrics.observe_device_idle(self._idle_clock.take_gaps())
 
     def _observe_turn_wait(self, seconds: float) -> None:
         if self.runtime is not None and self.runtime.metrics is not None:
