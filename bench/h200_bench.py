@@ -224,7 +224,8 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     decode_b1_* keys, a larger batch decode_b<N>_*, a prompt other than 128 tokens
     decode_b<N>_ctx<len>_*; and the projections the engine ran as fused GEMVs
     (`fused_gemv_projections`, "" for none), and how long the device waited for the host between
-    one step's end and the next forward's start (`*_device_idle_ms_per_step`, engine/device_idle.py)."""
+    one step's end and the next forward's start (`*_device_idle_ms_per_step`, engine/device_idle.py),
+    and the host's time to queue the decode graph (`*_graph_launch_host_us`)."""
     from engine import LLM, SamplingParams
     from engine.config import ModelConfig
     from engine.kv_cache import KVCache
@@ -255,6 +256,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     torch.cuda.synchronize()
     per_step = (time.perf_counter() - t) / n
     idle_s, gaps = idle_clock.take()
+    launch_us = _graph_launch_host_us(eng, batch)
     floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
     fused_projections = ",".join(p for p in GEMV_PROJECTIONS if p in eng.model.layers[0].fused_decode)
     for request_id in eng.request_ids():
@@ -267,7 +269,26 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
             "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
             "kv_read_fraction": round(kv_bytes / weight_bytes(cfg), 3), "fused_gemv_projections": fused_projections,
-            f"{name}_device_idle_ms_per_step": round(idle_s * 1e3 / max(gaps, 1), 4)}
+            f"{name}_device_idle_ms_per_step": round(idle_s * 1e3 / max(gaps, 1), 4),
+            f"{name}_graph_launch_host_us": launch_us}
+
+
+def _graph_launch_host_us(eng, batch: int, reps: int = 50) -> float | None:
+    """The host's time to queue one replay of the decode graph at `batch` rows (µs, median of
+    `reps`, the device drained before each): what a held launch adds after its wake-up. The
+    replays rewrite the last staged step's K/V slots with the same values. None without graphs."""
+    graphs = eng.runner.graphs
+    bucket = graphs.bucket(batch) if graphs is not None else None
+    if bucket is None or bucket not in graphs.graphs:
+        return None
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graphs.graphs[bucket].replay()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return round(sorted(times)[reps // 2] * 1e6, 1)
 
 
 def prefill(model_dir: Path, cfg: dict, ceil: dict, tokens: int = 8192) -> dict:
