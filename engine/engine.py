@@ -439,7 +439,7 @@ class Engine:
         step n's samples. Sequences sampled in step n carry a pending token (counted by the
         scheduler, read by step n+1 from the device); one that step n ends was scheduled in n+1
         anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
-        it needs its own tokens on the host to sample the next (penalties, seeds, min_tokens).
+        it needs its own tokens on the host to sample the next (penalties).
         With `hold` (see `step`) step n+1 is queued only once step n has finished."""
         results, self._ready = _returned(self._ready, outputs), []
         prev, self._inflight = self._inflight, None
@@ -636,11 +636,11 @@ def _returned(ready: list[StepOutput], outputs: bool) -> list[StepOutput]:
 
 def _overlap_safe(seq: Sequence) -> bool:
     """Whether `seq`'s next sample may be drawn before its last token reaches the host: true
-    unless its sampling reads its own output tokens (penalties, min_tokens masking, the
-    per-position seed)."""
+    unless its sampling reads its own output tokens (repetition, presence and frequency
+    penalties). min_tokens masking and a seeded row's position need only how many there are,
+    which counts the pending one (SamplingRow.pending)."""
     p = seq.params
-    return (p.seed is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and len(seq.output_token_ids) + seq.num_pending > p.min_tokens)
+    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
 def _world_size(shard: ModelShard) -> int:

@@ -276,6 +276,7 @@ def _sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
     if (row is None or row.params is not seq.params or row.prompt_token_ids is not seq.prompt_token_ids
             or row.output_token_ids is not seq.output_token_ids or row.eos_token_ids is not eos_token_ids):
         row = seq.sampling_row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids)
+    row.pending = seq.num_pending  # the step in flight's token, not yet in output_token_ids
     return row
 
 

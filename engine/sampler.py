@@ -35,12 +35,21 @@ class SamplingRow:
     `eos_token_ids` are masked while the row has fewer than `params.min_tokens` output tokens,
     together with `params.stop_token_ids`; pass an empty set to leave EOS unmasked.
     Token sequences may be lists, tuples, numpy arrays or CPU tensors of ints.
+    `pending`: output tokens already sampled by a step still on the device and not yet in
+    `output_token_ids` (the overlapped engine's); they count toward `min_tokens` and a seeded
+    row's position, so neither needs the tokens themselves on the host (penalties do).
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
+    pending: int = 0
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens sampled before this row's sample: its position in the output."""
+        return len(self.output_token_ids) + self.pending
 
 
 @dataclass
@@ -153,7 +162,7 @@ class Sampler:
         pf_rows: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output < p.min_tokens:
                 for t in set(row.eos_token_ids).union(p.stop_token_ids):
                     if 0 <= t < vocab:
                         mask_rows.append(i)
@@ -279,7 +288,7 @@ class Sampler:
             if gen is None:
                 gen = self._row_generators[device] = torch.Generator(device=device)
             for j, row in seeded:
-                gen.manual_seed(step_seed(row.params.seed, len(row.output_token_ids)))
+                gen.manual_seed(step_seed(row.params.seed, row.num_output))
                 # A fresh full-width tensor, so the draw never depends on where the row sits.
                 noise[j] = torch.empty(shape[1], dtype=torch.float32, device=device).exponential_(generator=gen)
         return noise.clamp_min_(_NOISE_FLOOR)

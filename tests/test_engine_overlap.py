@@ -1,7 +1,8 @@
 """The overlapped engine step (schedule step n+1 while step n runs) gives exactly the outputs of
 the synchronous step: same tokens, logprobs, texts and finish reasons, no leaked blocks, in
 every situation that touches the pending token (stops, lengths, the context end, preemption,
-penalties and seeds that fall back to synchronous steps, aborts while a step is in flight)."""
+seeds and min_tokens that count it, penalties that fall back to synchronous steps, aborts while
+a step is in flight)."""
 from __future__ import annotations
 
 import pytest
@@ -94,7 +95,7 @@ def test_stops_logprobs_and_sampling_match(model_dir):
         SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[ref[0].token_ids[3]], ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=0, stop=[ref[1].text[2:5]] if len(ref[1].text) > 5 else None),
         SamplingParams(max_tokens=10, temperature=0, logprobs=3),
-        SamplingParams(max_tokens=10, temperature=0.8, seed=7),  # seeded: falls back to synchronous steps
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7),  # seeded: its position counts the pending token
         SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3, presence_penalty=0.5),
         SamplingParams(max_tokens=10, temperature=0, min_tokens=4, stop_token_ids=[ref[5].token_ids[1]]),
         SamplingParams(max_tokens=10, temperature=0),  # EOS honoured
@@ -106,6 +107,35 @@ def test_stops_logprobs_and_sampling_match(model_dir):
     assert got == want
     assert logprobs(got_outs) == pytest.approx(logprobs(want_outs), abs=1e-4)
     assert want[0][1] == "stop" and want[0][2] == ref[0].token_ids[3]
+    assert_clean(overlap)
+
+
+def test_seeded_and_min_tokens_rows_overlap_and_draw_what_synchronous_steps_draw(model_dir):
+    """A seeded row's noise and a min_tokens mask depend on how many tokens came before the
+    sample, not on what they are: the pending token is counted (SamplingRow.pending), so these
+    steps stay in flight; penalties still read the tokens and make the step synchronous."""
+    ps = prompts(4, (6, 19))
+    eos = LLM(model_dir, num_kv_blocks=96, overlap_schedule=False).engine.eos_token_ids
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=11),
+              SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=5, min_tokens=9),
+              SamplingParams(max_tokens=12, temperature=0, min_tokens=12, stop_token_ids=sorted(eos)[:1]),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=2**40 + 3, logprobs=2)]
+    sync, overlap = both(model_dir, num_kv_blocks=96, max_running=8)
+    got_outs, want_outs = overlap.generate(ps, params), sync.generate(ps, params)
+    assert summary(got_outs) == summary(want_outs)
+    assert len(got_outs[2].token_ids) == 12  # nothing stops it before min_tokens
+    eng = overlap.engine
+    for p, sp in zip(ps, params):
+        eng.admit(p, sp)
+    in_flight = 0
+    while eng.has_unfinished():
+        eng.step()
+        in_flight += eng._inflight is not None
+    assert in_flight >= 10  # the decode steps stayed in flight
+    eng.admit(ps[0], SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.2))
+    while eng.has_unfinished():
+        eng.step()
+        assert eng._inflight is None  # a penalised row needs its tokens: synchronous steps
     assert_clean(overlap)
 
 

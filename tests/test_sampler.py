@@ -388,10 +388,10 @@ def test_a_sequence_keeps_its_sampling_row_until_its_lists_or_params_change():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: only a GPU copy can make the host wait")
 def test_launch_queues_every_kind_of_row_without_a_host_wait():
-    """Sampled, filtered, penalised, min_tokens-masked and partly log-prob rows are all queued
-    without a synchronizing call (engine/uploads.py: an upload from pageable memory would make
+    """Sampled (a seeded one among them), filtered, penalised, min_tokens-masked and partly
+    log-prob rows are all queued without a synchronizing call (engine/uploads.py: an upload from pageable memory would make
     the host wait for the step queued before it, and the device idle after it)."""
-    rows = [_row(SamplingParams(temperature=0.8, top_p=0.9)),
+    rows = [_row(SamplingParams(temperature=0.8, top_p=0.9, seed=5)),
             _row(SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2), output=(4, 5)),
             _row(SamplingParams(temperature=1.0, top_k=7, min_tokens=3, presence_penalty=0.5), output=(7,), eos={2}),
             _row(GREEDY)]
