@@ -6,8 +6,9 @@ costs a step, and how long the device waits for the host between steps.
 
 Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences are prefilled to
 `--ctx` tokens and `--steps` decode steps are timed (wall ms a step, after 5 untimed), once with
-greedy rows (temperature 0) and once with the OpenAI API's defaults for a sampled request
-(temperature 1, top_p 1) and once with temperature 0.8, top_p 0.95. Where the engine can
+greedy rows (temperature 0), with the OpenAI API's defaults for a sampled request
+(temperature 1, top_p 1), with temperature 0.8, top_p 0.95, with a seed (each row's noise
+drawn from its own generator at its position), and greedy with min_tokens. Where the engine can
 (`Engine.measure_device_idle`), the device's idle time between steps is reported per step.
 `--engine-root` puts another checkout's packages first on the path (this script's own helpers
 are self-contained), so a change to the step's host path is measured before and after in one run.
@@ -22,7 +23,8 @@ import time
 from pathlib import Path
 
 VARIANTS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0},
-            "top_p": {"temperature": 0.8, "top_p": 0.95}}
+            "top_p": {"temperature": 0.8, "top_p": 0.95}, "seeded": {"temperature": 1.0, "seed": 1234},
+            "min_tokens": {"temperature": 0.0, "min_tokens": "max_tokens"}}  # EOS masked throughout
 
 
 def time_steps(model_dir: Path, batch: int, ctx: int, steps: int, sampling: dict) -> dict:
@@ -33,9 +35,11 @@ def time_steps(model_dir: Path, batch: int, ctx: int, steps: int, sampling: dict
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch,
               max_model_len=ctx + steps + 64, num_kv_blocks=batch * (-(-(ctx + steps + 64) // 16)) + 64)
     eng = llm.engine
+    max_tokens = steps + 32
+    sampling = {k: max_tokens if v == "max_tokens" else v for k, v in sampling.items()}
     for i in range(batch):
         eng.admit([(7 * i + j) % 1000 + 300 for j in range(ctx)],
-                  SamplingParams(max_tokens=steps + 32, ignore_eos=True, **sampling))
+                  SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
     while eng.stats().waiting or eng.stats().queued_prefill_tokens:
         eng.step()
     for _ in range(5):
