@@ -438,9 +438,10 @@ class Engine:
         """Schedule and launch step n+1 while step n may still run on the device, then process
         step n's samples. Sequences sampled in step n carry a pending token (counted by the
         scheduler, read by step n+1 from the device); one that step n ends was scheduled in n+1
-        anyway, and its n+1 sample is dropped. Step n+1 stays in flight unless some sequence in
-        it needs its own tokens on the host to sample the next (penalties).
-        With `hold` (see `step`) step n+1 is queued only once step n has finished."""
+        anyway, and its n+1 sample is dropped. Step n+1 stays in flight: no row's sampling needs
+        its pending token on the host (a position counts it, penalties read it on the device:
+        SamplingRow.pending). With `hold` (see `step`) step n+1 is queued only once step n has
+        finished."""
         results, self._ready = _returned(self._ready, outputs), []
         prev, self._inflight = self._inflight, None
         out = self._schedule()
@@ -458,10 +459,7 @@ class Engine:
             results += self._resolve(prev, outputs)
         if launched is not None:
             self._postprocess(out)
-            if all(_overlap_safe(out.scheduled[i].seq) for i in launched.sample_index):
-                self._inflight = launched
-            else:
-                results += self._resolve(launched, outputs)
+            self._inflight = launched
         return results
 
     def _resolve(self, step: _InFlight, outputs: bool = True) -> list[StepOutput]:
@@ -632,15 +630,6 @@ def _after_forward(prev: _InFlight | None, hold: Callable[[], None]) -> None:
 def _returned(ready: list[StepOutput], outputs: bool) -> list[StepOutput]:
     """What `step` returns of the outputs resolved before it (see `step` for `outputs`)."""
     return ready if outputs else [o for o in ready if o.finished]
-
-
-def _overlap_safe(seq: Sequence) -> bool:
-    """Whether `seq`'s next sample may be drawn before its last token reaches the host: true
-    unless its sampling reads its own output tokens (repetition, presence and frequency
-    penalties). min_tokens masking and a seeded row's position need only how many there are,
-    which counts the pending one (SamplingRow.pending)."""
-    p = seq.params
-    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
 def _world_size(shard: ModelShard) -> int:

@@ -251,7 +251,7 @@ class ModelRunner:
                 self.idle_clock.step_ends()
             return [], None, forward_done
         logits = self.model.logits(hidden[batch.sample_rows])[: len(batch.sample_index)]
-        samples = self.sampler.launch(logits, self._rows(out, batch.sample_index))
+        samples = self.sampler.launch(logits, self._rows(out, batch.sample_index), prev_tokens)
         if self.idle_clock is not None:
             self.idle_clock.step_ends()
         return batch.sample_index, samples, forward_done
@@ -277,6 +277,7 @@ def _sampling_row(seq: Sequence, eos_token_ids: frozenset[int]) -> SamplingRow:
             or row.output_token_ids is not seq.output_token_ids or row.eos_token_ids is not eos_token_ids):
         row = seq.sampling_row = SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, eos_token_ids)
     row.pending = seq.num_pending  # the step in flight's token, not yet in output_token_ids
+    row.pending_row = seq.pending_row  # where it is among that step's tokens
     return row
 
 

@@ -36,8 +36,9 @@ class SamplingRow:
     together with `params.stop_token_ids`; pass an empty set to leave EOS unmasked.
     Token sequences may be lists, tuples, numpy arrays or CPU tensors of ints.
     `pending`: output tokens already sampled by a step still on the device and not yet in
-    `output_token_ids` (the overlapped engine's); they count toward `min_tokens` and a seeded
-    row's position, so neither needs the tokens themselves on the host (penalties do).
+    `output_token_ids` (the overlapped engine's: at most one); they count toward `min_tokens`
+    and a seeded row's position, and penalties count the pending token itself, read on the
+    device at `pending_row` of the tokens `Sampler.launch` is given (`pending_tokens`).
     """
 
     params: SamplingParams
@@ -45,6 +46,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
     pending: int = 0
+    pending_row: int = 0
 
     @property
     def num_output(self) -> int:
@@ -116,11 +118,14 @@ class Sampler:
         """Pick the next token of every row; `logits` is left unmodified."""
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow],
+               pending_tokens: torch.Tensor | None = None) -> PendingSamples:
         """Queue the sampling of every row on the logits' device without waiting for it.
 
         The returned PendingSamples holds the token ids on the device at once (a next step may
-        read its inputs from there) and gives the host-side SamplerOutput on `result()`."""
+        read its inputs from there) and gives the host-side SamplerOutput on `result()`.
+        `pending_tokens`: the token ids of the step still in flight (its PendingSamples.tokens),
+        where a penalised row's pending token is (SamplingRow.pending_row); needed only then."""
         self._check(logits, rows)
         batch = len(rows)
         if batch == 0:
@@ -136,7 +141,7 @@ class Sampler:
             src = raw if lp_index is None else raw.index_select(0, lp_index)
             raw_logprobs = torch.log_softmax(src.float(), dim=-1)  # [L, V]
 
-        penalised = self._apply_penalties(raw, rows)
+        penalised = self._apply_penalties(raw, rows, pending_tokens)
         x = raw if penalised is None else penalised  # [B, V]; never written to below
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == batch:
@@ -150,8 +155,10 @@ class Sampler:
 
     # ------------------------------------------------------------------ stages
 
-    def _apply_penalties(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
-        """min_tokens masking, repetition penalty, presence/frequency penalties (vLLM order).
+    def _apply_penalties(self, raw: torch.Tensor, rows: list[SamplingRow],
+                         pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """min_tokens masking, repetition penalty, presence/frequency penalties (vLLM order),
+        each over the row's tokens and its pending one (see `launch`).
 
         Returns new float32 logits, or None when no row needs any of these.
         """
@@ -185,7 +192,8 @@ class Sampler:
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
             histories = [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows]
-            flat = self._flat_token_index(rep_rows, histories, device)
+            flat = self._with_pending(self._flat_token_index(rep_rows, histories, device), rep_rows, rows,
+                                      pending_tokens)
             seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
             seen.index_fill_(0, flat, True)
             seen = seen.view(batch, vocab + 1)[:, :vocab]
@@ -194,7 +202,8 @@ class Sampler:
         if pf_rows:
             # OpenAI semantics over output tokens only.
             outputs = [_as_tokens(rows[i].output_token_ids) for i in pf_rows]
-            flat = self._flat_token_index(pf_rows, outputs, device)
+            flat = self._with_pending(self._flat_token_index(pf_rows, outputs, device), pf_rows, rows,
+                                      pending_tokens)
             counts = torch.zeros(batch * (vocab + 1), dtype=torch.float32, device=device)
             counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=torch.float32, device=device))
             counts = counts.view(batch, vocab + 1)[:, :vocab]
@@ -211,6 +220,20 @@ class Sampler:
         toks = torch.where((toks < 0) | (toks >= vocab), vocab, toks)
         row_of = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
         return to_device(row_of * (vocab + 1) + toks, device)
+
+    def _with_pending(self, flat: torch.Tensor, row_ids: list[int], rows: list[SamplingRow],
+                      pending_tokens: torch.Tensor | None) -> torch.Tensor:
+        """`flat` (a `_flat_token_index`) and the pending token of each row in `row_ids` that has
+        one, read from `pending_tokens` on the device (sampled tokens are all in the vocabulary)."""
+        late = [i for i in row_ids if rows[i].pending]
+        if not late:
+            return flat
+        if pending_tokens is None:
+            raise ValueError("pending_tokens: a penalised row has a pending token and no step's tokens were given")
+        device = flat.device
+        at = upload([rows[i].pending_row for i in late], torch.long, pending_tokens.device)
+        tokens = pending_tokens.index_select(0, at).to(device=device, dtype=torch.long)
+        return torch.cat([flat, upload(late, torch.long, device) * (self.vocab_size + 1) + tokens])
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then an exponential race.

@@ -1,8 +1,8 @@
 """The overlapped engine step (schedule step n+1 while step n runs) gives exactly the outputs of
 the synchronous step: same tokens, logprobs, texts and finish reasons, no leaked blocks, in
 every situation that touches the pending token (stops, lengths, the context end, preemption,
-seeds and min_tokens that count it, penalties that fall back to synchronous steps, aborts while
-a step is in flight)."""
+seeds and min_tokens that count it, penalties that read it on the device, aborts while a step is
+in flight)."""
 from __future__ import annotations
 
 import pytest
@@ -110,16 +110,18 @@ def test_stops_logprobs_and_sampling_match(model_dir):
     assert_clean(overlap)
 
 
-def test_seeded_and_min_tokens_rows_overlap_and_draw_what_synchronous_steps_draw(model_dir):
+def test_seeded_penalised_and_min_tokens_rows_overlap_and_draw_what_synchronous_steps_draw(model_dir):
     """A seeded row's noise and a min_tokens mask depend on how many tokens came before the
-    sample, not on what they are: the pending token is counted (SamplingRow.pending), so these
-    steps stay in flight; penalties still read the tokens and make the step synchronous."""
-    ps = prompts(4, (6, 19))
+    sample, penalties on which: the pending token is counted (SamplingRow.pending) and read on
+    the device where a penalty needs it, so every step stays in flight."""
+    ps = prompts(6, (6, 19))
     eos = LLM(model_dir, num_kv_blocks=96, overlap_schedule=False).engine.eos_token_ids
     params = [SamplingParams(max_tokens=12, temperature=0.9, seed=11),
               SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=5, min_tokens=9),
               SamplingParams(max_tokens=12, temperature=0, min_tokens=12, stop_token_ids=sorted(eos)[:1]),
-              SamplingParams(max_tokens=12, temperature=1.0, seed=2**40 + 3, logprobs=2)]
+              SamplingParams(max_tokens=12, temperature=1.0, seed=2**40 + 3, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5),
+              SamplingParams(max_tokens=12, temperature=0.7, seed=9, frequency_penalty=1.5, presence_penalty=0.8)]
     sync, overlap = both(model_dir, num_kv_blocks=96, max_running=8)
     got_outs, want_outs = overlap.generate(ps, params), sync.generate(ps, params)
     assert summary(got_outs) == summary(want_outs)
@@ -132,11 +134,11 @@ def test_seeded_and_min_tokens_rows_overlap_and_draw_what_synchronous_steps_draw
         eng.step()
         in_flight += eng._inflight is not None
     assert in_flight >= 10  # the decode steps stayed in flight
-    eng.admit(ps[0], SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.2))
-    while eng.has_unfinished():
-        eng.step()
-        assert eng._inflight is None  # a penalised row needs its tokens: synchronous steps
     assert_clean(overlap)
+    # The penalties bite: without them the same prompts decode otherwise.
+    plain = sync.generate(ps[4:], [SamplingParams(max_tokens=12, temperature=0),
+                                   SamplingParams(max_tokens=12, temperature=0.7, seed=9)])
+    assert [o.token_ids for o in plain] != [o.token_ids for o in want_outs[4:]]
 
 
 def test_context_end_and_preemption_match(model_dir):

@@ -406,3 +406,27 @@ def test_launch_queues_every_kind_of_row_without_a_host_wait():
     assert out.token_ids[3] == int(logits[3].argmax())
     assert out.logprobs[1] is not None and len(out.logprobs[1].top) == 2
     assert out.token_ids[2] != 2  # masked until min_tokens
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, repetition_penalty=2.0),
+                                    SamplingParams(temperature=0.0, frequency_penalty=2.0),
+                                    SamplingParams(temperature=0.0, presence_penalty=2.0),
+                                    SamplingParams(temperature=0.6, seed=4, min_tokens=4, frequency_penalty=0.5)])
+def test_a_pending_token_is_penalised_and_counted_as_if_it_were_in_the_outputs(params):
+    """A row whose last token is still on the device (the overlapped engine's pending token,
+    read from the step's tokens at `pending_row`) samples what it would with that token in its
+    outputs: penalties see it, min_tokens and a seed's position count it."""
+    vocab = 60
+    logits = _logits(3, vocab, seed=8, scale=1.0)
+    logits[:, 7] = logits.max(dim=1).values + 0.5  # the pending token leads unless penalised
+    step_tokens = torch.tensor([3, 7, 9])  # the step in flight sampled 7 at row 1
+    pending = [SamplingRow(params.validate(), [1, 2], [4, 5], frozenset({2}), pending=1, pending_row=1)
+               for _ in range(3)]
+    known = [_row(params, prompt=(1, 2), output=(4, 5, 7), eos={2}) for _ in range(3)]
+    got = Sampler(vocab, seed=1).launch(logits, pending, step_tokens).result()
+    want = Sampler(vocab, seed=1).launch(logits, known).result()
+    assert got.token_ids == want.token_ids
+    if params.greedy:
+        assert 7 not in got.token_ids  # the penalty applied to the pending token
+    with pytest.raises(ValueError, match="pending_tokens"):
+        Sampler(vocab).launch(logits, pending)
