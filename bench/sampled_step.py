@@ -8,7 +8,8 @@ Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences a
 `--ctx` tokens and `--steps` decode steps are timed (wall ms a step, after 5 untimed), once with
 greedy rows (temperature 0), with the OpenAI API's defaults for a sampled request
 (temperature 1, top_p 1), with temperature 0.8, top_p 0.95, with a seed (each row's noise
-drawn from its own generator at its position), and greedy with min_tokens. Where the engine can
+drawn from its own generator at its position), greedy with min_tokens, and with repetition and
+frequency penalties (the prompt's and outputs' tokens uploaded each step). Where the engine can
 (`Engine.measure_device_idle`), the device's idle time between steps is reported per step.
 `--engine-root` puts another checkout's packages first on the path (this script's own helpers
 are self-contained), so a change to the step's host path is measured before and after in one run.
@@ -24,7 +25,8 @@ from pathlib import Path
 
 VARIANTS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0},
             "top_p": {"temperature": 0.8, "top_p": 0.95}, "seeded": {"temperature": 1.0, "seed": 1234},
-            "min_tokens": {"temperature": 0.0, "min_tokens": "max_tokens"}}  # EOS masked throughout
+            "min_tokens": {"temperature": 0.0, "min_tokens": "max_tokens"},  # EOS masked throughout
+            "penalties": {"temperature": 0.8, "repetition_penalty": 1.1, "frequency_penalty": 0.3}}
 
 
 def time_steps(model_dir: Path, batch: int, ctx: int, steps: int, sampling: dict) -> dict:
