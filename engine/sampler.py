@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -47,6 +47,14 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()
     pending: int = 0
     pending_row: int = 0
+    _prompt: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's ids as an int64 CPU tensor, made once (a row's prompt never changes: the
+        engine makes a new row for a new list)."""
+        if self._prompt is None:
+            self._prompt = _as_tokens(self.prompt_token_ids)
+        return self._prompt
 
     @property
     def num_output(self) -> int:
@@ -191,7 +199,7 @@ class Sampler:
             x.view(-1).index_fill_(0, flat, float("-inf"))
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
-            histories = [_cat_tokens(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in rep_rows]
+            histories = [torch.cat([rows[i].prompt_tensor(), _as_tokens(rows[i].output_token_ids)]) for i in rep_rows]
             flat = self._with_pending(self._flat_token_index(rep_rows, histories, device), rep_rows, rows,
                                       pending_tokens)
             seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
@@ -418,10 +426,6 @@ def _as_tokens(seq: Sequence[int]) -> torch.Tensor:
     if isinstance(seq, torch.Tensor):
         return seq.detach().to("cpu", torch.long).flatten()
     return torch.as_tensor(seq, dtype=torch.long).flatten()
-
-
-def _cat_tokens(a: Sequence[int], b: Sequence[int]) -> torch.Tensor:
-    return torch.cat([_as_tokens(a), _as_tokens(b)])
 
 
 def _row_values(
