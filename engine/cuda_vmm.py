@@ -130,14 +130,29 @@ class DeviceMemory:
             # The descriptor is kept: a handle imported from one cannot be exported again
             # (CUDA_ERROR_INVALID_VALUE), so a process that imported the memory hands on copies
             # of the descriptor it received (`export_fd`), and the one that made it does the same.
-            self._fd = fd if fd is not None else self._export()
-            _check(lib.cuMemAddressReserve(ctypes.byref(self.ptr), ctypes.c_size_t(self.size), ctypes.c_size_t(0),
-                                           ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
-            _check(lib.cuMemMap(self.ptr, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
-                                ctypes.c_ulonglong(0)), "cuMemMap")
-            access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, index), _ACCESS_READ_WRITE)
-            _check(lib.cuMemSetAccess(self.ptr, ctypes.c_size_t(self.size), ctypes.byref(access), ctypes.c_size_t(1)),
-                   "cuMemSetAccess")
+            self._fd = fd
+            mapped = False
+            try:
+                if self._fd is None:
+                    self._fd = self._export()
+                _check(lib.cuMemAddressReserve(ctypes.byref(self.ptr), ctypes.c_size_t(self.size), ctypes.c_size_t(0),
+                                               ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+                _check(lib.cuMemMap(self.ptr, ctypes.c_size_t(self.size), ctypes.c_size_t(0), self.handle,
+                                    ctypes.c_ulonglong(0)), "cuMemMap")
+                mapped = True
+                access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, index), _ACCESS_READ_WRITE)
+                _check(lib.cuMemSetAccess(self.ptr, ctypes.c_size_t(self.size), ctypes.byref(access),
+                                          ctypes.c_size_t(1)), "cuMemSetAccess")
+            except BaseException:  # give back what was taken: the handle holds the memory itself
+                if mapped:
+                    lib.cuMemUnmap(self.ptr, ctypes.c_size_t(self.size))
+                if self.ptr.value:
+                    lib.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.size))
+                    self.ptr = ctypes.c_ulonglong(0)
+                lib.cuMemRelease(self.handle)
+                if self._fd is not None:
+                    os.close(self._fd)
+                raise
         self.tensor = torch.as_tensor(_CudaArray(self.ptr.value, nbytes), device=self.device)
 
     def _export(self) -> int:

@@ -231,3 +231,32 @@ def test_the_driver_structs_have_cudas_layout():
         cuda_vmm.DeviceMemory(torch.device("cpu"), 1)
     # Where CUDA runs (the GPU test's machines: an H100 shares), a GPU that can; without it, none.
     assert cuda_vmm.can_share(0) is torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the cuMem arena)")
+def test_gpu_memory_whose_mapping_fails_gives_back_the_memory_and_its_descriptor(monkeypatch):
+    """A DeviceMemory that cannot be mapped raises naming the call and leaves nothing behind:
+    neither the allocation (the device's free memory comes back) nor the exported descriptor."""
+    import os
+
+    from engine import cuda_vmm
+
+    nbytes = 256 << 20
+    probe = cuda_vmm.DeviceMemory(torch.device("cuda"), 1)  # the context and the driver, first
+    probe.close()
+    torch.cuda.synchronize()
+    free_before, fds_before = torch.cuda.mem_get_info()[0], len(os.listdir("/proc/self/fd"))
+    real_check = cuda_vmm._check
+
+    def failing_map(result: int, call: str) -> None:
+        if call == "cuMemMap":
+            raise RuntimeError("cuMemMap failed: injected")
+        real_check(result, call)
+
+    monkeypatch.setattr(cuda_vmm, "_check", failing_map)
+    with pytest.raises(RuntimeError, match="cuMemMap failed"):
+        cuda_vmm.DeviceMemory(torch.device("cuda"), nbytes)
+    monkeypatch.setattr(cuda_vmm, "_check", real_check)
+    torch.cuda.synchronize()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert torch.cuda.mem_get_info()[0] > free_before - nbytes // 2  # the 256 MiB came back
