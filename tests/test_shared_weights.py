@@ -246,17 +246,11 @@ def test_gpu_memory_whose_mapping_fails_gives_back_the_memory_and_its_descriptor
     probe.close()
     torch.cuda.synchronize()
     free_before, fds_before = torch.cuda.mem_get_info()[0], len(os.listdir("/proc/self/fd"))
-    real_check = cuda_vmm._check
-
-    def failing_map(result: int, call: str) -> None:
-        if call == "cuMemMap":
-            raise RuntimeError("cuMemMap failed: injected")
-        real_check(result, call)
-
-    monkeypatch.setattr(cuda_vmm, "_check", failing_map)
-    with pytest.raises(RuntimeError, match="cuMemMap failed"):
+    lib = cuda_vmm._driver()
+    monkeypatch.setattr(lib, "cuMemMap", lambda *args: 2)  # CUDA_ERROR_OUT_OF_MEMORY, nothing mapped
+    with pytest.raises(RuntimeError, match="cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY"):
         cuda_vmm.DeviceMemory(torch.device("cuda"), nbytes)
-    monkeypatch.setattr(cuda_vmm, "_check", real_check)
+    monkeypatch.undo()
     torch.cuda.synchronize()
     assert len(os.listdir("/proc/self/fd")) == fds_before
     assert torch.cuda.mem_get_info()[0] > free_before - nbytes // 2  # the 256 MiB came back
