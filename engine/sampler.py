@@ -48,6 +48,8 @@ class SamplingRow:
     pending: int = 0
     pending_row: int = 0
     _prompt: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _outputs: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _filled: int = field(default=0, init=False, repr=False, compare=False)
 
     def prompt_tensor(self) -> torch.Tensor:
         """The prompt's ids as an int64 CPU tensor, made once (a row's prompt never changes: the
@@ -55,6 +57,23 @@ class SamplingRow:
         if self._prompt is None:
             self._prompt = _as_tokens(self.prompt_token_ids)
         return self._prompt
+
+    def output_tensor(self) -> torch.Tensor:
+        """The output ids as an int64 CPU tensor, kept from call to call and extended by the
+        tokens appended since (outputs only grow while a row lives; a shorter list is read anew)."""
+        out = self.output_token_ids
+        n = len(out)
+        if self._outputs is None or n < self._filled or not isinstance(out, list):
+            self._outputs, self._filled = _as_tokens(out).clone(), n
+            return self._outputs[:n]
+        if n > self._outputs.numel():
+            grown = torch.empty(max(16, 2 * n), dtype=torch.long)
+            grown[: self._filled] = self._outputs[: self._filled]
+            self._outputs = grown
+        if n > self._filled:
+            self._outputs[self._filled : n] = torch.as_tensor(out[self._filled : n], dtype=torch.long)
+            self._filled = n
+        return self._outputs[:n]
 
     @property
     def num_output(self) -> int:
@@ -199,7 +218,7 @@ class Sampler:
             x.view(-1).index_fill_(0, flat, float("-inf"))
         if rep_rows:
             # HF semantics over prompt + output: positive logits shrink, negative ones grow.
-            histories = [torch.cat([rows[i].prompt_tensor(), _as_tokens(rows[i].output_token_ids)]) for i in rep_rows]
+            histories = [torch.cat([rows[i].prompt_tensor(), rows[i].output_tensor()]) for i in rep_rows]
             flat = self._with_pending(self._flat_token_index(rep_rows, histories, device), rep_rows, rows,
                                       pending_tokens)
             seen = torch.zeros(batch * (vocab + 1), dtype=torch.bool, device=device)
@@ -209,7 +228,7 @@ class Sampler:
             x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
         if pf_rows:
             # OpenAI semantics over output tokens only.
-            outputs = [_as_tokens(rows[i].output_token_ids) for i in pf_rows]
+            outputs = [rows[i].output_tensor() for i in pf_rows]
             flat = self._with_pending(self._flat_token_index(pf_rows, outputs, device), pf_rows, rows,
                                       pending_tokens)
             counts = torch.zeros(batch * (vocab + 1), dtype=torch.float32, device=device)

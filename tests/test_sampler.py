@@ -430,3 +430,19 @@ def test_a_pending_token_is_penalised_and_counted_as_if_it_were_in_the_outputs(p
         assert 7 not in got.token_ids  # the penalty applied to the pending token
     with pytest.raises(ValueError, match="pending_tokens"):
         Sampler(vocab).launch(logits, pending)
+
+
+def test_a_rows_output_tensor_follows_its_growing_list():
+    """The penalties' output ids are kept between steps and extended by what was appended; a
+    list that got shorter, or is not a list, is read anew."""
+    outputs = [5, 6]
+    row = _row(GREEDY, output=())
+    row.output_token_ids = outputs
+    assert row.output_tensor().tolist() == [5, 6]
+    for t in range(40):  # past the first capacity
+        outputs.append(t)
+        assert row.output_tensor().tolist() == outputs
+    del outputs[3:]
+    assert row.output_tensor().tolist() == [5, 6, 0]
+    row.output_token_ids = (9, 8)
+    assert row.output_tensor().tolist() == [9, 8]
