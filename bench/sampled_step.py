@@ -7,7 +7,8 @@ costs a step, and how long the device waits for the host between steps.
 Llama-3.1-8B shape, dummy bf16 weights. For each batch size, `batch` sequences are prefilled to
 `--ctx` tokens and `--steps` decode steps are timed (wall ms a step, after 5 untimed), once with
 greedy rows (temperature 0), with the OpenAI API's defaults for a sampled request
-(temperature 1, top_p 1), with temperature 0.8, top_p 0.95, with a seed (each row's noise
+(temperature 1, top_p 1), with temperature 0.8, top_p 0.95, with top_k 50 and top_p 0.9,
+with min_p 0.05, with a seed (each row's noise
 drawn from its own generator at its position), greedy with min_tokens, and with repetition and
 frequency penalties (the prompt's and outputs' tokens uploaded each step). Where the engine can
 (`Engine.measure_device_idle`), the device's idle time between steps is reported per step.
@@ -24,7 +25,8 @@ import time
 from pathlib import Path
 
 VARIANTS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0},
-            "top_p": {"temperature": 0.8, "top_p": 0.95}, "seeded": {"temperature": 1.0, "seed": 1234},
+            "top_p": {"temperature": 0.8, "top_p": 0.95}, "top_k_top_p": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+            "min_p": {"temperature": 1.0, "min_p": 0.05}, "seeded": {"temperature": 1.0, "seed": 1234},
             "min_tokens": {"temperature": 0.0, "min_tokens": "max_tokens"},  # EOS masked throughout
             "penalties": {"temperature": 0.8, "repetition_penalty": 1.1, "frequency_penalty": 0.3}}
 

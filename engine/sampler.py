@@ -19,7 +19,7 @@ from tandem_kernels import ops
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
-# Above this k a single full sort is about as cheap as torch.topk, so top-k goes through it.
+# Above this k a single full sort is about as cheap as torch.topk, so the k-th logit comes from one.
 _TOPK_ONLY_MAX_K = 1024
 # Exponential noise of exactly 0 would turn a zero-probability token into 0/0 = NaN, which
 # argmax picks; the floor keeps such tokens at probability 0.
@@ -263,7 +263,8 @@ class Sampler:
         return torch.cat([flat, upload(late, torch.long, device) * (self.vocab_size + 1) + tokens])
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then an exponential race.
+        """Temperature, top-k, top-p and min-p, then an exponential race among the tokens the
+        filters allow (`ops.sample_filtered`: on the GPU a kernel that streams each row, no sort).
 
         x: [S, V] logits of any float dtype, not written to. Returns token ids [S].
         """
@@ -283,49 +284,25 @@ class Sampler:
             torch.float32,
             device,
         )
-        temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in table.unbind(1))  # each [S, 1]
-        need_k = any(0 < p.top_k < vocab for p in params)
-        need_p = any(p.top_p < 1.0 for p in params)
-        need_min_p = any(p.min_p > 0.0 for p in params)
+        temperature, top_k, top_p, min_p = table.unbind(1)  # each [S]
+        kth = self._top_k_threshold(x, top_k, max((p.top_k for p in params if 0 < p.top_k < vocab), default=0))
+        noise = self._noise(x.shape, rows, device)
+        return ops.sample_filtered(x, temperature, kth, top_p, min_p, noise)
 
-        x = x / temperature  # a fresh float32 tensor (temperature is float32): everything below may write into it
-        if need_p or (need_k and any(p.top_k <= 0 or p.top_k > _TOPK_ONLY_MAX_K for p in params)):
-            x = self._filter_sorted(
-                x, top_k if need_k else None, top_p if need_p else None, min_p if need_min_p else None
-            )
+    def _top_k_threshold(self, x: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+        """[S] float32: each row's k-th largest logit (its top_k, a float column; >= vocab_size
+        means none), -inf for rows without top-k. `k_max`: the largest top_k below vocab_size
+        (0: no row filters). A top-k of k_max values finds it; above _TOPK_ONLY_MAX_K a sort."""
+        rows = x.shape[0]
+        if k_max == 0:
+            return torch.full((rows,), float("-inf"), dtype=torch.float32, device=x.device)
+        if k_max <= _TOPK_ONLY_MAX_K:
+            best = x.topk(k_max, dim=-1).values  # [S, k_max], descending
         else:
-            if need_k:
-                k_max = max(min(p.top_k, vocab) for p in params)
-                top_vals = x.topk(k_max, dim=-1).values  # [S, k_max]
-                kth = top_vals.gather(1, top_k.long() - 1)
-                x.masked_fill_(x < kth, float("-inf"))
-            if need_min_p:
-                # p / p_max >= min_p  <=>  logit >= max_logit + log(min_p)
-                threshold = x.amax(dim=-1, keepdim=True) + torch.log(min_p)
-                x.masked_fill_(x < threshold, float("-inf"))
-
-        probs = torch.softmax(x, dim=-1)
-        noise = self._noise(probs.shape, rows, device)
-        return ops.argmax_rows(probs.div_(noise))
-
-    @staticmethod
-    def _filter_sorted(
-        x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
-    ) -> torch.Tensor:
-        """top-k, top-p and min-p with one descending sort; returns logits in vocabulary order."""
-        vals, order = x.sort(dim=-1, descending=True)  # [S, V]
-        if top_k is not None:
-            kth = vals.gather(1, top_k.long() - 1)
-            vals.masked_fill_(vals < kth, float("-inf"))  # ties with the k-th value stay
-        if top_p is not None:
-            probs = vals.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-            drop = before >= top_p  # keeps the smallest prefix reaching top_p
-            drop[:, 0] = False
-            vals.masked_fill_(drop, float("-inf"))
-        if min_p is not None:
-            vals.masked_fill_(vals < vals[:, :1] + torch.log(min_p), float("-inf"))
-        return torch.empty_like(vals).scatter_(1, order, vals)
+            best = x.sort(dim=-1, descending=True).values
+        at = (top_k.long() - 1).clamp_(max=best.shape[1] - 1).unsqueeze(1)
+        kth = best.gather(1, at).squeeze(1).float()
+        return torch.where(top_k < self.vocab_size, kth, float("-inf"))
 
     def _noise(self, shape: torch.Size, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """Exponential(1) noise [S, V]; seeded rows get noise derived from (seed, step) only."""

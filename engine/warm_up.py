@@ -50,13 +50,18 @@ def _run(engine: Engine) -> float:
         return [(salt + i * 7919) % (vocab - 1) + 1 for i in range(max(1, n))]
 
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
-    ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(4)]
+    ids = [f"warm-up-{uuid.uuid4().hex[:8]}-{i}" for i in range(6)]
     engine.admit(prompt(min(37, long), 1), params, ids[0])
     engine.step()  # one sequence's prefill; its decodes follow
     engine.admit(prompt(long, 2), params, ids[1])
-    # One sampled request: the sampling path's kernels (filters, its argmax over float32) too.
+    # Sampled and penalised requests: the sampling kernels over the model's logits and over
+    # penalised float32 ones, and the greedy argmax over float32.
     engine.admit(prompt(min(17, long), 3), SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0,
                                                           top_p=0.95, seed=0), ids[2])
+    engine.admit(prompt(min(19, long), 5), SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, top_k=20,
+                                                          repetition_penalty=1.1), ids[4])
+    engine.admit(prompt(min(23, long), 6), SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0,
+                                                          frequency_penalty=0.5), ids[5])
     while engine.has_unfinished():  # several prefills beside a decode, then decodes
         engine.step()
     engine.admit(prompt(long, 2) + prompt(room // 8, 4), params, ids[3])  # behind a cached prefix

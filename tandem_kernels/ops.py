@@ -121,6 +121,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return reference.argmax_rows(x)
 
 
+def sample_filtered(x: torch.Tensor, temperature: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """See tandem_kernels.reference.sample_filtered."""
+    if _use_triton(x):
+        return _triton("sampling", "sample_filtered")(x, temperature, kth, top_p, min_p, noise)
+    return reference.sample_filtered(x, temperature, kth, top_p, min_p, noise)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """See tandem_kernels.reference.silu_and_mul."""
     if _use_triton(x):

@@ -53,6 +53,42 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def sample_filtered(x: torch.Tensor, temperature: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One sampled token a row: the exponential race among the tokens its filters allow.
+
+    x [S, V] logits (any float dtype, taken as float32; -inf never wins), temperature [S] (> 0),
+    kth [S] the top-k threshold in x's units (-inf: no top-k), top_p [S] (>= 1: no top-p),
+    min_p [S] (0: no min-p), noise [S, V] Exponential(1) draws (> 0). Returns [S] int64.
+
+    With w_i = exp((x_i - max) / t) over the tokens at or above kth, token i is allowed when
+    x_i >= kth, x_i >= max + t * log(min_p), and the mass of the tokens strictly above it,
+    sum of w_j over x_j > x_i, is below top_p * sum(w) (so equal logits are kept or dropped
+    together, and top-p renormalises over the top-k survivors, as vLLM orders them). The token
+    is the first index of the largest x_i / t - log(noise_i) among the allowed: a draw from
+    softmax(x / t) restricted to them.
+    """
+    x = x.float()
+    inv_t = temperature.float().reciprocal().unsqueeze(1)
+    kth, top_p, min_p = kth.float().unsqueeze(1), top_p.float().unsqueeze(1), min_p.float().unsqueeze(1)
+    valid = (x >= kth) & (x > float("-inf"))
+    m = torch.where(valid, x, float("-inf")).amax(dim=1, keepdim=True)
+    w = torch.where(valid, torch.exp((x - m) * inv_t), 0.0)
+    allowed = valid & (x >= m + torch.log(min_p) * temperature.float().unsqueeze(1))
+    if bool((top_p < 1.0).any()):
+        vals, order = x.sort(dim=1, descending=True)
+        ws = w.gather(1, order)
+        ahead = ws.cumsum(dim=1) - ws  # mass before each position in sorted order
+        cols = torch.arange(x.shape[1], device=x.device).expand_as(vals)
+        starts = torch.ones_like(vals, dtype=torch.bool)
+        starts[:, 1:] = vals[:, 1:] != vals[:, :-1]
+        first = torch.where(starts, cols, 0).cummax(dim=1).values  # the first position of each tie
+        above = torch.empty_like(ahead).scatter_(1, order, ahead.gather(1, first))
+        allowed &= (above < top_p * w.sum(dim=1, keepdim=True)) | (top_p >= 1.0)
+    score = torch.where(allowed, x * inv_t - torch.log(noise.float()), float("-inf"))
+    return score.argmax(dim=1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
     gate, up = x.chunk(2, dim=-1)

@@ -269,6 +269,62 @@ def case_argmax_rows() -> None:
         raise AssertionError("an empty row must raise ValueError")
 
 
+def _allowed_f64(x, temperature, kth, top_p, min_p, slack):
+    """Float64 allowed sets of reference.sample_filtered's rule, widened (slack > 0) or narrowed
+    (slack < 0) by `slack` of the normaliser at the top-p edge and in logit units at min-p's."""
+    x = x.double()
+    t = temperature.double().unsqueeze(1)
+    valid = (x >= kth.double().unsqueeze(1)) & (x > float("-inf"))
+    m = torch.where(valid, x, float("-inf")).amax(1, keepdim=True)
+    w = torch.where(valid, torch.exp((x - m) / t), 0.0)
+    vals, order = x.sort(1, descending=True)
+    ws = w.gather(1, order)
+    total = ws.cumsum(1)  # mass up to each sorted position; the mass strictly above a value is
+    last = torch.searchsorted(-vals, -vals, right=False)  # the total before its first occurrence
+    above = torch.empty_like(w).scatter_(1, order, torch.where(last > 0, total.gather(1, (last - 1).clamp(min=0)), 0.0))
+    top_p = top_p.double().unsqueeze(1)
+    in_p = (above < (top_p + slack) * w.sum(1, keepdim=True)) | (top_p >= 1.0)
+    return valid & in_p & (x >= m + torch.log(min_p.double()).unsqueeze(1) * t - slack)
+
+
+def case_sample_filtered() -> None:
+    """The sort-free filtered race against the reference's sorted rule on fresh random logits:
+    bf16 (ties) and float32, several column blocks, a strided view, -inf logits, every filter
+    alone and together. The kernel's token is allowed (within float slack at the edges) and
+    within float rounding of the allowed set's best score (so, the noise being Exponential(1),
+    a draw from the renormalised allowed set); it is the reference's token on all but near-tied
+    rows; top_p ~0 is the argmax."""
+    from tandem_kernels import ops, reference as ref
+
+    for dtype, rows, cols in ((torch.bfloat16, 24, 5000), (torch.float32, 16, 2049), (torch.bfloat16, 6, 37)):
+        x = (torch.randn(rows, cols + 5) * torch.rand(rows, 1) * 6).to(dtype)[:, :cols]
+        x[0, : cols // 2] = float("-inf")  # masked tokens never win
+        temperature = torch.rand(rows) * 1.5 + 0.3
+        k = torch.randint(1, min(cols, 60), (rows,))
+        kth = x.float().topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        kth = torch.where(torch.rand(rows) < 0.5, kth, float("-inf"))
+        top_p = torch.where(torch.rand(rows) < 0.7, torch.rand(rows) * 0.95 + 0.02, torch.tensor(2.0))
+        min_p = torch.where(torch.rand(rows) < 0.4, torch.rand(rows) * 0.3, torch.tensor(0.0))
+        noise = torch.empty(rows, cols).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+        got = ops.sample_filtered(x, temperature, kth, top_p, min_p, noise)
+        want = ref.sample_filtered(x, temperature, kth, top_p, min_p, noise)
+        loose = _allowed_f64(x.float(), temperature, kth, top_p, min_p, 1e-5)
+        strict = _allowed_f64(x.float(), temperature, kth, top_p, min_p, -1e-5)
+        score = x.double() / temperature.double().unsqueeze(1) - torch.log(noise.double())
+        best = torch.where(strict, score, float("-inf")).amax(1)
+        for r in range(rows):
+            tok = int(got[r])
+            assert loose[r, tok], (dtype, r, tok, "outside the allowed set")
+            assert score[r, tok] >= best[r] - 1e-4, (dtype, r, tok, float(score[r, tok]), float(best[r]))
+        assert (got == want).float().mean() >= 0.9, (dtype, got.tolist(), want.tolist())
+
+    x = torch.randn(8, 3000)
+    one = torch.ones(8)
+    got = ops.sample_filtered(x, one, torch.full((8,), float("-inf")), torch.full((8,), 1e-7), 0 * one,
+                              torch.empty(8, 3000).exponential_())
+    assert torch.equal(got, x.argmax(1)), "top_p ~0 keeps only the most likely token"
+
+
 def case_fused_decode_engine() -> None:
     """The engine with all four projections as fused decode GEMVs (in steps of both prompts'
     tokens) gives the unfused engine's greedy tokens, every kernel in Triton (interpreted), for a
@@ -883,6 +939,30 @@ def case_dispatch() -> None:
         assert "TANDEM_KERNELS" in str(exc)
     else:
         raise AssertionError("an unknown TANDEM_KERNELS value must raise ValueError")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sample_filtered_on_the_gpu_at_a_real_vocabulary() -> None:
+    """The compiled kernel at Llama 3's vocabulary and a full decode batch against the CPU
+    reference on the same bf16 logits and noise: every token allowed, the reference's on all
+    but near-tied rows."""
+    from tandem_kernels import ops, reference as ref
+
+    rows, cols = 128, 128_256
+    x = (torch.randn(rows, cols) * torch.rand(rows, 1) * 8).to(torch.bfloat16)
+    temperature = torch.rand(rows) + 0.5
+    k = torch.randint(1, 100, (rows,))
+    kth = x.float().topk(100, dim=1).values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+    kth = torch.where(torch.rand(rows) < 0.3, kth, float("-inf"))
+    top_p = torch.where(torch.rand(rows) < 0.8, torch.rand(rows) * 0.9 + 0.05, torch.tensor(2.0))
+    min_p = torch.where(torch.rand(rows) < 0.3, torch.rand(rows) * 0.2, torch.tensor(0.0))
+    noise = torch.empty(rows, cols).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    args = (x, temperature, kth, top_p, min_p, noise)
+    got = ops.sample_filtered(*(a.cuda() for a in args)).cpu()
+    want = ref.sample_filtered(*args)
+    loose = _allowed_f64(x.float(), temperature, kth, top_p, min_p, 1e-4)
+    assert bool(loose[torch.arange(rows), got].all()), "a token outside its row's filters"
+    assert (got == want).float().mean() >= 0.95, (got.tolist(), want.tolist())
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -446,3 +446,17 @@ def test_a_rows_output_tensor_follows_its_growing_list():
     assert row.output_tensor().tolist() == [5, 6, 0]
     row.output_token_ids = (9, 8)
     assert row.output_tensor().tolist() == [9, 8]
+
+
+def test_top_p_keeps_or_drops_equal_logits_together():
+    """Tokens of equal logit straddling the top-p edge are kept together: the mass strictly
+    above each is what top-p tests, not where a sort happened to put it."""
+    vocab, draws = 30, 3000
+    row = [-4.0] * vocab
+    row[5], row[11], row[20] = 3.0, 2.0, 2.0  # 11 and 20 tie; p(5) ~0.56 of the mass, top_p just above it
+    logits = torch.tensor([row]).expand(draws, vocab).to(torch.bfloat16)
+    probs = _ref_probs(row, 1.0)
+    out = Sampler(vocab, seed=4)(logits, [_row(SamplingParams(temperature=1.0, top_p=probs[5] + 0.01))] * draws)
+    counts = {t: out.token_ids.count(t) for t in set(out.token_ids)}
+    assert set(counts) == {5, 11, 20}, counts
+    assert min(counts.values()) > 300, counts
