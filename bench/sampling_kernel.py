@@ -6,13 +6,12 @@ For each batch size and filter (temperature only; top_p 0.95; top_k 50 + top_p 0
 0.05), µs a call of `tandem_kernels.sampling.sample_filtered` at each tiling (CHUNK/BLOCK/NUM_WARPS:
 columns a first-pass program, columns a finishing program loads at once, its warps) and of `tandem_kernels.reference.sample_filtered` on the same device (the sorted rule in
 torch ops: what a top-p row cost before), on bf16 logits shaped like a model's (a few likely
-tokens over a long tail) and fresh Exponential(1) noise. CUDA events, median of 20 calls after 3.
+tokens over a long tail) and fresh Exponential(1) noise. Device time: 20 calls queued behind a sleeping kernel, between CUDA events, after 3 untimed.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,19 +20,21 @@ FILTERS = {"temperature": dict(top_p=2.0, k=0, min_p=0.0), "top_p": dict(top_p=0
 
 
 def _time_us(fn, reps: int = 20) -> float:
+    """Device µs a call: `reps` calls queued behind a sleeping kernel (so the host's launch work
+    is done before the device starts them), timed between events around them."""
     import torch
 
     for _ in range(3):
         fn()
-    times = []
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)  # ~25-30 ms at the H100's clock: longer than queueing the calls
+    a.record()
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return round(statistics.median(times), 1)
+    b.record()
+    b.synchronize()
+    return round(a.elapsed_time(b) * 1e3 / reps, 1)
 
 
 def main() -> int:
