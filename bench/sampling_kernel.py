@@ -1,6 +1,6 @@
 """The filtered sampler's kernel against the sort it replaces, on the GPU, at a real vocabulary.
 
-    python bench/sampling_kernel.py [--batch 1,8,32,128] [--vocab 128256] [--tilings 4096/4096/8,2048/4096/8,4096/8192/16] [--out FILE]
+    python bench/sampling_kernel.py [--batch 1,8,32,128] [--vocab 128256] [--tilings 2048/8192/16,4096/4096/8] [--out FILE]
 
 For each batch size and filter (temperature only; top_p 0.95; top_k 50 + top_p 0.9; min_p
 0.05), µs a call of `tandem_kernels.sampling.sample_filtered` at each tiling (CHUNK/BLOCK/NUM_WARPS:
@@ -41,7 +41,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", default="1,8,32,128")
     p.add_argument("--vocab", type=int, default=128_256)
-    p.add_argument("--tilings", default="4096/4096/8,2048/4096/8,4096/8192/16",
+    p.add_argument("--tilings", default="2048/8192/16,4096/4096/8",
                    help="CHUNK/BLOCK/NUM_WARPS, comma-separated")
     p.add_argument("--out", default=None)
     a = p.parse_args()

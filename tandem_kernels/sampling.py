@@ -27,9 +27,12 @@ import triton.language as tl
 
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
-CHUNK = 4096  # columns of a row one first-pass program takes
-BLOCK = 4096  # columns a finishing program loads at once
-NUM_WARPS = 8  # the finishing program's
+# Launch shape (bench/sampling_kernel.py, H100, 128 rows x 128,256 columns, BENCHMARKS.md §38): the
+# first pass 59 µs at 2,048 columns a program against 77 at 4,096; a top-p mass pass 101 µs at
+# 8,192 columns a load and 16 warps against 138 at 4,096 and 8.
+CHUNK = 2048  # columns of a row one first-pass program takes
+BLOCK = 8192  # columns a finishing program loads at once
+NUM_WARPS = 16  # the finishing program's
 
 
 @triton.jit(do_not_specialize=["cols", "x_s0", "n_s0"])
