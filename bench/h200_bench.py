@@ -84,12 +84,18 @@ def write_model(d: Path, cfg: dict) -> Path:
     return d
 
 
-def weight_bytes(cfg) -> int:
-    """Bytes a decode step must read: every weight but the embedding table (one row is read)."""
+def weight_bytes(cfg, fp8_projections: bool = False) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (one row is read);
+    `fp8_projections`: the decoder layers' four projections at one byte a weight (--quantization
+    fp8), the rest in bf16."""
     from engine.config import ModelConfig
 
     mc = ModelConfig.from_dict(cfg)
-    return (mc.num_params() - mc.vocab_size * mc.hidden_size) * 2
+    total = (mc.num_params() - mc.vocab_size * mc.hidden_size) * 2
+    if fp8_projections:
+        h = mc.hidden_size
+        total -= mc.num_layers * (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * mc.intermediate_size)
+    return total
 
 
 def gpu_parity(tmp: Path, families: list[str]) -> dict:
@@ -216,13 +222,14 @@ def fp8_parity(tmp: Path) -> dict:
 
 
 def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None, batch: int = 1,
-              prompt_len: int = 128) -> dict:
+              prompt_len: int = 128, quantization: str | None = None) -> dict:
     """Decode time per step at `batch` sequences (`prompt_len`-token prompts, 200 timed steps
     after 5) against the weight-read floor (every weight read once a step; the KV the step
     reads, under 1% of it at 128 tokens, is left out: `kv_read_fraction` says how much it is);
     `fused`: EngineConfig.fused_decode_gemv (None: the engine's default). Batch 1 reports
     decode_b1_* keys, a larger batch decode_b<N>_*, a prompt other than 128 tokens
-    decode_b<N>_ctx<len>_*; and the projections the engine ran as fused GEMVs
+    decode_b<N>_ctx<len>_*, FP8 weights (`quantization` "fp8", the floor at their bytes) a
+    `_fp8` after that; and the projections the engine ran as fused GEMVs
     (`fused_gemv_projections`, "" for none), and how long the device waited for the host between
     one step's end and the next forward's start (`*_device_idle_ms_per_step`, engine/device_idle.py),
     and the host's time to queue the decode graph (`*_graph_launch_host_us`)."""
@@ -234,7 +241,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     max_len = max(4096, prompt_len + 512)
     blocks = max(512, -(-max_len // 16)) * batch
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_running=batch, max_model_len=max_len,
-              num_kv_blocks=blocks, fused_decode_gemv=fused)
+              num_kv_blocks=blocks, fused_decode_gemv=fused, quantization=quantization)
     eng = llm.engine
     for i in range(batch):
         eng.admit(list(range(100 + i, 100 + i + prompt_len)),
@@ -257,7 +264,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     per_step = (time.perf_counter() - t) / n
     idle_s, gaps = idle_clock.take()
     launch_us = _graph_launch_host_us(eng, batch)
-    floor = weight_bytes(cfg) / (ceil["copy_GBps"] * 1e9)
+    floor = weight_bytes(cfg, quantization == "fp8") / (ceil["copy_GBps"] * 1e9)
     fused_projections = ",".join(p for p in GEMV_PROJECTIONS if p in eng.model.layers[0].fused_decode)
     for request_id in eng.request_ids():
         eng.abort(request_id)
@@ -265,7 +272,7 @@ def decode_b1(model_dir: Path, cfg: dict, ceil: dict, fused: bool | None = None,
     torch.cuda.empty_cache()
     # the KV a step reads halfway through the timed steps (5 untimed before them)
     kv_bytes = batch * (prompt_len + 5 + n // 2) * KVCache.bytes_per_block(ModelConfig.from_dict(cfg), 1, torch.bfloat16)
-    name = f"decode_b{batch}" + (f"_ctx{prompt_len}" if prompt_len != 128 else "")
+    name = f"decode_b{batch}" + (f"_ctx{prompt_len}" if prompt_len != 128 else "") + ("_fp8" if quantization else "")
     return {f"{name}_ms_per_{'token' if batch == 1 else 'step'}": round(per_step * 1e3, 3),
             "weight_read_floor_ms": round(floor * 1e3, 3), f"{name}_roofline_fraction": round(floor / per_step, 3),
             "kv_read_fraction": round(kv_bytes / weight_bytes(cfg), 3), "fused_gemv_projections": fused_projections,

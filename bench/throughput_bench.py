@@ -164,6 +164,24 @@ def run_decode_b1_unfused(ctx: Context) -> dict:
     return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=False)
 
 
+def run_decode_b1_fp8(ctx: Context) -> dict:
+    """decode_b1 with FP8 weights (--quantization fp8): on a measured GPU all four projections
+    as fused GEMVs over the e4m3 weights, activations unquantized (engine/model.py
+    fused_decode_projections); the floor is read at the FP8 weights' bytes."""
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B, decode_b1
+
+    return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, quantization="fp8")
+
+
+def run_decode_b1_fp8_unfused(ctx: Context) -> dict:
+    """decode_b1_fp8 with fused_decode_gemv off: cuBLASLt's FP8 GEMM, activations quantized per token."""
+    _need_cuda()
+    from bench.h200_bench import LLAMA31_8B, decode_b1
+
+    return decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=False, quantization="fp8")
+
+
 def run_decode_b1_fused_gemv(ctx: Context) -> dict:
     """decode_b1 with EngineConfig.fused_decode_gemv True: the projections TANDEM_FUSED_GEMV names
     (else all four) as Triton GEMVs (tandem_kernels.gemv), the others cuBLAS."""
@@ -621,6 +639,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "fused GEMV tilings vs cuBLAS at the four weights (cold); the fastest of each"),
     Section("decode_b1_unfused", "S", 75, 35, "child", run_decode_b1_unfused,
             "decode_b1 with fused_decode_gemv off (every projection through cuBLAS)"),
+    Section("decode_b1_fp8", "S", 90, 45, "child", run_decode_b1_fp8,
+            "decode_b1 with FP8 weights: fused GEMVs over the e4m3 weights (W8A16), vs their floor"),
+    Section("decode_b1_fp8_unfused", "S", 90, 45, "child", run_decode_b1_fp8_unfused,
+            "decode_b1_fp8 through cuBLASLt's FP8 GEMM (activations quantized per token)"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
     Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),

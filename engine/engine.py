@@ -112,10 +112,11 @@ class Engine:
         else:
             self.model, kv_config = self.shard.load(path, self.model_config, dtype, device, config.load_format)
             apply_quantization(self.model, config.quantization)
-        if any(isinstance(m, Fp8Linear) for m in self.model.modules()):
+        fp8_weights = any(isinstance(m, Fp8Linear) for m in self.model.modules())
+        if fp8_weights:
             require_fp8_device(device, "weights: this checkpoint is FP8 (config.json quantization_config)")
 
-        fused = fused_decode_projections(config.fused_decode_gemv, device)
+        fused = fused_decode_projections(config.fused_decode_gemv, device, fp8_weights)
         if fused:
             enabled = [layer.enable_fused_decode(fused) for layer in self.model.layers]
             if not all(enabled):

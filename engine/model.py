@@ -121,20 +121,32 @@ class DecoderLayer(nn.Module):
         """Run decode steps of at most `rows` tokens (None: fused_gemv_rows()) with `projections`
         (of GEMV_PROJECTIONS; None: fused_gemv_projections()) as fused GEMVs (tandem_kernels.ops.gemv:
         qkv with the norm in front, gate_up with the norm in front and SiLU-and-multiply behind);
-        the others keep their unfused ops. A projection a rewrite replaced (tensor-parallel or FP8:
-        no longer an nn.Linear), or one other than qkv with a bias, keeps the unfused path. Returns
-        whether any projection is fused."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = {"qkv": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        the others keep their unfused ops. FP8 projections (engine/quant/fp8.py: e4m3 `weight`,
+        `weight_scale` per output row) fuse with their weights as stored and the activations
+        unquantized; a layer holding any fuses all four or none, since its unfused norms and
+        activation hand on FP8 values the fused GEMVs do not take. A projection another rewrite
+        replaced (tensor-parallel), or one other than qkv with a bias, keeps the unfused path.
+        Returns whether any projection is fused."""
+        linears = self.projections()
         wanted = fused_gemv_projections() if projections is None else frozenset(projections)
         if not wanted <= set(GEMV_PROJECTIONS):
             raise ValueError(f"fused GEMV projections must be among {GEMV_PROJECTIONS}, got {sorted(wanted)}")
         self.fused_rows = fused_gemv_rows() if rows is None else rows
         if not 1 <= self.fused_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"fused GEMV rows must be in [1, {GEMV_MAX_ROWS}], got {self.fused_rows}")
-        self.fused_decode = frozenset(name for name in wanted if type(linears[name]) is nn.Linear
-                                      and (name == "qkv" or linears[name].bias is None))
+        fusable = {name for name, linear in linears.items()
+                   if (type(linear) is nn.Linear or is_fp8_projection(linear))
+                   and (name == "qkv" or linear.bias is None)}
+        fused = wanted & fusable
+        if any(is_fp8_projection(linear) for linear in linears.values()) and fused != set(GEMV_PROJECTIONS):
+            fused = set()
+        self.fused_decode = frozenset(fused)
         return bool(self.fused_decode)
+
+    def projections(self) -> dict[str, nn.Module]:
+        """The layer's four projections by their GEMV_PROJECTIONS names."""
+        attn, mlp = self.self_attn, self.mlp
+        return {"qkv": attn.qkv_proj, "o_proj": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
 
     def forward(self, positions, x, residual, kv_cache, meta, cos_sin_cache):
         """One layer: x, residual -> x, residual. In decode steps of at most self.fused_rows tokens
@@ -156,7 +168,8 @@ class DecoderLayer(nn.Module):
         attn, norm = self.self_attn, self.input_layernorm
         if "qkv" in fused:
             qkv, new_residual = ops.gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, residual=residual,
-                                         norm_weight=norm.weight, eps=norm.eps, projection="qkv")
+                                         norm_weight=norm.weight, eps=norm.eps,
+                                         weight_scale=_weight_scale(attn.qkv_proj), projection="qkv")
             return qkv, (x if residual is None else new_residual)
         if residual is None:
             residual, x = x, norm(x)
@@ -167,28 +180,51 @@ class DecoderLayer(nn.Module):
     def after_attention(self, a, residual, fused: frozenset[str]):
         """o_proj, the MLP and the norms between: attention output a, residual -> x, residual."""
         attn, mlp = self.self_attn, self.mlp
-        o = ops.gemv(a, attn.o_proj.weight, projection="o_proj")[0] if "o_proj" in fused else attn.o_proj(a)
+        if "o_proj" in fused:
+            o = ops.gemv(a, attn.o_proj.weight, weight_scale=_weight_scale(attn.o_proj), projection="o_proj")[0]
+        else:
+            o = attn.o_proj(a)
         if self.post_self_attn_layernorm is not None:
             o = self.post_self_attn_layernorm(o)
         norm = self.post_attention_layernorm
         if "gate_up" in fused:
             act, residual = ops.gemv(o, mlp.gate_up_proj.weight, residual=residual, norm_weight=norm.weight,
-                                     eps=norm.eps, silu_pair=True, projection="gate_up")
+                                     eps=norm.eps, silu_pair=True, weight_scale=_weight_scale(mlp.gate_up_proj),
+                                     projection="gate_up")
         else:
             h, residual = norm(o, residual)
             act = mlp.act(mlp.gate_up_proj(h))
-        x = ops.gemv(act, mlp.down_proj.weight, projection="down")[0] if "down" in fused else mlp.down_proj(act)
+        if "down" in fused:
+            x = ops.gemv(act, mlp.down_proj.weight, weight_scale=_weight_scale(mlp.down_proj), projection="down")[0]
+        else:
+            x = mlp.down_proj(act)
         if self.post_mlp_layernorm is not None:
             x = self.post_mlp_layernorm(x)
         return x, residual
 
 
-def fused_decode_projections(setting: bool | None, device: torch.device) -> frozenset[str]:
+def is_fp8_projection(linear: nn.Module) -> bool:
+    """Whether `linear` holds e4m3 weights with a scale per output row (engine/quant/fp8.py
+    Fp8Linear), which the fused decode GEMV streams as they are."""
+    weight, scale = getattr(linear, "weight", None), getattr(linear, "weight_scale", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn and scale is not None
+
+
+def _weight_scale(linear: nn.Module) -> torch.Tensor | None:
+    return linear.weight_scale if is_fp8_projection(linear) else None
+
+
+def fused_decode_projections(setting: bool | None, device: torch.device, fp8_weights: bool = False) -> frozenset[str]:
     """The projections EngineConfig.fused_decode_gemv (`setting`) fuses on `device`: None: the
-    GPU's (gemv_tilings.default_fused_projections; none on a CPU or a GPU not measured), True:
-    all of GEMV_PROJECTIONS, False: none. FUSED_GEMV_ENV's names replace the first two."""
+    GPU's (gemv_tilings.default_fused_projections; none on a CPU or a GPU not measured), and all
+    four for FP8 weights on a measured GPU (`fp8_weights`: cuBLASLt's FP8 GEMM runs no faster at
+    one row than bf16's GEMV, and the fused GEMV reads half the bytes); True: all of
+    GEMV_PROJECTIONS, False: none. FUSED_GEMV_ENV's names replace the first two."""
     if setting is None:
-        return fused_gemv_projections(default_fused_projections(device)) if device.type == "cuda" else frozenset()
+        if device.type != "cuda":
+            return frozenset()
+        measured = default_fused_projections(device)
+        return fused_gemv_projections(GEMV_PROJECTIONS if fp8_weights and measured else measured)
     return fused_gemv_projections() if setting else frozenset()
 
 

@@ -13,6 +13,12 @@ first weight tile before that wait: the weight stream starts under the tail of t
 (cuBLAS, launched without PDL, starts only after it). In the loop each program then loads its
 next tile before it multiplies the current one.
 
+FP8 weights (e4m3, one float32 scale per output row, engine/quant/fp8.py `Fp8Linear`) stream as
+they are stored, half the bytes of bf16, and multiply the activations unquantized (the model's
+dtype, widened to float32): the row's scale is applied to the float32 sum before it is rounded.
+Where the FP8 projections' cuBLASLt GEMM runs no faster at one row than bf16's GEMV (BENCHMARKS.md
+§6), this reads half the bytes.
+
 Semantics equal tandem_kernels.reference.gemv: the unfused ops in sequence, with the same roundings
 (the normalized activations and the GEMV outputs are rounded to x.dtype where the unfused path
 stores them), up to the order of the fp32 accumulation.
@@ -25,6 +31,7 @@ import triton.language as tl
 
 from tandem_kernels.gemv_tilings import TILING_ENV, GemvTiling, tiling_for
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
+from tandem_kernels.reference import check_weight_scale
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
 NORM_CHUNK = 4096  # elements of x (rows x columns) the norm's sum of squares reads a step
@@ -70,10 +77,10 @@ def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
-    NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr,
+    NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
     LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -126,6 +133,10 @@ def _gemv_kernel(
     else:
         acc2 = acc
         up2 = acc_up
+    if W_SCALE:  # FP8 weights: each output row's scale, on the float32 sum
+        acc2 = acc2 * tl.load(ws_ptr + rows, mask=r_mask, other=0.0)[None, :]
+        if SILU_PAIR:
+            up2 = up2 * tl.load(ws_ptr + rows + up_offset, mask=r_mask, other=0.0)[None, :]
     if BIAS:
         acc2 += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_PAIR:
@@ -142,10 +153,11 @@ def _gemv_kernel(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    silu_pair: bool = False, tiling: GemvTiling | None = None,
+    silu_pair: bool = False, weight_scale: torch.Tensor | None = None, tiling: GemvTiling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See tandem_kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K].
-    tiling: the launch shape (None: GemvTiling()); results agree across tilings to rounding."""
+    """See tandem_kernels.reference.gemv. x: [M, K] with M <= MAX_ROWS; weight: [N, K] (e4m3 with
+    `weight_scale` [N]). tiling: the launch shape (None: GemvTiling()); results agree across
+    tilings to rounding."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     m_rows = x.shape[0]
@@ -155,6 +167,7 @@ def gemv(
         raise ValueError("residual needs norm_weight and the shape of x")
     if silu_pair and weight.shape[0] % 2:
         raise ValueError(f"silu_pair: weight needs an even number of rows, got {weight.shape[0]}")
+    check_weight_scale(weight, weight_scale)
     x = x.contiguous()
     n_out = weight.shape[0] // 2 if silu_pair else weight.shape[0]
     out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
@@ -162,14 +175,14 @@ def gemv(
     if m_rows == 0:
         return out, new_res
     grid, args, consts = gemv_launch(x, weight.contiguous(), bias, residual, norm_weight, eps, silu_pair,
-                                     tiling or GemvTiling(), out, new_res)
+                                     tiling or GemvTiling(), out, new_res, weight_scale)
     _gemv_kernel[grid](*args, **consts)
     return out, new_res
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None, eps: float, silu_pair: bool, t: GemvTiling, out: torch.Tensor,
-                new_res: torch.Tensor | None) -> tuple[tuple[int], list, dict]:
+                new_res: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> tuple[tuple[int], list, dict]:
     """_gemv_kernel's launch for checked, contiguous x and weight: (grid, positional args, keyword
     constants incl. num_warps). One home for `gemv` and for bench/kernel_ir.py, which compiles the
     kernel as a launch specializes it, on tensors of the meta device."""
@@ -179,12 +192,14 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_m = max(1, next_pow2(m_rows))
     block_k = max(16, min(t.block_k if t.wide_rows else t.block_k // block_m, next_pow2(k_dim)))
     args = [x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
-            weight, bias if bias is not None else x, out,
+            weight, weight_scale.float().contiguous() if weight_scale is not None else x,
+            bias if bias is not None else x, out,
             m_rows, n_out, k_dim, x.stride(0), res.stride(0), new_res.stride(0) if new_res is not None else 0,
             weight.stride(0), out.stride(0), n_out, float(eps)]
     consts = dict(BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
                   NORM_K=max(16, min(next_pow2(k_dim), NORM_CHUNK // block_m)), NORM=norm_weight is not None,
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
+                  W_SCALE=weight_scale is not None,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
 

@@ -100,14 +100,14 @@ def fused_add_rms_norm(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    silu_pair: bool = False, projection: str | None = None,
+    silu_pair: bool = False, weight_scale: torch.Tensor | None = None, projection: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows). projection (one of
-    GEMV_PROJECTIONS): the Triton launch takes that projection's tiling on x's GPU
-    (gemv_tilings.tiling_for)."""
+    """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows; an e4m3 weight with its
+    `weight_scale`). projection (one of GEMV_PROJECTIONS): the Triton launch takes that
+    projection's tiling on x's GPU (gemv_tilings.tiling_for)."""
     if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
-    kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair)
+    kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair, weight_scale=weight_scale)
     if _use_triton(x):
         tiling = _triton("gemv", "tiling_for")(projection, x.device) if projection is not None else None
         return _triton("gemv", "gemv")(x, weight, bias, tiling=tiling, **kw)

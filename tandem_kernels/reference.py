@@ -28,21 +28,39 @@ def fused_add_rms_norm(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-    silu_pair: bool = False,
+    silu_pair: bool = False, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decode GEMV with its neighbours: returns (y, x + residual or None).
 
     a = rms_norm(x + residual) (fused_add_rms_norm) with `residual`, rms_norm(x) with only
     `norm_weight`, else x; y = a @ weight.T + bias; with silu_pair, y = silu_and_mul(y) (gate rows
-    first, then up rows). Each step rounds to x.dtype as the unfused ops do.
+    first, then up rows). Each step rounds to x.dtype as the unfused ops do. With `weight_scale`
+    [N] (float32), weight is e4m3 and y = (a @ weight.T) * weight_scale in float32, the
+    activations unquantized, rounded to x.dtype before the bias is added.
     """
+    check_weight_scale(weight, weight_scale)
     new_residual = None
     if norm_weight is not None and residual is not None:
         x, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     elif norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    y = F.linear(x, weight, bias)
+    if weight_scale is not None:
+        y = (x.float() @ weight.float().t() * weight_scale.float()).to(x.dtype)
+        y = y if bias is None else y + bias
+    else:
+        y = F.linear(x, weight, bias)
     return (silu_and_mul(y) if silu_pair else y), new_residual
+
+
+def check_weight_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """ValueError unless a GEMV's weight is e4m3 exactly when it has a scale per output row."""
+    if weight_scale is None:
+        if weight.dtype == FP8_DTYPE:
+            raise ValueError("weight: e4m3 weights need weight_scale (one float32 scale per output row)")
+        return
+    if weight.dtype != FP8_DTYPE or weight_scale.shape != (weight.shape[0],):
+        raise ValueError(f"weight_scale: [N] scales go with an e4m3 weight [N, K]; got {weight.dtype} weight "
+                         f"{tuple(weight.shape)} and scales {tuple(weight_scale.shape)}")
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

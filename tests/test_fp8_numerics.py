@@ -264,3 +264,41 @@ def test_unsupported_quantization_config_is_refused(tiny_models, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantization_config"):
         LLM(dst, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "glm4"])
+def test_fused_decode_streams_fp8_weights_unquantized_activations(family, tiny_models, monkeypatch):
+    """At decode steps of up to fused_rows tokens an FP8 layer runs its four projections as fused
+    GEMVs over the e4m3 weights as stored, the activations unquantized (W8A16): each phase equals
+    the same layer with the dequantized weights in float32 and no activation rounding; the step
+    above fused_rows keeps W8A8. A layer fuses all four or none (its unfused norms hand on FP8
+    activations), so a partial set fuses nothing."""
+    monkeypatch.setenv("TANDEM_FUSED_GEMV_ROWS", "2")
+    fp8 = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8", fused_decode_gemv=True)
+    model = fp8.engine.model
+    assert all(layer.fused_decode == {"qkv", "o_proj", "gate_up", "down"} for layer in model.layers)
+    plain = LLM(tiny_models[family], num_kv_blocks=64, fused_decode_gemv=False).engine.model
+    for fp8_proj, proj in zip(projections(model), projections(plain)):
+        proj.weight.data = fp8_proj.weight.float() * fp8_proj.weight_scale[:, None]
+    hidden = model.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    for i in (0, len(model.layers) - 1):
+        layer, ref_layer = model.layers[i], plain.layers[i]
+        for rows in (1, 2, 3):
+            x, residual = (torch.randn(rows, hidden, generator=g) for _ in range(2))
+            fused = layer.fused_decode if rows <= layer.fused_rows else frozenset()  # fused_projections' rule
+            qkv, res = layer.before_attention(x, residual, fused)
+            want_qkv, want_res = ref_layer.before_attention(x, residual, frozenset())
+            a = torch.randn(rows, layer.self_attn.o_proj.in_features, generator=g)
+            out, res2 = layer.after_attention(a, residual, fused)
+            want_out, want_res2 = ref_layer.after_attention(a, residual, frozenset())
+            tol = 1e-4 if fused else 0.5  # above fused_rows: W8A8, activations rounded to e4m3
+            for got, want in ((qkv, want_qkv), (res, want_res), (out, want_out), (res2, want_res2)):
+                assert ((got - want).norm() / want.norm()).item() < tol, (family, i, rows)
+            if not fused:
+                assert ((out - want_out).norm() / want_out.norm()).item() > 1e-4  # W8A8 really differs
+    monkeypatch.setenv("TANDEM_FUSED_GEMV", "o_proj,down")
+    partial = LLM(tiny_models[family], num_kv_blocks=64, quantization="fp8", fused_decode_gemv=True)
+    assert all(layer.fused_decode == frozenset() for layer in partial.engine.model.layers)
+    tokens = fp8.generate(prompts(3, seed=2), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in tokens)

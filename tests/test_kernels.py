@@ -214,6 +214,29 @@ def case_gemv() -> None:
             close(got_res, want_res, dtype, what + " residual")
         else:
             assert got_res is None, what
+    # FP8 weights (e4m3, a float32 scale a row) with unquantized activations: the norm, residual,
+    # bias and SiLU pair (gate and up rows each scaled by their own row's scale) as above.
+    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings[:3], cases[2:6]):
+        what = f"gemv e4m3 {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
+        x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=torch.float32, scale=k ** -0.5)
+        scale = (w.abs().amax(1) / 448.0).clamp(min=1e-12) * (1 + torch.rand(n))  # rows' scales differ
+        q = (w / scale[:, None]).clamp(-448, 448).to(FP8)
+        kw = dict(residual=rand(rows, k, dtype=dtype) if res else None,
+                  norm_weight=(torch.rand(k) + 0.5).to(dtype) if norm else None, eps=1e-5, silu_pair=silu,
+                  weight_scale=scale)
+        b = rand(n, dtype=dtype) if bias else None
+        got, _ = gm.gemv(x, q, b, tiling=t, **kw)
+        want, _ = ref.gemv(x, q, b, **kw)
+        close(got, want, dtype, what, scale=2.0 if silu else 1.0, rscale=2.0 if silu else 1.0)
+    f32 = torch.float32
+    for weight, scale in ((rand(4, 8, dtype=FP8), None), (rand(4, 8, dtype=f32), torch.ones(4)),
+                          (rand(4, 8, dtype=FP8), torch.ones(3))):
+        try:
+            ops.gemv(rand(1, 8, dtype=f32), weight, weight_scale=scale)
+        except ValueError as exc:
+            assert "weight" in str(exc)
+        else:
+            raise AssertionError("an e4m3 weight without its scales (or scales without one) must raise ValueError")
     try:
         ops.gemv(rand(MAX_ROWS + 1, 8, dtype=torch.float32), rand(4, 8, dtype=torch.float32))
     except ValueError as exc:
