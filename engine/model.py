@@ -216,15 +216,13 @@ def _weight_scale(linear: nn.Module) -> torch.Tensor | None:
 
 def fused_decode_projections(setting: bool | None, device: torch.device, fp8_weights: bool = False) -> frozenset[str]:
     """The projections EngineConfig.fused_decode_gemv (`setting`) fuses on `device`: None: the
-    GPU's (gemv_tilings.default_fused_projections; none on a CPU or a GPU not measured), and all
-    four for FP8 weights on a measured GPU (`fp8_weights`: cuBLASLt's FP8 GEMM runs no faster at
-    one row than bf16's GEMV, and the fused GEMV reads half the bytes); True: all of
-    GEMV_PROJECTIONS, False: none. FUSED_GEMV_ENV's names replace the first two."""
+    GPU's (gemv_tilings.default_fused_projections, for FP8 weights with `fp8_weights`: all four
+    where the fused GEMV beat cuBLASLt's FP8 GEMM; none on a CPU or a GPU not measured), True:
+    all of GEMV_PROJECTIONS, False: none. FUSED_GEMV_ENV's names replace the first two."""
     if setting is None:
         if device.type != "cuda":
             return frozenset()
-        measured = default_fused_projections(device)
-        return fused_gemv_projections(GEMV_PROJECTIONS if fp8_weights and measured else measured)
+        return fused_gemv_projections(default_fused_projections(device, fp8_weights))
     return fused_gemv_projections() if setting else frozenset()
 
 

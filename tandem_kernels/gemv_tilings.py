@@ -7,6 +7,11 @@ an H200 only o_proj and down do (qkv and gate_up, cuBLAS already at 0.93-1.0 of 
 per GPU family, the projections it fuses by default and each one's tiling, as measured there;
 a GPU no entry names fuses none by default (cuBLAS is the safe choice where nothing was
 measured) and takes `FALLBACK_TILINGS` when a caller asks for fused GEMVs anyway.
+
+FP8 weights (e4m3, half the bytes a row) have their own table, `FP8_DEVICE_TILINGS`: a GPU it
+names fuses all four projections of an FP8 model by default (there the fused GEMV beats
+cuBLASLt's FP8 GEMM at one row), each at that tiling; elsewhere FP8 projections keep cuBLASLt
+unless asked, and then take the bf16 tiling.
 """
 from __future__ import annotations
 
@@ -66,6 +71,15 @@ DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
     # §32: all four 5.654-5.657 ms vs cuBLAS 5.980-5.986; o_proj + down 5.880.
     "H100": {"qkv": _ROWS_2x1024, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_2x1024},
 }
+# §38 (H100, batch 1, FP8 weights): each H100 tile with twice the rows a program, 4.475-4.481 ms a
+# token against 5.068 at the bf16 tiles and cuBLASLt's 4.757 (twice block_k 5.169; four times
+# the rows 6.038; per-tile reduction 5.770; 8 warps 4.990; 2 warps 6.301).
+FP8_DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
+    "H100": {"qkv": GemvTiling(block_n=4, block_k=1024, late_reduce=True),
+             "o_proj": GemvTiling(block_n=8, block_k=512, late_reduce=True),
+             "gate_up": GemvTiling(block_n=16, block_k=256, late_reduce=True),
+             "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True)},
+}
 # Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
 FALLBACK_TILINGS: dict[str, GemvTiling] = {
     "qkv": _ROWS_4x512, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_4x512,
@@ -85,31 +99,36 @@ def device_name(device: torch.device | str | None) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def device_tilings(name: str) -> dict[str, GemvTiling]:
-    """The DEVICE_TILINGS entry naming GPU `name`; {} where none does."""
-    return next((table for family, table in DEVICE_TILINGS.items() if family in name), {})
+def device_tilings(name: str, fp8: bool = False) -> dict[str, GemvTiling]:
+    """The DEVICE_TILINGS (FP8_DEVICE_TILINGS with `fp8`) entry naming GPU `name`; {} where none does."""
+    tables = FP8_DEVICE_TILINGS if fp8 else DEVICE_TILINGS
+    return next((table for family, table in tables.items() if family in name), {})
 
 
-def default_fused_projections(device: torch.device | str | None) -> frozenset[str]:
-    """The projections `device` runs as fused GEMVs by default (none off the GPUs measured)."""
-    return frozenset(device_tilings(device_name(device)))
+def default_fused_projections(device: torch.device | str | None, fp8: bool = False) -> frozenset[str]:
+    """The projections `device` runs as fused GEMVs by default, for bf16 weights or (`fp8`) FP8
+    ones (none off the GPUs measured)."""
+    return frozenset(device_tilings(device_name(device), fp8))
 
 
-def base_tiling(projection: str, gpu_name: str) -> GemvTiling:
+def base_tiling(projection: str, gpu_name: str, fp8: bool = False) -> GemvTiling:
     """The tiling of `projection` (one of PROJECTIONS) on the GPU named `gpu_name`: its
-    DEVICE_TILINGS entry's, else FALLBACK_TILINGS'."""
+    FP8_DEVICE_TILINGS entry's for `fp8` weights where there is one, else its DEVICE_TILINGS
+    entry's, else FALLBACK_TILINGS'."""
     if projection not in PROJECTIONS:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    return device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])
+    tiling = device_tilings(gpu_name, fp8=True).get(projection) if fp8 else None
+    return tiling or device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])
 
 
-def tiling_for(projection: str, device: torch.device | str | None = None) -> GemvTiling:
-    """base_tiling of `projection` on `device`, with TILING_ENV's fields over it where set."""
+def tiling_for(projection: str, device: torch.device | str | None = None, fp8: bool = False) -> GemvTiling:
+    """base_tiling of `projection` on `device` (`fp8`: for e4m3 weights), with TILING_ENV's
+    fields over it where set."""
     from tandem_kernels.triton_common import env_overridden  # triton: only where a kernel launches
 
-    base = base_tiling(projection, device_name(device))
+    base = base_tiling(projection, device_name(device), fp8)
     return env_overridden(base, TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
 
 
-__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections",
+__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "FP8_DEVICE_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections",
            "device_name", "device_tilings", "tiling_for"]

@@ -109,7 +109,8 @@ def gemv(
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair, weight_scale=weight_scale)
     if _use_triton(x):
-        tiling = _triton("gemv", "tiling_for")(projection, x.device) if projection is not None else None
+        tiling = (_triton("gemv", "tiling_for")(projection, x.device, weight_scale is not None)
+                  if projection is not None else None)
         return _triton("gemv", "gemv")(x, weight, bias, tiling=tiling, **kw)
     return reference.gemv(x, weight, bias, **kw)
 

@@ -291,9 +291,14 @@ def test_fused_decode_gemvs_by_gpu(monkeypatch):
     assert gt.tiling_for("down", "cpu") == gt.FALLBACK_TILINGS["down"]
     monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
     assert gt.tiling_for("down", "cuda") == gt.DEVICE_TILINGS["H100"]["down"] != gt.FALLBACK_TILINGS["down"]
+    # FP8 weights: all four fused on the H100 (at their own tiles), none where no FP8 tiles were measured
+    cuda = torch.device("cuda", 0)
+    assert model.fused_decode_projections(None, cuda, fp8_weights=True) == frozenset(model.GEMV_PROJECTIONS)
+    assert gt.tiling_for("down", "cuda", fp8=True) == gt.FP8_DEVICE_TILINGS["H100"]["down"] != gt.tiling_for("down", "cuda")
     monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA H200")
     assert gt.tiling_for("qkv", "cuda") == gt.FALLBACK_TILINGS["qkv"]  # not fused there by default
-    cuda = torch.device("cuda", 0)
+    assert model.fused_decode_projections(None, cuda, fp8_weights=True) == frozenset()
+    assert gt.tiling_for("down", "cuda", fp8=True) == gt.tiling_for("down", "cuda")  # the bf16 tile, if asked
     assert model.fused_decode_projections(None, cuda) == {"o_proj", "down"}
     assert model.fused_decode_projections(None, torch.device("cpu")) == frozenset()
     assert model.fused_decode_projections(True, torch.device("cpu")) == frozenset(model.GEMV_PROJECTIONS)

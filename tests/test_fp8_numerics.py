@@ -281,15 +281,16 @@ def test_fused_decode_streams_fp8_weights_unquantized_activations(family, tiny_m
     for fp8_proj, proj in zip(projections(model), projections(plain)):
         proj.weight.data = fp8_proj.weight.float() * fp8_proj.weight_scale[:, None]
     hidden = model.config.hidden_size
+    device = model.embed_tokens.weight.device
     g = torch.Generator().manual_seed(5)
     for i in (0, len(model.layers) - 1):
         layer, ref_layer = model.layers[i], plain.layers[i]
         for rows in (1, 2, 3):
-            x, residual = (torch.randn(rows, hidden, generator=g) for _ in range(2))
+            x, residual = (torch.randn(rows, hidden, generator=g).to(device) for _ in range(2))
             fused = layer.fused_decode if rows <= layer.fused_rows else frozenset()  # fused_projections' rule
             qkv, res = layer.before_attention(x, residual, fused)
             want_qkv, want_res = ref_layer.before_attention(x, residual, frozenset())
-            a = torch.randn(rows, layer.self_attn.o_proj.in_features, generator=g)
+            a = torch.randn(rows, layer.self_attn.o_proj.in_features, generator=g).to(device)
             out, res2 = layer.after_attention(a, residual, fused)
             want_out, want_res2 = ref_layer.after_attention(a, residual, frozenset())
             tol = 1e-4 if fused else 0.5  # above fused_rows: W8A8, activations rounded to e4m3
