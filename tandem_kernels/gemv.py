@@ -65,25 +65,13 @@ def _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR: tl.constexpr):
 
 
 @triton.jit
-def _widen(w, FP8_BITS: tl.constexpr):
-    """A weight tile in float32; with FP8_BITS, e4m3 bytes (loaded as uint8) placed into float32's
-    fields: the value times 2^-120 (GemvTiling.fp8_bits)."""
-    if FP8_BITS:
-        b = w.to(tl.uint32)
-        wf = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-    else:
-        wf = w.to(tl.float32)
-    return wf
-
-
-@triton.jit
-def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr, FP8_BITS: tl.constexpr):
+def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
     # One return, after an if/else: the compiler type-checks what follows an early return in a
     # constexpr branch too, and the two sums differ in shape.
     if LATE_REDUCE:
-        acc = acc + a[:, None, :] * _widen(w, FP8_BITS)[None, :, :]
+        acc = acc + a[:, None, :] * w.to(tl.float32)[None, :, :]
     else:
-        acc = acc + tl.sum(a[:, None, :] * _widen(w, FP8_BITS)[None, :, :], 2)
+        acc = acc + tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     return acc
 
 
@@ -93,11 +81,9 @@ def _gemv_kernel(
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FP8_BITS: tl.constexpr, PDL: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if FP8_BITS:  # the e4m3 bytes as plain bytes: _widen moves their bits
-        w_ptr = w_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N_OUT
     w_rows = w_ptr + rows[:, None].to(tl.int64) * w_s0
@@ -138,9 +124,9 @@ def _gemv_kernel(
             w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
         mask = m_mask[:, None] & k_mask[None, :]
         a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
-        acc = _accumulate(acc, a, w, LATE_REDUCE, FP8_BITS)
+        acc = _accumulate(acc, a, w, LATE_REDUCE)
         if SILU_PAIR:
-            acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE, FP8_BITS)
+            acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
     if LATE_REDUCE:
         acc2 = tl.sum(acc, 2)
         up2 = tl.sum(acc_up, 2)
@@ -148,10 +134,9 @@ def _gemv_kernel(
         acc2 = acc
         up2 = acc_up
     if W_SCALE:  # FP8 weights: each output row's scale, on the float32 sum
-        unit = 1.329227995784916e36 if FP8_BITS else 1.0  # 2^120: what _widen's weights lack
-        acc2 = acc2 * (tl.load(ws_ptr + rows, mask=r_mask, other=0.0) * unit)[None, :]
+        acc2 = acc2 * tl.load(ws_ptr + rows, mask=r_mask, other=0.0)[None, :]
         if SILU_PAIR:
-            up2 = up2 * (tl.load(ws_ptr + rows + up_offset, mask=r_mask, other=0.0) * unit)[None, :]
+            up2 = up2 * tl.load(ws_ptr + rows + up_offset, mask=r_mask, other=0.0)[None, :]
     if BIAS:
         acc2 += tl.load(b_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_PAIR:
@@ -215,8 +200,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   NORM_K=max(16, min(next_pow2(k_dim), NORM_CHUNK // block_m)), NORM=norm_weight is not None,
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   W_SCALE=weight_scale is not None,
-                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FP8_BITS=t.fp8_bits and weight_scale is not None,
-                  num_warps=t.num_warps, **pdl_launch(x.device))
+                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
 
 

@@ -42,10 +42,6 @@ class GemvTiling:
       divided by the row count): the weight stream of one row, at rows times the registers for
       the product; without it a program's product stays block_n x block_k values and its weight
       tile narrows as rows grow.
-    fp8_bits: e4m3 weights widen to float32 by moving their bits (sign to bit 31, exponent and
-      mantissa to bits 20-26: the value times 2^-120, subnormals included; the row's scale takes
-      the 2^120, so scales must stay below 2^8) instead of through the converter's e4m3 -> f16 ->
-      f32; the same values.
     """
 
     block_n: int = 8
@@ -54,7 +50,6 @@ class GemvTiling:
     late_reduce: bool = False
     prefetch: bool = True
     wide_rows: bool = False
-    fp8_bits: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):

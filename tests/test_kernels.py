@@ -216,9 +216,7 @@ def case_gemv() -> None:
             assert got_res is None, what
     # FP8 weights (e4m3, a float32 scale a row) with unquantized activations: the norm, residual,
     # bias and SiLU pair (gate and up rows each scaled by their own row's scale) as above.
-    fp8_tilings = tilings[:3] + [gm.GemvTiling(fp8_bits=True), gm.GemvTiling(block_n=4, block_k=64, fp8_bits=True,
-                                                                         late_reduce=True)]
-    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(fp8_tilings, cases[2:6]):
+    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings[:3], cases[2:6]):
         what = f"gemv e4m3 {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=torch.float32, scale=k ** -0.5)
         scale = (w.abs().amax(1) / 448.0).clamp(min=1e-12) * (1 + torch.rand(n))  # rows' scales differ
