@@ -389,9 +389,11 @@ def _at_more_rows(fastest: list) -> list:
 
 
 def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20, weights: tuple[str, ...] = (),
-               tilings: list | None = None) -> dict:
+               tilings: list | None = None, fp8: bool = False) -> dict:
     """The fused decode GEMV (tandem_kernels.gemv) against what it replaces (cuBLAS through
     F.linear plus the separate norm / SiLU kernels), at the Llama-3.1-8B layer's four weights.
+    `fp8`: e4m3 weights with a scale per row (engine/quant/fp8.py), against cuBLASLt's FP8 GEMM
+    with the activations quantized per token by the norm / SiLU kernel before it (W8A8).
 
     As in a decode step, every call reads a weight no call before it read lately: each timed
     CUDA graph runs the GEMV over copies of the weight totalling at least `cold_bytes` (far past
@@ -418,9 +420,14 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
         cases = {k: v for k, v in cases.items() if k in weights}
     rows_out: list[list] = []
     for name, (n, k, norm, silu) in cases.items():
-        moved = n * k * 2
+        moved = n * k * (1 if fp8 else 2)
         copies = max(2, -(-cold_bytes // moved))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        scales = [None] * copies
+        if fp8:
+            from engine.quant.fp8 import quantize_weight_per_channel
+
+            ws, scales = (list(z) for z in zip(*(quantize_weight_per_channel(w) for w in ws)))
         nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
         best: list[tuple[float, gm.GemvTiling]] = []
         for i, m in enumerate(rows_list):
@@ -429,22 +436,29 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
             kw = dict(residual=res if norm else None, norm_weight=nw if norm else None, eps=1e-5, silu_pair=silu)
 
             def unfused():
-                for w in ws:
-                    a = ops.fused_add_rms_norm(x, res, nw, 1e-5)[0] if norm else x
-                    y = torch.nn.functional.linear(a, w)
+                for w, scale in zip(ws, scales):
+                    if scale is None:
+                        a = ops.fused_add_rms_norm(x, res, nw, 1e-5)[0] if norm else x
+                        y = torch.nn.functional.linear(a, w)
+                        if silu:
+                            ops.silu_and_mul(y)
+                        continue
+                    q, qs = ops.fused_add_rms_norm_fp8(x, res, nw, 1e-5)[:2] if norm else ops.quantize_fp8_per_token(x)
+                    y = ops.fp8_linear(q, qs, w, scale, None, torch.bfloat16)
                     if silu:
-                        ops.silu_and_mul(y)
+                        ops.silu_and_mul_fp8(y)
 
-            want = ref.gemv(x, ws[0], None, **kw)[0].float()
+            want = ref.gemv(x, ws[0], None, weight_scale=scales[0], **kw)[0].float()
             us = bench_ms(unfused) * 1e3 / copies
             rows_out.append([name, m, None, round(us, 1), round(moved / us / 1e3), 0.0])
             print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             timed = []
             for t in (tilings if i == 0 else _at_more_rows([t for _, t in best[:3]])):
                 try:
-                    got = gm.gemv(x, ws[0], tiling=t, **kw)[0].float()
+                    got = gm.gemv(x, ws[0], tiling=t, weight_scale=scales[0], **kw)[0].float()
                     err = ((got - want).abs() / (1 + want.abs())).max().item()
-                    us = bench_ms(lambda: [gm.gemv(x, w, tiling=t, **kw) for w in ws], reps=30) * 1e3 / copies
+                    us = bench_ms(lambda: [gm.gemv(x, w, tiling=t, weight_scale=sc, **kw) for w, sc in zip(ws, scales)],
+                                  reps=30) * 1e3 / copies
                     timed.append((us, t))
                     rows_out.append([name, m, dataclasses.asdict(t), round(us, 1), round(moved / us / 1e3), err])
                 except Exception as exc:  # a configuration that does not compile or fit
@@ -623,6 +637,8 @@ def main() -> int:
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
     ap.add_argument("--gemv-weights", default="", help="with --gemv-sweep: these weights only (qkv,o_proj,gate_up,down)")
+    ap.add_argument("--gemv-fp8", action="store_true",
+                    help="with --gemv-sweep: e4m3 weights (a scale a row) against cuBLASLt's FP8 GEMM (W8A8)")
     ap.add_argument("--gemv-tiling", action="append", default=None, metavar="JSON",
                     help="with --gemv-sweep: time these GemvTiling fields instead of the grid (repeatable)")
     ap.add_argument("--extend-sweep", action="store_true",
@@ -663,7 +679,8 @@ def main() -> int:
             print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes, args.decode_spread)
                                  if args.decode_sweep else {}),
                               **(gemv_sweep(weights=tuple(w for w in args.gemv_weights.split(",") if w),
-                                            tilings=_gemv_tilings(args.gemv_tiling)) if args.gemv_sweep else {}),
+                                            tilings=_gemv_tilings(args.gemv_tiling), fp8=args.gemv_fp8)
+                                 if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {}),
                               **(extend_tiles(Shapes()) if args.extend_tiles else {}),
                               **(extend_peers(Shapes()) if args.extend_peers else {})}))
