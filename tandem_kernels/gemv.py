@@ -81,7 +81,7 @@ def _gemv_kernel(
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +108,10 @@ def _gemv_kernel(
                              mask=mask)
             ss += tl.sum(s * s, 1)
         inv = 1.0 / tl.sqrt(ss / K + eps)
-    if LATE_REDUCE:
+    if FLAT_ROW:  # one row: its activations a vector over the weight tile, sums per lane
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    elif LATE_REDUCE:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     else:
@@ -124,10 +127,19 @@ def _gemv_kernel(
             w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
         mask = m_mask[:, None] & k_mask[None, :]
         a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
-        acc = _accumulate(acc, a, w, LATE_REDUCE)
-        if SILU_PAIR:
-            acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
-    if LATE_REDUCE:
+        if FLAT_ROW:
+            a_row = tl.sum(a, 0)  # [BLOCK_K]: the one row
+            acc += w.to(tl.float32) * a_row[None, :]
+            if SILU_PAIR:
+                acc_up += wu.to(tl.float32) * a_row[None, :]
+        else:
+            acc = _accumulate(acc, a, w, LATE_REDUCE)
+            if SILU_PAIR:
+                acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
+    if FLAT_ROW:
+        acc2 = tl.sum(acc, 1)[None, :]
+        up2 = tl.sum(acc_up, 1)[None, :]
+    elif LATE_REDUCE:
         acc2 = tl.sum(acc, 2)
         up2 = tl.sum(acc_up, 2)
     else:
@@ -200,7 +212,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   NORM_K=max(16, min(next_pow2(k_dim), NORM_CHUNK // block_m)), NORM=norm_weight is not None,
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   W_SCALE=weight_scale is not None,
-                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, num_warps=t.num_warps, **pdl_launch(x.device))
+                  LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FLAT_ROW=t.flat_row and t.late_reduce and block_m == 1,
+                  num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
 
 

@@ -42,6 +42,11 @@ class GemvTiling:
       divided by the row count): the weight stream of one row, at rows times the registers for
       the product; without it a program's product stays block_n x block_k values and its weight
       tile narrows as rows grow.
+    flat_row: at one row with late_reduce, the product and the per-lane sums are [block_n,
+      block_k], the row's activations a vector broadcast over the weight tile, not [1, block_n,
+      block_k]: Triton then keeps the weight tile in the layout it was loaded in instead of
+      passing it through shared memory (sm_90 SASS of the K loop, bench/kernel_ir.py: 0.21 ->
+      0.16 warp-instructions a bf16 weight, 0.26 -> 0.21 an e4m3 one; BENCHMARKS.md §38).
     """
 
     block_n: int = 8
@@ -50,6 +55,7 @@ class GemvTiling:
     late_reduce: bool = False
     prefetch: bool = True
     wide_rows: bool = False
+    flat_row: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
