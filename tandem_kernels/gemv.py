@@ -75,13 +75,35 @@ def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
+               BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, SILU_PAIR: tl.constexpr,
+               LATE_REDUCE: tl.constexpr, FLAT_ROW: tl.constexpr):
+    """The sums after the weight tile at columns k0 (w, and wu with SILU_PAIR) times the activations there."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < K
+    mask = m_mask[:, None] & k_mask[None, :]
+    a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
+    if FLAT_ROW:
+        a_row = tl.sum(a, 0)  # [BLOCK_K]: the one row
+        acc += w.to(tl.float32) * a_row[None, :]
+        if SILU_PAIR:
+            acc_up += wu.to(tl.float32) * a_row[None, :]
+    else:
+        acc = _accumulate(acc, a, w, LATE_REDUCE)
+        if SILU_PAIR:
+            acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, res_ptr, new_res_ptr, nw_ptr, w_ptr, ws_ptr, b_ptr, out_ptr,
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, PDL: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,25 +139,26 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        if PREFETCH:  # this tile arrived (or is arriving); ask for the next before using it
-            w, wu = w_next, wu_next
-            w_next, wu_next = _weight_tile(w_rows, up_rows, r_mask, k + BLOCK_K, K, SILU_PAIR)
-        else:
-            w, wu = _weight_tile(w_rows, up_rows, r_mask, k, K, SILU_PAIR)
-        mask = m_mask[:, None] & k_mask[None, :]
-        a = _normed_chunk(x_ptr, res_ptr, nw_ptr, m, k, k_mask, mask, x_s0, res_s0, inv, NORM, ADD_RES)
-        if FLAT_ROW:
-            a_row = tl.sum(a, 0)  # [BLOCK_K]: the one row
-            acc += w.to(tl.float32) * a_row[None, :]
-            if SILU_PAIR:
-                acc_up += wu.to(tl.float32) * a_row[None, :]
-        else:
-            acc = _accumulate(acc, a, w, LATE_REDUCE)
-            if SILU_PAIR:
-                acc_up = _accumulate(acc_up, a, wu, LATE_REDUCE)
+    if STAGES > 1:  # Triton pipelines the tiles' loads (GemvTiling.stages); a prefetched first tile goes first
+        start = 0
+        if PREFETCH:
+            acc, acc_up = _tile_step(acc, acc_up, w_next, wu_next, x_ptr, res_ptr, nw_ptr, m, m_mask, 0, K, x_s0,
+                                     res_s0, inv, BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW)
+            start = BLOCK_K
+        for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+            w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR)
+            acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            if PREFETCH:  # this tile arrived (or is arriving); ask for the next before using it
+                w, wu = w_next, wu_next
+                w_next, wu_next = _weight_tile(w_rows, up_rows, r_mask, k0 + BLOCK_K + tl.arange(0, BLOCK_K), K,
+                                               SILU_PAIR)
+            else:
+                w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR)
+            acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW)
     if FLAT_ROW:
         acc2 = tl.sum(acc, 1)[None, :]
         up2 = tl.sum(acc_up, 1)[None, :]
@@ -213,6 +236,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   W_SCALE=weight_scale is not None,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FLAT_ROW=t.flat_row and t.late_reduce and block_m == 1,
+                  STAGES=t.stages,
                   num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
 

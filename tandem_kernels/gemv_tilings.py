@@ -47,6 +47,11 @@ class GemvTiling:
       block_k]: Triton then keeps the weight tile in the layout it was loaded in instead of
       passing it through shared memory (sm_90 SASS of the K loop, bench/kernel_ir.py: 0.21 ->
       0.16 warp-instructions a bf16 weight, 0.26 -> 0.21 an e4m3 one; BENCHMARKS.md §38).
+    stages: 1: the next weight tile is carried in registers from one loop step to the next (with
+      prefetch). Above 1: Triton pipelines the loop's tile loads (tl.range's num_stages: copies
+      into shared memory, stages - 1 tiles in flight), and prefetch loads only the first tile
+      before the PDL wait. A carried e4m3 tile is held a byte a register and repacked for the
+      converter every step (twice the loop's instructions at one row, BENCHMARKS.md §38).
     """
 
     block_n: int = 8
@@ -56,12 +61,15 @@ class GemvTiling:
     prefetch: bool = True
     wide_rows: bool = False
     flat_row: bool = False
+    stages: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"GemvTiling.{name} must be a power of two, got {v}")
+        if not 1 <= self.stages <= 4:
+            raise ValueError(f"GemvTiling.stages must be in [1, 4], got {self.stages}")
 
 
 _ROWS_4x512 = GemvTiling(block_n=4, block_k=512, late_reduce=True)

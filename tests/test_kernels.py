@@ -197,7 +197,9 @@ def case_gemv() -> None:
                gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8),
                gm.GemvTiling(block_n=2, block_k=64, wide_rows=True),
                gm.GemvTiling(block_n=4, block_k=32, late_reduce=True, wide_rows=True),
-               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True)]
+               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True),
+               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, stages=3),
+               gm.GemvTiling(block_n=8, block_k=32, stages=2, prefetch=False)]
     for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
         what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
@@ -217,7 +219,7 @@ def case_gemv() -> None:
             assert got_res is None, what
     # FP8 weights (e4m3, a float32 scale a row) with unquantized activations: the norm, residual,
     # bias and SiLU pair (gate and up rows each scaled by their own row's scale) as above.
-    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings[:3] + tilings[-1:], cases[2:6]):
+    for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings[:3] + tilings[-3:], cases[2:6]):
         what = f"gemv e4m3 {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=torch.float32, scale=k ** -0.5)
         scale = (w.abs().amax(1) / 448.0).clamp(min=1e-12) * (1 + torch.rand(n))  # rows' scales differ
