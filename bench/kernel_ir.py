@@ -244,22 +244,28 @@ GEMV_SHAPES = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, F
 GEMV_GPU = "NVIDIA H100 80GB HBM3"  # whose tilings (gemv_tilings.DEVICE_TILINGS) the GEMVs build with: all four fuse there
 
 
-def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None, gpu: str = GEMV_GPU):
+def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None, gpu: str = GEMV_GPU,
+         fp8: bool = False):
     """The fused decode GEMV of `projection` over `rows` rows, compiled: its tiling on the GPU
-    named `gpu` (tandem_kernels.gemv_tilings.base_tiling) with `fields` (GemvTiling's) over it."""
+    named `gpu` (tandem_kernels.gemv_tilings.base_tiling; `fp8`: over e4m3 weights with a scale
+    a row, at the FP8 tiling) with `fields` (GemvTiling's) over it. Returns (compiled, the weights
+    a warp multiplies in an iteration of the K loop)."""
     from tandem_kernels import gemv as gm
     from tandem_kernels.gemv_tilings import base_tiling
 
     n, k, norm, silu = GEMV_SHAPES[projection]
     meta = dict(device="meta", dtype=torch.bfloat16)
-    x, w = torch.empty(rows, k, **meta), torch.empty(n, k, **meta)
+    x = torch.empty(rows, k, **meta)
+    w = torch.empty(n, k, device="meta", dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     out = torch.empty(rows, n // 2 if silu else n, **meta)
+    tiling = dataclasses.replace(base_tiling(projection, gpu, fp8), **(fields or {}))
     _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
-                                     torch.empty(k, **meta) if norm else None, 1e-5, silu,
-                                     dataclasses.replace(base_tiling(projection, gpu), **(fields or {})),
-                                     out, torch.empty_like(x) if norm else None)
+                                     torch.empty(k, **meta) if norm else None, 1e-5, silu, tiling,
+                                     out, torch.empty_like(x) if norm else None,
+                                     torch.empty(n, device="meta", dtype=torch.float32) if fp8 else None)
     consts.update(PDL=pdl, launch_pdl=pdl)
-    return compile_for_hopper(gm._gemv_kernel, args, consts)
+    per_warp = consts["BLOCK_N"] * consts["BLOCK_K"] * (2 if silu else 1) // consts["num_warps"]
+    return compile_for_hopper(gm._gemv_kernel, args, consts), per_warp
 
 
 def argmax(rows: int, dtype: torch.dtype, vocab: int = 128256) -> list:
@@ -302,6 +308,7 @@ def main() -> int:
     p.add_argument("--gemv-tiling", action="append", default=None, metavar="JSON",
                    help="at --batch <= 8, also report each GEMV with these GemvTiling fields over its own (repeatable)")
     p.add_argument("--only-gemv", action="store_true", help="only the fused decode GEMVs (--batch <= 8)")
+    p.add_argument("--gemv-fp8", action="store_true", help="the fused decode GEMVs over e4m3 weights, at the FP8 tiles")
     a = p.parse_args()
     from tandem_kernels import decode_attention as da, extend_attention as ea
     from tandem_kernels.triton_common import interpreting
@@ -350,8 +357,12 @@ def main() -> int:
             for projection in GEMV_SHAPES:
                 name = f"gemv_{projection}" + ("" if fields is None else f"_{i}")
                 extra = {} if fields is None else json.loads(fields)
-                rows.append({"kernel": "gemv", "cache": "", "projection": projection, "tiling": extra, "pdl": a.pdl,
-                             "name": name, **report(gemv(projection, a.batch, a.pdl, extra), dump, name)})
+                compiled, per_warp = gemv(projection, a.batch, a.pdl, extra, fp8=a.gemv_fp8)
+                row = report(compiled, dump, name)
+                if row.get("loop_instructions"):  # the longest loop: the K loop but for qkv (its norm's)
+                    row["loop_instructions_a_weight"] = round(row["loop_instructions"] / per_warp, 3)
+                rows.append({"kernel": "gemv", "cache": "e4m3" if a.gemv_fp8 else "", "projection": projection,
+                             "tiling": extra, "pdl": a.pdl, "name": name, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return 0
 
