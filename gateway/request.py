@@ -266,9 +266,13 @@ class RequestRunner:
                 target = p.client.prefill_target(wrid, d.name, resv, st.deadline)
                 try:
                     await self._unless_stalled(p, "prefill", self.liveness.prefill_timeout(p), target)
-                except WorkerUnavailable:
-                    if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-                        raise prefill.exception() from None  # why the prefill ended: the target came too late
+                except WorkerUnavailable as exc:
+                    # The prefill ended first (its target found nothing waiting, or never got an
+                    # answer): say why it ended. A target P refused (pairing, voucher) ends the
+                    # prefill too, and its own error is the reason, whichever answer came first.
+                    ended_first = exc.code in (None, grpc.StatusCode.NOT_FOUND)
+                    if ended_first and prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                        raise prefill.exception() from None
                     raise
             first = await self._unless_stalled(p, "prefill", self.liveness.prefill_timeout(p), prefill)
         finally:

@@ -82,11 +82,13 @@ class DeadlineReached(WorkerCallError):
 
 class WorkerUnavailable(WorkerCallError):
     """The attempt failed in a way another worker may not; `worker` is the one to avoid.
-    `stage` is the retry metric's label; `cause` reads "<stage>: <why>"."""
+    `stage` is the retry metric's label; `cause` reads "<stage>: <why>"; `code` is the worker's
+    gRPC status where it answered with one (None: the gateway gave up on it)."""
 
-    def __init__(self, stage: str, cause: str, worker: WorkerHandle | None = None) -> None:
+    def __init__(self, stage: str, cause: str, worker: WorkerHandle | None = None,
+                 code: grpc.StatusCode | None = None) -> None:
         super().__init__(f"{stage}: {cause}")
-        self.stage, self.cause, self.worker = stage, f"{stage}: {cause}", worker
+        self.stage, self.cause, self.worker, self.code = stage, f"{stage}: {cause}", worker, code
 
 
 class ChunkStream:
@@ -227,7 +229,7 @@ class WorkerClient:
             return WorkerRejected(_FINAL_CODES[code], f"{details} (from {stage} on worker {self.worker.name})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline - time.monotonic() <= _DEADLINE_SLACK_S:
             return DeadlineReached()
-        return WorkerUnavailable(stage, f"{code.name}: {details}", self.worker)
+        return WorkerUnavailable(stage, f"{code.name}: {details}", self.worker, code)
 
     async def _unary(self, call: grpc.aio.UnaryUnaryCall, stage: str, deadline: float,
                      convert: Callable[[Any], _T]) -> _T:
