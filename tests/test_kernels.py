@@ -992,6 +992,39 @@ def test_sample_filtered_on_the_gpu_at_a_real_vocabulary() -> None:
     assert (got == want).float().mean() >= 0.95, (got.tolist(), want.tolist())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_tilings_on_the_gpu_at_llama_shapes(fp8: bool) -> None:
+    """Every launch choice of the fused GEMV the benchmarks compare (the GPU's tiling, flat_row,
+    stages with and without the prefetch) compiled for the GPU at Llama-3.1-8B's four weights,
+    bf16 or e4m3, against the reference."""
+    import dataclasses as dc
+
+    from tandem_kernels import gemv as gm, reference as ref
+    from tandem_kernels.gemv_tilings import tiling_for
+
+    shapes = {"qkv": (6144, 4096, True, False), "o_proj": (4096, 4096, False, False),
+              "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
+    dev = torch.device("cuda")
+    for projection, (n, k, norm, silu) in shapes.items():
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev) * k ** -0.5
+        scale = None
+        if fp8:
+            scale = w.abs().amax(1) / 448.0
+            w = (w / scale[:, None]).to(FP8)
+        else:
+            w = w.to(torch.bfloat16)
+        kw = dict(residual=torch.randn(1, k, device=dev, dtype=torch.bfloat16) if norm else None,
+                  norm_weight=torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5 if norm else None, eps=1e-5,
+                  silu_pair=silu, weight_scale=scale)
+        want = ref.gemv(x, w, **kw)[0].float()
+        base = tiling_for(projection, dev, fp8)
+        for fields in ({}, {"flat_row": True}, {"flat_row": True, "stages": 3}, {"stages": 2, "prefetch": False}):
+            got = gm.gemv(x, w, tiling=dc.replace(base, **fields), **kw)[0].float()
+            close(got, want, torch.bfloat16, f"{projection} fp8={fp8} {fields}", scale=2.0, rscale=2.0)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
