@@ -33,6 +33,9 @@ from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 CHUNK = 2048  # columns of a row one first-pass program takes
 BLOCK = 8192  # columns a finishing program loads at once
 NUM_WARPS = 16  # the finishing program's
+# Races a row may run: each drops at least the rejected token, and on a real distribution a few
+# do (BENCHMARKS.md §38); the bound only keeps a malformed row from holding the GPU.
+MAX_ROUNDS = tl.constexpr(64)
 
 
 @triton.jit(do_not_specialize=["cols", "x_s0", "n_s0"])
@@ -74,8 +77,9 @@ def _mass_above(x_ptr, cols, inv_t, kth, m, x_tok, BLOCK: tl.constexpr):
 
 @triton.jit
 def _race(x_ptr, n_ptr, cols, inv_t, kth, above, floor, BLOCK: tl.constexpr):
-    """(winner, its logit): the first index of the largest x * inv_t - log(noise) among the
-    columns with x >= kth, x > above and x >= floor (finite). Best per lane, then across."""
+    """(winner, its logit, its score): the first index of the largest x * inv_t - log(noise)
+    among the columns with x >= kth, x > above and x >= floor (finite); the score -inf where
+    there is none. Best per lane, then across."""
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     idx = tl.full([BLOCK], cols, dtype=tl.int32)
     for start in range(0, cols, BLOCK):
@@ -90,7 +94,7 @@ def _race(x_ptr, n_ptr, cols, inv_t, kth, above, floor, BLOCK: tl.constexpr):
         idx = tl.where(take, offs, idx)
     b = tl.max(best, 0)
     tok = tl.minimum(tl.min(tl.where(best == b, idx, cols), 0), cols - 1)
-    return tok, tl.load(x_ptr + tok).to(tl.float32)
+    return tok, tl.load(x_ptr + tok).to(tl.float32), b
 
 
 @triton.jit(do_not_specialize=["cols", "x_s0", "n_s0"])
@@ -122,13 +126,16 @@ def _finish(x_ptr, n_ptr, inv_t_ptr, kth_ptr, top_p_ptr, min_p_gap_ptr, m_ptr, z
     above = float("-inf")
     race = x_tok < floor
     done = False
+    rounds = 0
     while not done:
         if race:
-            tok, x_tok = _race(x_ptr, n_ptr, cols, inv_t, kth, above, floor, BLOCK)
+            tok, x_tok, b = _race(x_ptr, n_ptr, cols, inv_t, kth, above, floor, BLOCK)
         mass = 0.0
         if top_p < 1.0:
             mass = _mass_above(x_ptr, cols, inv_t, kth, m, x_tok, BLOCK)
-        done = mass < limit
+        # A row with no finite logit (all masked, or NaN) has no candidate: never loop on it.
+        rounds += 1
+        done = (mass < limit) | (b == float("-inf")) | (rounds >= MAX_ROUNDS)
         above = x_tok
         race = True
     tl.store(out_ptr + row, tok.to(tl.int64))

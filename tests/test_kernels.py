@@ -345,6 +345,17 @@ def case_sample_filtered() -> None:
             assert score[r, tok] >= best[r] - 1e-4, (dtype, r, tok, float(score[r, tok]), float(best[r]))
         assert (got == want).float().mean() >= 0.9, (dtype, got.tolist(), want.tolist())
 
+    # Rows with no finite logit (all masked, or NaN) end with some in-range index, never a hang.
+    x = torch.randn(4, 300)
+    x[0] = float("-inf")
+    x[1] = float("nan")
+    x[2, :150] = float("nan")
+    four = torch.ones(4)
+    got = ops.sample_filtered(x, four, torch.full((4,), float("-inf")), torch.full((4,), 0.5), 0 * four,
+                              torch.empty(4, 300).exponential_())
+    assert ((got >= 0) & (got < 300)).all(), got
+    assert 150 <= int(got[2]) < 300, "a NaN logit never wins while a number is left"
+
     x = torch.randn(8, 3000)
     one = torch.ones(8)
     got = ops.sample_filtered(x, one, torch.full((8,), float("-inf")), torch.full((8,), 1e-7), 0 * one,
