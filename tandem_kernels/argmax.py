@@ -49,11 +49,12 @@ def _argmax_rows(val_ptr, idx_ptr, out_ptr, chunks, cols, CHUNKS_PAD: tl.constex
     tl.store(out_ptr + row, first.to(tl.int64))  # padding (lanes, chunks) is -inf at index cols: never first
 
 
-def launch_shape(cols: int) -> dict:
-    """How argmax_rows splits a row of `cols` columns: CHUNK (columns a stage-1 program), chunks
-    (stage-1 programs a row), CHUNKS_PAD (stage 2's lanes) and stage 1's warps. One home for the
-    launcher and bench/kernel_ir.py."""
-    chunk = min(CHUNK, next_pow2(cols))
+def launch_shape(cols: int, max_chunk: int = CHUNK) -> dict:
+    """How a two-stage row reduction splits a row of `cols` columns into chunks of at most
+    `max_chunk`: CHUNK (columns a stage-1 program), chunks (stage-1 programs a row), CHUNKS_PAD
+    (stage 2's lanes) and stage 1's warps. One home for argmax_rows, bench/kernel_ir.py and
+    tandem_kernels.sampling's first pass."""
+    chunk = min(max_chunk, next_pow2(cols))
     chunks = triton.cdiv(cols, chunk)
     return {"CHUNK": chunk, "chunks": chunks, "CHUNKS_PAD": max(2, next_pow2(chunks)),
             "num_warps": 4 if chunk >= 1024 else 1}

@@ -35,8 +35,8 @@ def gemv(
     a = rms_norm(x + residual) (fused_add_rms_norm) with `residual`, rms_norm(x) with only
     `norm_weight`, else x; y = a @ weight.T + bias; with silu_pair, y = silu_and_mul(y) (gate rows
     first, then up rows). Each step rounds to x.dtype as the unfused ops do. With `weight_scale`
-    [N] (float32), weight is e4m3 and y = (a @ weight.T) * weight_scale in float32, the
-    activations unquantized, rounded to x.dtype before the bias is added.
+    [N] (float32), weight is e4m3 and y = (a @ weight.T) * weight_scale + bias in float32, the
+    activations unquantized, rounded to x.dtype once (as the kernel does).
     """
     check_weight_scale(weight, weight_scale)
     new_residual = None
@@ -45,8 +45,8 @@ def gemv(
     elif norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     if weight_scale is not None:
-        y = (x.float() @ weight.float().t() * weight_scale.float()).to(x.dtype)
-        y = y if bias is None else y + bias
+        y = x.float() @ weight.float().t() * weight_scale.float()
+        y = (y if bias is None else y + bias.float()).to(x.dtype)
     else:
         y = F.linear(x, weight, bias)
     return (silu_and_mul(y) if silu_pair else y), new_residual

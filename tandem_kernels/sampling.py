@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem_kernels.argmax import launch_shape
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
 # Launch shape (bench/sampling_kernel.py, H100, 128 rows x 128,256 columns, BENCHMARKS.md §38): the
@@ -153,8 +154,8 @@ def sample_filtered(x: torch.Tensor, temperature: torch.Tensor, kth: torch.Tenso
     if noise.stride(1) != 1:
         noise = noise.contiguous()
     dev = x.device
-    chunk = min(CHUNK, next_pow2(cols))
-    chunks = triton.cdiv(cols, chunk)
+    shape = launch_shape(cols, CHUNK)
+    chunks = shape["chunks"]
     temperature = temperature.float()
     inv_t = temperature.reciprocal()
     kth = kth.float().contiguous()
@@ -162,9 +163,9 @@ def sample_filtered(x: torch.Tensor, temperature: torch.Tensor, kth: torch.Tenso
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
     pdl = pdl_launch(dev)
     _chunk_race[(rows, chunks)](x, noise, inv_t, kth, m, z, best, idx, cols, x.stride(0), noise.stride(0), chunks,
-                                CHUNK=chunk, num_warps=4 if chunk >= 1024 else 1, **pdl)
+                                CHUNK=shape["CHUNK"], num_warps=shape["num_warps"], **pdl)
     _finish[(rows,)](x, noise, inv_t, kth, top_p.float().contiguous(), torch.log(min_p.float()) * temperature,
                      m, z, best, idx, out, cols, x.stride(0), noise.stride(0), chunks,
-                     CHUNKS_PAD=max(2, next_pow2(chunks)), BLOCK=min(BLOCK, next_pow2(cols)), num_warps=NUM_WARPS,
+                     CHUNKS_PAD=shape["CHUNKS_PAD"], BLOCK=min(BLOCK, next_pow2(cols)), num_warps=NUM_WARPS,
                      **pdl)
     return out
