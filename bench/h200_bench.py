@@ -93,8 +93,7 @@ def weight_bytes(cfg, fp8_projections: bool = False) -> int:
     mc = ModelConfig.from_dict(cfg)
     total = (mc.num_params() - mc.vocab_size * mc.hidden_size) * 2
     if fp8_projections:
-        h = mc.hidden_size
-        total -= mc.num_layers * (h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * mc.intermediate_size)
+        total -= mc.num_layers * mc.projection_params()
     return total
 
 

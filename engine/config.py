@@ -198,11 +198,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def projection_params(self) -> int:
+        """Weights of one decoder layer's four projections (qkv, o_proj, gate_up, down)."""
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
+        h, v = self.hidden_size, self.vocab_size
+        per_layer = self.projection_params() + 2 * h
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + lm_head
 
