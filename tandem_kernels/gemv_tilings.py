@@ -52,6 +52,8 @@ class GemvTiling:
       into shared memory, stages - 1 tiles in flight), and prefetch loads only the first tile
       before the PDL wait. A carried e4m3 tile is held a byte a register and repacked for the
       converter every step (twice the loop's instructions at one row, BENCHMARKS.md §38).
+      With flat_row, 2-4 stages took the H100's FP8 batch-1 token from 4.553 to 3.386 ms and its
+      bf16 one from 5.660 to 5.508 (§39).
     """
 
     block_n: int = 8
@@ -82,17 +84,22 @@ _ROWS_8x256 = GemvTiling(block_n=8, block_k=256, late_reduce=True)
 DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
     # §33: o_proj + down 4.263-4.293 ms a token vs cuBLAS 4.344-4.346; + qkv 4.312-4.335; all four 4.363.
     "H200": {"o_proj": _ROWS_4x512, "down": _ROWS_4x512},
-    # §32: all four 5.654-5.657 ms vs cuBLAS 5.980-5.986; o_proj + down 5.880.
-    "H100": {"qkv": _ROWS_2x1024, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_2x1024},
+    # §39: one row a 2-D product and the tile loads pipelined, 5.508 ms a token against 5.660 at
+    # §32's tiles (each without them); §32: all four 5.654-5.657 ms vs cuBLAS 5.980-5.986.
+    "H100": {"qkv": GemvTiling(block_n=2, block_k=1024, late_reduce=True, flat_row=True),
+             "o_proj": GemvTiling(block_n=2, block_k=1024, late_reduce=True, flat_row=True, stages=3),
+             "gate_up": GemvTiling(block_n=2, block_k=1024, late_reduce=True, flat_row=True, stages=3),
+             "down": GemvTiling(block_n=2, block_k=1024, late_reduce=True, flat_row=True, stages=3)},
 }
-# §38 (H100, batch 1, FP8 weights): each H100 tile with twice the rows a program, 4.475-4.481 ms a
-# token against 5.068 at the bf16 tiles and cuBLASLt's 4.757 (twice block_k 5.169; four times
-# the rows 6.038; per-tile reduction 5.770; 8 warps 4.990; 2 warps 6.301).
+# §39 (H100, batch 1, FP8 weights): one row a 2-D product and the tile loads pipelined (2-4
+# stages), 3.386 ms a token against 4.553 at §38's tiles without them and cuBLASLt's 4.985, one
+# run. §38: §32's H100 tiles with twice the rows a program, 4.475-4.481 ms vs 5.068 at the bf16
+# tiles (twice block_k 5.169; four times the rows 6.038; per-tile reduction 5.770; 8 warps 4.990).
 FP8_DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
-    "H100": {"qkv": GemvTiling(block_n=4, block_k=1024, late_reduce=True),
-             "o_proj": GemvTiling(block_n=8, block_k=512, late_reduce=True),
-             "gate_up": GemvTiling(block_n=16, block_k=256, late_reduce=True),
-             "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True)},
+    "H100": {"qkv": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3),
+             "o_proj": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=2),
+             "gate_up": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3),
+             "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=3)},
 }
 # Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
 FALLBACK_TILINGS: dict[str, GemvTiling] = {
