@@ -402,12 +402,14 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
     the first row count; the three
     fastest of each weight at the others, each also with wide_rows. Rows: [weight, rows, tiling (GemvTiling's fields), us,
     weight GB/s, max error]; the "unfused" row of each weight has tiling None.
-    `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep."""
+    `weights` (names of the cases below) and `tilings` (GemvTiling) narrow the sweep; given
+    tilings are each timed at every row count."""
     from bench.kernel_ir import GEMV_SHAPES
     from tandem_kernels import gemv as gm
     from tandem_kernels import ops
 
     cases = dict(GEMV_SHAPES)
+    every_rows = tilings is not None
     if tilings is None:
         tilings = [gm.GemvTiling(block_n=bn, block_k=bk, num_warps=w)
                    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8))]
@@ -453,7 +455,7 @@ def gemv_sweep(rows_list: tuple[int, ...] = (1, 4), cold_bytes: int = 512 << 20,
             rows_out.append([name, m, None, round(us, 1), round(moved / us / 1e3), 0.0])
             print(json.dumps(rows_out[-1]), file=sys.stderr, flush=True)
             timed = []
-            for t in (tilings if i == 0 else _at_more_rows([t for _, t in best[:3]])):
+            for t in (tilings if i == 0 or every_rows else _at_more_rows([t for _, t in best[:3]])):
                 try:
                     got = gm.gemv(x, ws[0], tiling=t, weight_scale=scales[0], **kw)[0].float()
                     err = ((got - want).abs() / (1 + want.abs())).max().item()
@@ -637,6 +639,7 @@ def main() -> int:
     ap.add_argument("--decode-sweep", action="store_true", help="only the decode-attention tunings (GPU)")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the fused decode GEMV against cuBLAS (GPU)")
     ap.add_argument("--gemv-weights", default="", help="with --gemv-sweep: these weights only (qkv,o_proj,gate_up,down)")
+    ap.add_argument("--gemv-rows", default="1,4", help="with --gemv-sweep: the row counts, comma list")
     ap.add_argument("--gemv-fp8", action="store_true",
                     help="with --gemv-sweep: e4m3 weights (a scale a row) against cuBLASLt's FP8 GEMM (W8A8)")
     ap.add_argument("--gemv-tiling", action="append", default=None, metavar="JSON",
@@ -678,7 +681,8 @@ def main() -> int:
                 only = [DecodeTuning(**json.loads(t)) for t in args.decode_tuning]
             print(json.dumps({**(decode_sweep(args.block_order, only, caches, args.decode_shapes, args.decode_spread)
                                  if args.decode_sweep else {}),
-                              **(gemv_sweep(weights=tuple(w for w in args.gemv_weights.split(",") if w),
+                              **(gemv_sweep(rows_list=tuple(int(r) for r in args.gemv_rows.split(",")),
+                                            weights=tuple(w for w in args.gemv_weights.split(",") if w),
                                             tilings=_gemv_tilings(args.gemv_tiling), fp8=args.gemv_fp8)
                                  if args.gemv_sweep else {}),
                               **(extend_sweep(Shapes()) if args.extend_sweep else {}),

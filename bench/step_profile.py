@@ -126,7 +126,7 @@ def profile_batch(model_dir: Path, batch: int, ctx: int, steps: int, overlap: bo
         for n in names:
             timed(obj, n, acc, sync=True)
     if runner.graphs is not None:
-        timed(runner.graphs, "run", acc, sync=True)
+        timed(runner.graphs, "replay", acc, sync=True)
     for _ in range(steps):
         eng.step()
     phases = {k: round(v / steps * 1e3, 3) for k, v in acc.items()}

@@ -250,8 +250,10 @@ def best_tilings(rows: list[list]) -> dict:
             "gemv_us_by_rows": {str(m): u for m, u in sorted(us.items())}}
 
 
-def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len: int = 128) -> Callable[[Context], dict]:
-    """A section: h200_bench's decode_b1 at `batch` sequences of `prompt_len`-token prompts; `tuning`: TANDEM_DECODE_TUNING's
+def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len: int = 128,
+            quantization: str | None = None) -> Callable[[Context], dict]:
+    """A section: h200_bench's decode_b1 at `batch` sequences of `prompt_len`-token prompts
+    (`quantization`: the weights', as decode_b1 takes it); `tuning`: TANDEM_DECODE_TUNING's
     fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
     `batch` rows with the earlier gemv_sweep's best tilings at `batch` rows (else at one row;
     TANDEM_GEMV_TILING) where this run measured them (else the GPU's, tandem_kernels/gemv_tilings.py)."""
@@ -276,7 +278,7 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len:
                 os.environ[TILING_ENV] = json.dumps(tilings)
                 extra["gemv_tilings"] = tilings
         return {**decode_b1(ctx.model_dir, LLAMA31_8B, ctx.ceilings, fused=True if fused else None, batch=batch,
-                            prompt_len=prompt_len), **extra}
+                            prompt_len=prompt_len, quantization=quantization), **extra}
 
     return section
 
@@ -651,9 +653,22 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1, o_proj and down as fused GEMVs"),
     Section("decode_b1_fused_all", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,gate_up,down"),
             "decode_b1, all four projections as fused GEMVs (norms and SiLU inside)"),
+    Section("decode_b2", "S", 75, 35, "child", _decode(2), "2 sequences, ms a step"),
+    Section("decode_b2_fused_all", "S", 75, 35, "child", _decode(2, fused="qkv,o_proj,gate_up,down"),
+            "decode_b2, all four projections as fused GEMVs"),
+    Section("decode_b2_fp8", "S", 90, 45, "child", _decode(2, quantization="fp8"),
+            "decode_b2 with FP8 weights (cuBLASLt's FP8 GEMM at 2 rows unless TANDEM_FUSED_GEMV_ROWS says more)"),
+    Section("decode_b2_fp8_fused_all", "S", 90, 45, "child",
+            _decode(2, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
+            "decode_b2_fp8, all four projections as fused GEMVs over the e4m3 weights"),
     Section("decode_b4", "S", 75, 35, "child", _decode(4), "4 sequences (the online TPOT's batch), ms a step"),
     Section("decode_b4_fused_all", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj,gate_up,down"),
             "decode_b4, all four projections as fused GEMVs"),
+    Section("decode_b4_fp8", "S", 90, 45, "child", _decode(4, quantization="fp8"),
+            "decode_b4 with FP8 weights (cuBLASLt's FP8 GEMM at 4 rows unless TANDEM_FUSED_GEMV_ROWS says more)"),
+    Section("decode_b4_fp8_fused_all", "S", 90, 45, "child",
+            _decode(4, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
+            "decode_b4_fp8, all four projections as fused GEMVs over the e4m3 weights"),
     Section("decode_b4_attn_prefetch", "S", 75, 35, "child", _decode(4, SMALL_BATCH_TUNING),
             "decode_b4 with decode attention's first tile before the wait"),
     Section("decode_b4_fused_qkv_o", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj"),

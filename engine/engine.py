@@ -28,7 +28,7 @@ from engine.device_idle import DeviceIdleClock
 from engine.jit_watch import LateCompileWatch
 from engine.kv_cache import KVCache
 from engine.memory import check_weights_fit, default_max_running, derive_num_blocks
-from engine.model import fused_decode_projections
+from engine.model import fused_decode_projections, fused_gemv_rows
 from engine.model_runner import ModelRunner
 from engine.outputs import DuplicateRequestError, EngineStats, Request, StepObserver, StepOutput, StepPlan
 from engine.prefill_graphs import MAX_SEQS as PREFILL_GRAPH_MAX_SEQS, graph_token_limit
@@ -46,6 +46,7 @@ from tandem.hashing import model_identity, seed_hash
 from tandem.rules import STOP_STRING, STOP_TOKEN, Stop, StopChecker, StopText, blocks_needed, check_prompt_ids
 from tandem.tokenizer import Tokenizer
 from tandem.types import SamplingParams, Tier
+from tandem_kernels.gemv_tilings import default_fused_rows
 from tandem_kernels.ops import require_fp8_device
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ class Engine:
 
         fused = fused_decode_projections(config.fused_decode_gemv, device, fp8_weights)
         if fused:
-            enabled = [layer.enable_fused_decode(fused) for layer in self.model.layers]
+            rows = fused_gemv_rows(default_fused_rows(device, fp8_weights))
+            enabled = [layer.enable_fused_decode(fused, rows) for layer in self.model.layers]
             if not all(enabled):
                 logger.info("fused decode GEMVs: %d of %d layers (the others keep the unfused path)",
                             sum(enabled), len(enabled))

@@ -20,9 +20,8 @@ from tandem_kernels.ops import GEMV_MAX_ROWS, GEMV_PROJECTIONS
 
 FUSED_GEMV_ENV = "TANDEM_FUSED_GEMV"  # comma-separated projections fused_decode_gemv fuses (A/B runs)
 FUSED_GEMV_ROWS_ENV = "TANDEM_FUSED_GEMV_ROWS"  # decode steps of at most this many tokens fuse (A/B runs)
-# Which projections fuse by default, and their tiles, is the GPU's (tandem_kernels/gemv_tilings.py
-# DEVICE_TILINGS); at four rows every fused tiling measured was 1.5-6x slower than cuBLAS.
-DEFAULT_FUSED_GEMV_ROWS = 1
+# Which projections fuse by default, their tiles and (for FP8 weights) at how many rows, is the
+# GPU's (tandem_kernels/gemv_tilings.py DEVICE_TILINGS, FP8_DEVICE_ROWS): one row elsewhere.
 
 
 class RMSNorm(nn.Module):
@@ -281,12 +280,13 @@ class CausalLM(nn.Module):
         return torch.matmul(hidden, weight.t())
 
 
-def fused_gemv_rows() -> int:
+def fused_gemv_rows(default: int = 1) -> int:
     """The most tokens a decode step may have for its projections to run as fused GEMVs:
-    FUSED_GEMV_ROWS_ENV where set (A/B runs), else DEFAULT_FUSED_GEMV_ROWS."""
+    FUSED_GEMV_ROWS_ENV where set (A/B runs), else `default` (the engine passes its GPU's,
+    gemv_tilings.default_fused_rows)."""
     raw = os.environ.get(FUSED_GEMV_ROWS_ENV)
     if raw is None:
-        return DEFAULT_FUSED_GEMV_ROWS
+        return default
     try:
         rows = int(raw)
     except ValueError:

@@ -64,6 +64,7 @@ class GemvTiling:
     wide_rows: bool = False
     flat_row: bool = False
     stages: int = 1
+    tensor_cores: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -96,11 +97,16 @@ DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
 # run. §38: §32's H100 tiles with twice the rows a program, 4.475-4.481 ms vs 5.068 at the bf16
 # tiles (twice block_k 5.169; four times the rows 6.038; per-tile reduction 5.770; 8 warps 4.990).
 FP8_DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
-    "H100": {"qkv": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3),
-             "o_proj": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=2),
-             "gate_up": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3),
-             "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=3)},
+    "H100": {"qkv": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3, wide_rows=True),
+             "o_proj": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=2, wide_rows=True),
+             "gate_up": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3, wide_rows=True),
+             "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=3, wide_rows=True)},
 }
+# The most tokens a decode step of an FP8 layer may have for it to fuse, where more than one
+# (wide_rows above: each row against the whole tile). §39 (H100, batch 2): 3.703 ms a step
+# against cuBLASLt's 4.916; at 4 rows no fused tiling measured (3-D products, tensor cores) beat
+# it in the step (4.925 vs 4.703). bf16 layers fuse at one row (batch 2: -2.4%, other tiles).
+FP8_DEVICE_ROWS: dict[str, int] = {"H100": 2}
 # Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
 FALLBACK_TILINGS: dict[str, GemvTiling] = {
     "qkv": _ROWS_4x512, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_4x512,
@@ -132,6 +138,13 @@ def default_fused_projections(device: torch.device | str | None, fp8: bool = Fal
     return frozenset(device_tilings(device_name(device), fp8))
 
 
+def default_fused_rows(device: torch.device | str | None, fp8: bool = False) -> int:
+    """The most tokens a decode step on `device` may have for its projections (`fp8`: e4m3
+    weights) to run as fused GEMVs by default: FP8_DEVICE_ROWS' entry for FP8 weights, else 1."""
+    name = device_name(device)
+    return next((rows for family, rows in FP8_DEVICE_ROWS.items() if family in name), 1) if fp8 else 1
+
+
 def base_tiling(projection: str, gpu_name: str, fp8: bool = False) -> GemvTiling:
     """The tiling of `projection` (one of PROJECTIONS) on the GPU named `gpu_name`: its
     FP8_DEVICE_TILINGS entry's for `fp8` weights where there is one, else its DEVICE_TILINGS
@@ -151,5 +164,5 @@ def tiling_for(projection: str, device: torch.device | str | None = None, fp8: b
     return env_overridden(base, TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
 
 
-__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "FP8_DEVICE_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections",
+__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "FP8_DEVICE_ROWS", "FP8_DEVICE_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections", "default_fused_rows",
            "device_name", "device_tilings", "tiling_for"]

@@ -295,9 +295,16 @@ def test_fused_decode_gemvs_by_gpu(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert model.fused_decode_projections(None, cuda, fp8_weights=True) == frozenset(model.GEMV_PROJECTIONS)
     assert gt.tiling_for("down", "cuda", fp8=True) == gt.FP8_DEVICE_TILINGS["H100"]["down"] != gt.tiling_for("down", "cuda")
+    # ... and at two rows there; bf16 at one
+    assert gt.default_fused_rows(cuda, fp8=True) == 2 and gt.default_fused_rows(cuda) == 1
+    assert model.fused_gemv_rows(gt.default_fused_rows(cuda, fp8=True)) == 2
+    monkeypatch.setenv(model.FUSED_GEMV_ROWS_ENV, "3")
+    assert model.fused_gemv_rows(2) == 3
+    monkeypatch.delenv(model.FUSED_GEMV_ROWS_ENV)
     monkeypatch.setattr(gt, "device_name", lambda device: "NVIDIA H200")
     assert gt.tiling_for("qkv", "cuda") == gt.FALLBACK_TILINGS["qkv"]  # not fused there by default
     assert model.fused_decode_projections(None, cuda, fp8_weights=True) == frozenset()
+    assert gt.default_fused_rows(cuda, fp8=True) == 1 == gt.default_fused_rows(torch.device("cpu"), fp8=True)
     assert gt.tiling_for("down", "cuda", fp8=True) == gt.tiling_for("down", "cuda")  # the bf16 tile, if asked
     assert model.fused_decode_projections(None, cuda) == {"o_proj", "down"}
     assert model.fused_decode_projections(None, torch.device("cpu")) == frozenset()

@@ -292,8 +292,8 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
 
     seen = {}
 
-    def fake_decode_b1(model_dir, cfg, ceil, fused=None, batch=1, prompt_len=128):
-        seen.update(fused=fused, batch=batch, prompt_len=prompt_len,
+    def fake_decode_b1(model_dir, cfg, ceil, fused=None, batch=1, prompt_len=128, quantization=None):
+        seen.update(fused=fused, batch=batch, prompt_len=prompt_len, quantization=quantization,
                     env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV)})
         return {f"decode_b{batch}_ms_per_step": 4.0}
 
@@ -314,6 +314,9 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     assert seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj" and json.loads(seen["env"][TILING_ENV]) == tilings
     assert seen["env"][TUNING_ENV] is None
     assert res["gemv_tilings"] == tilings and res["fused_gemv_projections"] == "qkv,o_proj"
+    assert seen["quantization"] is None
+    tb.SECTIONS["decode_b2_fp8_fused_all"].fn(ctx)  # FP8 weights at two rows, all four fused
+    assert seen["quantization"] == "fp8" and seen["batch"] == 2 and seen["env"][FUSED_GEMV_ROWS_ENV] == "2"
     # The prefetch section sets only the decode tuning: the engine's default GEMVs (fused None).
     for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):
         monkeypatch.delenv(name, raising=False)
