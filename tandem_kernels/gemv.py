@@ -32,7 +32,7 @@ import triton.language as tl
 from tandem_kernels.gemv_tilings import TILING_ENV, GemvTiling, tiling_for
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
 from tandem_kernels.reference import check_weight_scale
-from tandem_kernels.triton_common import interpreting, next_pow2, pdl_begin, pdl_launch
+from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
 
 NORM_CHUNK = 4096  # elements of x (rows x columns) the norm's sum of squares reads a step
 
@@ -88,8 +88,7 @@ def _accumulate(acc, a, w, LATE_REDUCE: tl.constexpr):
 @triton.jit
 def _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
                BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, SILU_PAIR: tl.constexpr,
-               LATE_REDUCE: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr, DOT: tl.constexpr,
-               DOT_F32: tl.constexpr):
+               LATE_REDUCE: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr):
     """The sums after the weight tile at columns k0 (w, and wu with SILU_PAIR) times the activations there."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < K
@@ -100,16 +99,6 @@ def _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s
         acc += w.to(tl.float32) * a_row[None, :]
         if SILU_PAIR:
             acc_up += wu.to(tl.float32) * a_row[None, :]
-    elif DOT:  # tensor cores: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M], a already rounded to x's dtype
-        if DOT_F32:  # the interpreter multiplies bf16 operands as their bits: the same values in float32
-            acc = tl.dot(w.to(tl.float32), tl.trans(a), acc, input_precision="ieee")
-            if SILU_PAIR:
-                acc_up = tl.dot(wu.to(tl.float32), tl.trans(a), acc_up, input_precision="ieee")
-        else:
-            ad = a.to(x_ptr.dtype.element_ty)
-            acc = tl.dot(w.to(ad.dtype), tl.trans(ad), acc)
-            if SILU_PAIR:
-                acc_up = tl.dot(wu.to(ad.dtype), tl.trans(ad), acc_up)
     elif W3D:
         BM: tl.constexpr = a.shape[0]
         BN: tl.constexpr = w.shape[1]
@@ -129,8 +118,7 @@ def _gemv_kernel(
     M, N_OUT, K, x_s0, res_s0, nres_s0, w_s0, out_s0, up_offset, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
-    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
-    STAGES: tl.constexpr,
+    LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -161,9 +149,6 @@ def _gemv_kernel(
     if FLAT_ROW:  # one row: its activations a vector over the weight tile, sums per lane
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    elif DOT:  # the product transposed: weight rows x activation rows
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     elif W3D:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 8], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 8], tl.float32)
@@ -177,12 +162,12 @@ def _gemv_kernel(
         start = 0
         if PREFETCH:
             acc, acc_up = _tile_step(acc, acc_up, w_next, wu_next, x_ptr, res_ptr, nw_ptr, m, m_mask, 0, K, x_s0,
-                                     res_s0, inv, BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D, DOT, DOT_F32)
+                                     res_s0, inv, BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
             start = BLOCK_K
         for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
             w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR, W3D)
             acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
-                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D, DOT, DOT_F32)
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
     else:
         for k0 in range(0, K, BLOCK_K):
             if PREFETCH:  # this tile arrived (or is arriving); ask for the next before using it
@@ -192,13 +177,10 @@ def _gemv_kernel(
             else:
                 w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR, W3D)
             acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
-                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D, DOT, DOT_F32)
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
     if FLAT_ROW:
         acc2 = tl.sum(acc, 1)[None, :]
         up2 = tl.sum(acc_up, 1)[None, :]
-    elif DOT:
-        acc2 = tl.trans(acc)
-        up2 = tl.trans(acc_up)
     elif LATE_REDUCE:
         acc2 = tl.sum(acc, 2)
         up2 = tl.sum(acc_up, 2)
@@ -262,8 +244,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n_out = out.shape[1]
     res = residual.contiguous() if residual is not None else x
     block_m = max(1, next_pow2(m_rows))
-    dot = t.tensor_cores and block_m > 1 and x.dtype in (torch.bfloat16, torch.float16)
-    block_k = max(16, min(t.block_k if t.wide_rows or dot else t.block_k // block_m, next_pow2(k_dim)))
+    block_k = max(16, min(t.block_k if t.wide_rows else t.block_k // block_m, next_pow2(k_dim)))
     args = [x, res, new_res if new_res is not None else x, norm_weight if norm_weight is not None else x,
             weight, weight_scale.float().contiguous() if weight_scale is not None else x,
             bias if bias is not None else x, out,
@@ -274,7 +255,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   W_SCALE=weight_scale is not None,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FLAT_ROW=t.flat_row and t.late_reduce and block_m == 1,
-                  W3D=t.flat_row and t.late_reduce and block_m > 1 and not dot, DOT=dot, DOT_F32=dot and interpreting(),
+                  W3D=t.flat_row and t.late_reduce and block_m > 1,
                   STAGES=t.stages,
                   num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts

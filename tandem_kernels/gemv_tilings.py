@@ -46,7 +46,12 @@ class GemvTiling:
       block_k], the row's activations a vector broadcast over the weight tile, not [1, block_n,
       block_k]: Triton then keeps the weight tile in the layout it was loaded in instead of
       passing it through shared memory (sm_90 SASS of the K loop, bench/kernel_ir.py: 0.21 ->
-      0.16 warp-instructions a bf16 weight, 0.26 -> 0.21 an e4m3 one; BENCHMARKS.md §38).
+      0.16 warp-instructions a bf16 weight, 0.26 -> 0.21 an e4m3 one; BENCHMARKS.md §38). At
+      several rows (with late_reduce) the weight tile is loaded as [1, block_n, block_k], in the
+      layout of the rows' product it is broadcast into, and each lane folds its sums by eight as
+      they accumulate: no shared-memory round trip of the tile (§39: at 2 rows the FP8 step
+      3.703 ms vs cuBLASLt's 4.916; at 4 rows 0.3-0.5 warp-instructions a bf16 weight, still
+      slower than cuBLAS in the step).
     stages: 1: the next weight tile is carried in registers from one loop step to the next (with
       prefetch). Above 1: Triton pipelines the loop's tile loads (tl.range's num_stages: copies
       into shared memory, stages - 1 tiles in flight), and prefetch loads only the first tile
@@ -64,7 +69,6 @@ class GemvTiling:
     wide_rows: bool = False
     flat_row: bool = False
     stages: int = 1
-    tensor_cores: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
