@@ -82,10 +82,11 @@ class EngineConfig:
     # (engine/prefill_graphs.py); 0: none. A prefill worker sets it (its steps are host-bound
     # below a few thousand tokens); LLM's large mixed steps are not.
     prefill_graph_tokens: int = 0
-    # Decode steps of one token (of up to two with FP8 weights on an H100: gemv_tilings.FP8_DEVICE_ROWS)
-    # run projections as fused GEMVs with the norms and SiLU inside (DecoderLayer.enable_fused_decode). None: those that beat
-    # cuBLAS on this GPU (tandem_kernels/gemv_tilings.py DEVICE_TILINGS; none on a CPU or a GPU not
-    # measured; for FP8 weights all four where gemv_tilings.FP8_DEVICE_TILINGS names the GPU);
+    # Decode steps of one token (of up to two with FP8 weights on an H100:
+    # gemv_tilings.FP8_DEVICE_ROWS) run projections as fused GEMVs with the norms and SiLU inside
+    # (DecoderLayer.enable_fused_decode). None: those that beat cuBLAS on this GPU
+    # (tandem_kernels/gemv_tilings.py DEVICE_TILINGS; none on a CPU or a GPU not measured; for
+    # FP8 weights all four where gemv_tilings.FP8_DEVICE_TILINGS names the GPU);
     # True: all four; False: none (BENCHMARKS.md §32-33, §38-39).
     fused_decode_gemv: bool | None = None
     # Overlap the host's scheduling of step n+1 with the device's step n (see Engine.step).

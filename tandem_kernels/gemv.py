@@ -255,7 +255,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   ADD_RES=residual is not None, BIAS=bias is not None, SILU_PAIR=silu_pair,
                   W_SCALE=weight_scale is not None,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FLAT_ROW=t.flat_row and t.late_reduce and block_m == 1,
-                  W3D=t.flat_row and t.late_reduce and block_m > 1,
+                  W3D=t.flat_row and t.late_reduce and block_m > 1,  # flat_row's several-row product
                   STAGES=t.stages,
                   num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
