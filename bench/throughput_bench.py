@@ -250,6 +250,21 @@ def best_tilings(rows: list[list]) -> dict:
             "gemv_us_by_rows": {str(m): u for m, u in sorted(us.items())}}
 
 
+def _small_batch_sections(batch: int, what: str) -> list[Section]:
+    """decode_b<batch>, with all four projections fused, and both with FP8 weights (group S)."""
+    name, four = f"decode_b{batch}", "qkv,o_proj,gate_up,down"
+    return [
+        Section(name, "S", 75, 35, "child", _decode(batch), what),
+        Section(f"{name}_fused_all", "S", 75, 35, "child", _decode(batch, fused=four),
+                f"{name}, all four projections as fused GEMVs"),
+        Section(f"{name}_fp8", "S", 90, 45, "child", _decode(batch, quantization="fp8"),
+                f"{name} with FP8 weights (fused where gemv_tilings.FP8_DEVICE_ROWS or TANDEM_FUSED_GEMV_ROWS "
+                f"reach {batch} rows, else cuBLASLt's FP8 GEMM)"),
+        Section(f"{name}_fp8_fused_all", "S", 90, 45, "child", _decode(batch, fused=four, quantization="fp8"),
+                f"{name}_fp8, all four projections as fused GEMVs over the e4m3 weights"),
+    ]
+
+
 def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len: int = 128,
             quantization: str | None = None) -> Callable[[Context], dict]:
     """A section: h200_bench's decode_b1 at `batch` sequences of `prompt_len`-token prompts
@@ -653,22 +668,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1, o_proj and down as fused GEMVs"),
     Section("decode_b1_fused_all", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,gate_up,down"),
             "decode_b1, all four projections as fused GEMVs (norms and SiLU inside)"),
-    Section("decode_b2", "S", 75, 35, "child", _decode(2), "2 sequences, ms a step"),
-    Section("decode_b2_fused_all", "S", 75, 35, "child", _decode(2, fused="qkv,o_proj,gate_up,down"),
-            "decode_b2, all four projections as fused GEMVs"),
-    Section("decode_b2_fp8", "S", 90, 45, "child", _decode(2, quantization="fp8"),
-            "decode_b2 with FP8 weights (cuBLASLt's FP8 GEMM at 2 rows unless TANDEM_FUSED_GEMV_ROWS says more)"),
-    Section("decode_b2_fp8_fused_all", "S", 90, 45, "child",
-            _decode(2, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
-            "decode_b2_fp8, all four projections as fused GEMVs over the e4m3 weights"),
-    Section("decode_b4", "S", 75, 35, "child", _decode(4), "4 sequences (the online TPOT's batch), ms a step"),
-    Section("decode_b4_fused_all", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj,gate_up,down"),
-            "decode_b4, all four projections as fused GEMVs"),
-    Section("decode_b4_fp8", "S", 90, 45, "child", _decode(4, quantization="fp8"),
-            "decode_b4 with FP8 weights (cuBLASLt's FP8 GEMM at 4 rows unless TANDEM_FUSED_GEMV_ROWS says more)"),
-    Section("decode_b4_fp8_fused_all", "S", 90, 45, "child",
-            _decode(4, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
-            "decode_b4_fp8, all four projections as fused GEMVs over the e4m3 weights"),
+    *_small_batch_sections(2, "2 sequences, ms a step"),
+    *_small_batch_sections(4, "4 sequences (the online TPOT's batch), ms a step"),
     Section("decode_b4_attn_prefetch", "S", 75, 35, "child", _decode(4, SMALL_BATCH_TUNING),
             "decode_b4 with decode attention's first tile before the wait"),
     Section("decode_b4_fused_qkv_o", "S", 75, 35, "child", _decode(4, fused="qkv,o_proj"),
