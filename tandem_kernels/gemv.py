@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem_kernels.gemv_tilings import TILING_ENV, GemvTiling, tiling_for
+from tandem_kernels.norm import fused_add_rms_norm, rms_norm
 from tandem_kernels.ops import GEMV_MAX_ROWS as MAX_ROWS, GEMV_PROJECTIONS as PROJECTIONS
 from tandem_kernels.reference import check_weight_scale
 from tandem_kernels.triton_common import next_pow2, pdl_begin, pdl_launch
@@ -222,6 +223,13 @@ def gemv(
     if silu_pair and weight.shape[0] % 2:
         raise ValueError(f"silu_pair: weight needs an even number of rows, got {weight.shape[0]}")
     check_weight_scale(weight, weight_scale)
+    tiling = tiling or GemvTiling()
+    if tiling.separate_norm and norm_weight is not None:  # the norm's own kernel, then a GEMV without it
+        if residual is not None:
+            x, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
+        else:
+            x, new_res = rms_norm(x, norm_weight, eps), None
+        return gemv(x, weight, bias, silu_pair=silu_pair, weight_scale=weight_scale, tiling=tiling)[0], new_res
     x = x.contiguous()
     n_out = weight.shape[0] // 2 if silu_pair else weight.shape[0]
     out = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
@@ -229,7 +237,7 @@ def gemv(
     if m_rows == 0:
         return out, new_res
     grid, args, consts = gemv_launch(x, weight.contiguous(), bias, residual, norm_weight, eps, silu_pair,
-                                     tiling or GemvTiling(), out, new_res, weight_scale)
+                                     tiling, out, new_res, weight_scale)
     _gemv_kernel[grid](*args, **consts)
     return out, new_res
 

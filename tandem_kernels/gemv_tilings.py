@@ -59,6 +59,12 @@ class GemvTiling:
       converter every step (twice the loop's instructions at one row, BENCHMARKS.md §38).
       With flat_row, 2-4 stages took the H100's FP8 batch-1 token from 4.553 to 3.386 ms and its
       bf16 one from 5.660 to 5.508 (§39).
+    separate_norm: the norm in front (qkv, gate_up) runs as its own kernel (tandem_kernels.norm)
+      and the GEMV reads the normalized rows, one tensor once a tile: in the GEMV every program
+      computes the rows' norm itself, reading x and the residual over all of K first and again
+      a tile at a time (at four rows and gate_up's 1,792 programs about as many bytes from L2 as
+      the weights from memory), where the unfused-norm projections o_proj and down beat
+      cuBLAS(Lt) at four rows and qkv and gate_up did not (§39). Same results.
     """
 
     block_n: int = 8
@@ -69,6 +75,7 @@ class GemvTiling:
     wide_rows: bool = False
     flat_row: bool = False
     stages: int = 1
+    separate_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):

@@ -193,7 +193,8 @@ def case_gemv() -> None:
     # The default; per-lane sums without the prefetch; short tiles (many loop steps, a ragged last
     # one) with the next tile loaded ahead; a program of more rows than some weights have; each
     # row against the whole tile, with and without per-lane sums; one row's 2-D product (several
-    # rows': a 3-D product of the tile loaded in its layout, wide or narrowed by the rows).
+    # rows': a 3-D product of the tile loaded in its layout, wide or narrowed by the rows); the norm
+    # as its own kernel.
     tilings = [gm.GemvTiling(), gm.GemvTiling(late_reduce=True, prefetch=False),
                gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8),
                gm.GemvTiling(block_n=2, block_k=64, wide_rows=True),
@@ -202,7 +203,8 @@ def case_gemv() -> None:
                gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, stages=3),
                gm.GemvTiling(block_n=8, block_k=32, stages=2, prefetch=False),
                gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, stages=2),
-               gm.GemvTiling(block_n=8, block_k=32, late_reduce=True, flat_row=True)]
+               gm.GemvTiling(block_n=8, block_k=32, late_reduce=True, flat_row=True),
+               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, separate_norm=True)]
     for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
         what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
@@ -1040,6 +1042,8 @@ def test_gemv_tilings_on_the_gpu_at_llama_shapes(fp8: bool) -> None:
         for rows, fields in ((2, dict(wide_rows=True)),
                              (4, dict(block_n=16, block_k=1024, late_reduce=True, flat_row=True, wide_rows=True,
                                       stages=3)),
+                             (4, dict(block_n=16, block_k=1024, late_reduce=True, flat_row=True, wide_rows=True,
+                                      stages=3, separate_norm=True)),
                              (8, dict(block_n=8, block_k=1024, late_reduce=True, flat_row=True, stages=2))):
             xr = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             kr = dict(kw, residual=torch.randn(rows, k, device=dev, dtype=torch.bfloat16) if norm else None)
