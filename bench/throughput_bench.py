@@ -29,8 +29,9 @@ Sections by group (their budgets and expected seconds: --dry-run):
   offline_subset (the offline engine with its defaults on the same 512 prompts, bench/up_bench.py).
 - S (batch 1 and small batches, BENCHMARKS.md §28's changes each against the default in one run):
   gpu_parity (h200_bench's), decode_b1, decode_b1_attn_prefetch (decode attention's first tile
-  before the PDL wait), gemv_sweep (fused GEMV tilings vs cuBLAS at the four weights on cold
-  weights), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those projections as fused
+  before the PDL wait), gemv_sweep and gemv_sweep_fp8 (fused GEMV tilings vs cuBLAS(Lt) at the
+  four weights on cold weights, 1 and 2 rows; the fused sections take their fastest, the FP8
+  sections the FP8 sweep's), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those projections as fused
   GEMVs with the sweep's fastest tilings), decode_b4 (4 sequences: the online TPOT's batch) and
   its attn_prefetch and fused_qkv_o variants. `small_batch` in the JSON (and lines printed
   before the table) holds each variant's ms and its ratio to its batch's default.
@@ -195,13 +196,15 @@ def run_decode_b1_fused_gemv(ctx: Context) -> dict:
 # in one run (the fused GEMVs with the sweep's fastest tiling of each weight).
 
 SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's first tile before the PDL wait
-# The tilings gemv_sweep times at each weight (GemvTiling fields; the first is the default); gate_up
-# is timed for the record (no section here fuses it: 13-27% slower than cuBLAS in §2's sweep).
-# late_reduce: a loop of 170 SASS instructions a tile for o_proj against 299 (kernel_ir, batch 1).
-# §31's fastest at o_proj and down is 4 x 512 with late_reduce; its neighbours.
-GEMV_AB_TILINGS = ({"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 512, "late_reduce": True},
-                   {"block_n": 4, "block_k": 1024, "late_reduce": True}, {"block_n": 4, "block_k": 256, "late_reduce": True},
-                   {"block_n": 8, "block_k": 256, "late_reduce": True}, {"block_n": 2, "block_k": 1024, "late_reduce": True})
+# The tilings the gemv_sweep sections time at each weight, at 1 and 2 rows (GemvTiling fields):
+# §39's H100 winners and their neighbours (one row a 2-D product, per-lane sums, the rows against
+# the whole tile, 1-3 pipelined stages), and §33's H200 tile before them. A GPU's table entries
+# (tandem_kernels/gemv_tilings.py) come from these sections' `best_tilings` where the step agrees.
+_FLAT = {"late_reduce": True, "flat_row": True, "wide_rows": True}
+GEMV_AB_TILINGS = ({"block_n": 4, "block_k": 512, "late_reduce": True},
+                   *({"block_n": bn, "block_k": bk, **_FLAT, "stages": st}
+                     for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)))
+GEMV_AB_ROWS = (1, 2)
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -215,14 +218,16 @@ def run_gpu_parity(ctx: Context) -> dict:
     return gpu_parity(ctx.work / "parity", ["llama", "qwen3", "glm4"])
 
 
-def run_gemv_sweep(ctx: Context) -> dict:
-    """kernel_bench's --gemv-sweep over GEMV_AB_TILINGS at GEMV_AB_WEIGHTS, 1 and 4 rows, with
-    `best_tilings`: each weight's fastest tiling at 1 row, as TANDEM_GEMV_TILING takes it."""
+def run_gemv_sweep(ctx: Context, fp8: bool = False) -> dict:
+    """kernel_bench's --gemv-sweep over GEMV_AB_TILINGS at GEMV_AB_WEIGHTS and GEMV_AB_ROWS (`fp8`:
+    e4m3 weights against cuBLASLt's FP8 GEMM), with `best_tilings`: each weight's fastest tiling
+    at 1 row, as TANDEM_GEMV_TILING takes it (and at each row count, best_tilings_by_rows)."""
     _need_cuda()
     from bench.kernel_bench import gemv_sweep
     from tandem_kernels.gemv import GemvTiling
 
-    res = gemv_sweep(weights=GEMV_AB_WEIGHTS, tilings=[GemvTiling(**t) for t in GEMV_AB_TILINGS])
+    res = gemv_sweep(rows_list=GEMV_AB_ROWS, weights=GEMV_AB_WEIGHTS, fp8=fp8,
+                     tilings=[GemvTiling(**t) for t in GEMV_AB_TILINGS])
     rows = next(v for k, v in res.items() if k.startswith("rows"))
     return {**res, **best_tilings(rows)}
 
@@ -270,8 +275,9 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len:
     """A section: h200_bench's decode_b1 at `batch` sequences of `prompt_len`-token prompts
     (`quantization`: the weights', as decode_b1 takes it); `tuning`: TANDEM_DECODE_TUNING's
     fields in this child; `fused`: the projections TANDEM_FUSED_GEMV names, as fused GEMVs at
-    `batch` rows with the earlier gemv_sweep's best tilings at `batch` rows (else at one row;
-    TANDEM_GEMV_TILING) where this run measured them (else the GPU's, tandem_kernels/gemv_tilings.py)."""
+    `batch` rows with the earlier gemv_sweep's (gemv_sweep_fp8's for FP8 weights) best tilings at
+    `batch` rows (else at one row; TANDEM_GEMV_TILING) where this run measured them (else the
+    GPU's, tandem_kernels/gemv_tilings.py)."""
     def section(ctx: Context) -> dict:
         _need_cuda()
         from bench.h200_bench import LLAMA31_8B, decode_b1
@@ -287,8 +293,9 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len:
             os.environ[FUSED_GEMV_ENV] = fused
             os.environ[FUSED_GEMV_ROWS_ENV] = str(batch)
             extra["fused_gemv_projections"] = fused
-            tilings = (_get(ctx.earlier, "gemv_sweep", "best_tilings_by_rows") or {}).get(str(batch)) \
-                or _get(ctx.earlier, "gemv_sweep", "best_tilings")
+            sweep = "gemv_sweep_fp8" if quantization == "fp8" else "gemv_sweep"
+            tilings = (_get(ctx.earlier, sweep, "best_tilings_by_rows") or {}).get(str(batch)) \
+                or _get(ctx.earlier, sweep, "best_tilings")
             if tilings:
                 os.environ[TILING_ENV] = json.dumps(tilings)
                 extra["gemv_tilings"] = tilings
@@ -652,8 +659,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "greedy tokens vs transformers; fused GEMVs and prefill graphs vs the plain engine"),
     Section("decode_b1_attn_prefetch", "S", 75, 35, "child", _decode(1, SMALL_BATCH_TUNING),
             "decode_b1, decode attention's first K/V tile before the PDL wait (TANDEM_DECODE_TUNING)"),
-    Section("gemv_sweep", "S", 180, 60, "child", run_gemv_sweep,
-            "fused GEMV tilings vs cuBLAS at the four weights (cold); the fastest of each"),
+    Section("gemv_sweep", "S", 240, 110, "child", run_gemv_sweep,
+            "fused GEMV tilings vs cuBLAS at the four weights (cold), 1 and 2 rows; the fastest of each"),
+    Section("gemv_sweep_fp8", "S", 240, 110, "child", lambda c: run_gemv_sweep(c, fp8=True),
+            "gemv_sweep over e4m3 weights against cuBLASLt's FP8 GEMM (the FP8 sections' tilings)"),
     Section("decode_b1_unfused", "S", 75, 35, "child", run_decode_b1_unfused,
             "decode_b1 with fused_decode_gemv off (every projection through cuBLAS)"),
     Section("decode_b1_fp8", "S", 90, 45, "child", run_decode_b1_fp8,

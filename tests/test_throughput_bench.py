@@ -239,6 +239,7 @@ def test_group_s_runs_the_sweep_before_the_fused_sections_and_compares_with_deco
     names = [line.split()[0] for line in r.stdout.splitlines()[1:-1]]
     assert names[0] == "decode_b1" and "gpu_parity" in names and "decode_b4" in names
     assert names.index("gemv_sweep") < min(names.index(n) for n in names if "fused" in n)
+    assert names.index("gemv_sweep_fp8") < min(names.index(n) for n in names if "fp8_fused" in n)
     assert "offline_bf16" not in names
 
 
@@ -315,8 +316,15 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     assert seen["env"][TUNING_ENV] is None
     assert res["gemv_tilings"] == tilings and res["fused_gemv_projections"] == "qkv,o_proj"
     assert seen["quantization"] is None
+    monkeypatch.delenv(TILING_ENV)  # each section runs in a child of its own
     tb.SECTIONS["decode_b2_fp8_fused_all"].fn(ctx)  # FP8 weights at two rows, all four fused
     assert seen["quantization"] == "fp8" and seen["batch"] == 2 and seen["env"][FUSED_GEMV_ROWS_ENV] == "2"
+    # FP8 sections take the FP8 sweep's tilings, never the bf16 sweep's.
+    assert seen["env"][TILING_ENV] is None
+    fp8_at_2 = {"down": {"block_n": 4, "block_k": 1024, "flat_row": True, "stages": 3}}
+    ctx.earlier["gemv_sweep_fp8"] = {"best_tilings": tilings, "best_tilings_by_rows": {"2": fp8_at_2}}
+    res = tb.SECTIONS["decode_b2_fp8_fused_all"].fn(ctx)
+    assert json.loads(seen["env"][TILING_ENV]) == fp8_at_2 and res["gemv_tilings"] == fp8_at_2
     # The prefetch section sets only the decode tuning: the engine's default GEMVs (fused None).
     for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):
         monkeypatch.delenv(name, raising=False)
