@@ -669,6 +669,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with FP8 weights: fused GEMVs over the e4m3 weights (W8A16), vs their floor"),
     Section("decode_b1_fp8_unfused", "S", 90, 45, "child", run_decode_b1_fp8_unfused,
             "decode_b1_fp8 through cuBLASLt's FP8 GEMM (activations quantized per token)"),
+    Section("decode_b1_fp8_fused_all", "S", 90, 45, "child", _decode(1, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
+            "decode_b1_fp8, all four projections as fused GEMVs at gemv_sweep_fp8's tilings (on any GPU)"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
     Section("decode_b1_fused_qkv_o_down", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,down"),

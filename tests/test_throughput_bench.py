@@ -325,6 +325,9 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     ctx.earlier["gemv_sweep_fp8"] = {"best_tilings": tilings, "best_tilings_by_rows": {"2": fp8_at_2}}
     res = tb.SECTIONS["decode_b2_fp8_fused_all"].fn(ctx)
     assert json.loads(seen["env"][TILING_ENV]) == fp8_at_2 and res["gemv_tilings"] == fp8_at_2
+    res = tb.SECTIONS["decode_b1_fp8_fused_all"].fn(ctx)  # one row: the FP8 sweep's one-row picks
+    assert seen["quantization"] == "fp8" and seen["batch"] == 1 and seen["fused"] is True
+    assert json.loads(seen["env"][TILING_ENV]) == tilings and seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj,gate_up,down"
     # The prefetch section sets only the decode tuning: the engine's default GEMVs (fused None).
     for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):
         monkeypatch.delenv(name, raising=False)
