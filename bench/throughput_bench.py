@@ -31,9 +31,9 @@ Sections by group (their budgets and expected seconds: --dry-run):
   gpu_parity (h200_bench's), decode_b1, decode_b1_attn_prefetch (decode attention's first tile
   before the PDL wait), gemv_sweep and gemv_sweep_fp8 (fused GEMV tilings vs cuBLAS(Lt) at the
   four weights on cold weights, 1 and 2 rows; the fused sections take their fastest, the FP8
-  sections the FP8 sweep's), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those projections as fused
-  GEMVs with the sweep's fastest tilings), decode_b4 (4 sequences: the online TPOT's batch) and
-  its attn_prefetch and fused_qkv_o variants. `small_batch` in the JSON (and lines printed
+  sections the FP8 sweep's), decode_b1_fused_qkv_o and decode_b1_fused_qkv_o_down (those
+  projections as fused GEMVs with the sweep's fastest tilings), decode_b4 (4 sequences: the
+  online TPOT's batch) and its attn_prefetch and fused_qkv_o variants. `small_batch` in the JSON (and lines printed
   before the table) holds each variant's ms and its ratio to its batch's default.
 - Not in a group: env (versions, device; needs no GPU), max_rate_colocated.
 
@@ -206,6 +206,7 @@ GEMV_AB_TILINGS = ({"block_n": 4, "block_k": 512, "late_reduce": True},
                      for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)))
 GEMV_AB_ROWS = (1, 2)
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
+ALL_FUSED = ",".join(GEMV_AB_WEIGHTS)  # TANDEM_FUSED_GEMV's value for the *_fused_all sections
 
 
 def run_gpu_parity(ctx: Context) -> dict:
@@ -257,15 +258,15 @@ def best_tilings(rows: list[list]) -> dict:
 
 def _small_batch_sections(batch: int, what: str) -> list[Section]:
     """decode_b<batch>, with all four projections fused, and both with FP8 weights (group S)."""
-    name, four = f"decode_b{batch}", "qkv,o_proj,gate_up,down"
+    name = f"decode_b{batch}"
     return [
         Section(name, "S", 75, 35, "child", _decode(batch), what),
-        Section(f"{name}_fused_all", "S", 75, 35, "child", _decode(batch, fused=four),
+        Section(f"{name}_fused_all", "S", 75, 35, "child", _decode(batch, fused=ALL_FUSED),
                 f"{name}, all four projections as fused GEMVs"),
         Section(f"{name}_fp8", "S", 90, 45, "child", _decode(batch, quantization="fp8"),
                 f"{name} with FP8 weights (fused where gemv_tilings.FP8_DEVICE_ROWS or TANDEM_FUSED_GEMV_ROWS "
                 f"reach {batch} rows, else cuBLASLt's FP8 GEMM)"),
-        Section(f"{name}_fp8_fused_all", "S", 90, 45, "child", _decode(batch, fused=four, quantization="fp8"),
+        Section(f"{name}_fp8_fused_all", "S", 90, 45, "child", _decode(batch, fused=ALL_FUSED, quantization="fp8"),
                 f"{name}_fp8, all four projections as fused GEMVs over the e4m3 weights"),
     ]
 
@@ -669,7 +670,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1 with FP8 weights: fused GEMVs over the e4m3 weights (W8A16), vs their floor"),
     Section("decode_b1_fp8_unfused", "S", 90, 45, "child", run_decode_b1_fp8_unfused,
             "decode_b1_fp8 through cuBLASLt's FP8 GEMM (activations quantized per token)"),
-    Section("decode_b1_fp8_fused_all", "S", 90, 45, "child", _decode(1, fused="qkv,o_proj,gate_up,down", quantization="fp8"),
+    Section("decode_b1_fp8_fused_all", "S", 90, 45, "child", _decode(1, fused=ALL_FUSED, quantization="fp8"),
             "decode_b1_fp8, all four projections as fused GEMVs at gemv_sweep_fp8's tilings (on any GPU)"),
     Section("decode_b1_fused_qkv_o", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj"),
             "decode_b1, qkv (norm folded in) and o_proj as fused GEMVs, gemv_sweep's tilings"),
@@ -677,7 +678,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "decode_b1, qkv, o_proj and down as fused GEMVs"),
     Section("decode_b1_fused_o_down", "S", 75, 35, "child", _decode(1, fused="o_proj,down"),
             "decode_b1, o_proj and down as fused GEMVs"),
-    Section("decode_b1_fused_all", "S", 75, 35, "child", _decode(1, fused="qkv,o_proj,gate_up,down"),
+    Section("decode_b1_fused_all", "S", 75, 35, "child", _decode(1, fused=ALL_FUSED),
             "decode_b1, all four projections as fused GEMVs (norms and SiLU inside)"),
     *_small_batch_sections(2, "2 sequences, ms a step"),
     *_small_batch_sections(4, "4 sequences (the online TPOT's batch), ms a step"),
