@@ -205,6 +205,11 @@ GEMV_AB_TILINGS = ({"block_n": 4, "block_k": 512, "late_reduce": True},
                    *({"block_n": bn, "block_k": bk, **_FLAT, "stages": st}
                      for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)))
 GEMV_AB_ROWS = (1, 2)
+# gemv_sweep_b4's tilings at four rows (the online TPOT's batch): §39's several-row tiles, and
+# for qkv and gate_up (the projections with a norm in front) each again with separate_norm.
+GEMV_B4_TILINGS = tuple({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3}
+                        for bn, bk in ((4, 1024), (8, 512), (16, 512), (16, 1024)))
+GEMV_B4_NORMED = ("qkv", "gate_up")
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 ALL_FUSED = ",".join(GEMV_AB_WEIGHTS)  # TANDEM_FUSED_GEMV's value for the *_fused_all sections
 
@@ -231,6 +236,23 @@ def run_gemv_sweep(ctx: Context, fp8: bool = False) -> dict:
                      tilings=[GemvTiling(**t) for t in GEMV_AB_TILINGS])
     rows = next(v for k, v in res.items() if k.startswith("rows"))
     return {**res, **best_tilings(rows)}
+
+
+def run_gemv_sweep_b4(ctx: Context, fp8: bool = False) -> dict:
+    """kernel_bench's --gemv-sweep at 4 rows: GEMV_B4_TILINGS at every weight, and again with
+    separate_norm at GEMV_B4_NORMED; `best_tilings_by_rows` {"4": ...} as the decode_b4 sections
+    take it."""
+    _need_cuda()
+    from bench.kernel_bench import gemv_sweep
+    from tandem_kernels.gemv import GemvTiling
+
+    plain = gemv_sweep(rows_list=(4,), weights=GEMV_AB_WEIGHTS, fp8=fp8,
+                       tilings=[GemvTiling(**t) for t in GEMV_B4_TILINGS])
+    normed = gemv_sweep(rows_list=(4,), weights=GEMV_B4_NORMED, fp8=fp8,
+                        tilings=[GemvTiling(**t, separate_norm=True) for t in GEMV_B4_TILINGS])
+    key = next(k for k in plain if k.startswith("rows"))
+    rows = plain[key] + [r for r in normed[key] if r[2] is not None]  # cuBLAS's rows once
+    return {**plain, key: rows, **best_tilings(rows)}
 
 
 def best_tilings(rows: list[list]) -> dict:
@@ -296,6 +318,7 @@ def _decode(batch: int, tuning: dict | None = None, fused: str = "", prompt_len:
             extra["fused_gemv_projections"] = fused
             sweep = "gemv_sweep_fp8" if quantization == "fp8" else "gemv_sweep"
             tilings = (_get(ctx.earlier, sweep, "best_tilings_by_rows") or {}).get(str(batch)) \
+                or (_get(ctx.earlier, f"{sweep}_b{batch}", "best_tilings_by_rows") or {}).get(str(batch)) \
                 or _get(ctx.earlier, sweep, "best_tilings")
             if tilings:
                 os.environ[TILING_ENV] = json.dumps(tilings)
@@ -664,6 +687,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "fused GEMV tilings vs cuBLAS at the four weights (cold), 1 and 2 rows; the fastest of each"),
     Section("gemv_sweep_fp8", "S", 240, 70, "child", lambda c: run_gemv_sweep(c, fp8=True),
             "gemv_sweep over e4m3 weights against cuBLASLt's FP8 GEMM (the FP8 sections' tilings)"),
+    Section("gemv_sweep_b4", "S", 150, 40, "child", run_gemv_sweep_b4,
+            "fused GEMV tilings vs cuBLAS at 4 rows, qkv and gate_up also with separate_norm (decode_b4_*'s tilings)"),
+    Section("gemv_sweep_fp8_b4", "S", 150, 40, "child", lambda c: run_gemv_sweep_b4(c, fp8=True),
+            "gemv_sweep_b4 over e4m3 weights against cuBLASLt's FP8 GEMM"),
     Section("decode_b1_unfused", "S", 75, 35, "child", run_decode_b1_unfused,
             "decode_b1 with fused_decode_gemv off (every projection through cuBLAS)"),
     Section("decode_b1_fp8", "S", 90, 45, "child", run_decode_b1_fp8,

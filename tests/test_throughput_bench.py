@@ -3,6 +3,8 @@ that needs no GPU, a GPU section's failure recorded while the others run, --merg
 ratios and the max-rate search."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -240,7 +242,36 @@ def test_group_s_runs_the_sweep_before_the_fused_sections_and_compares_with_deco
     assert names[0] == "decode_b1" and "gpu_parity" in names and "decode_b4" in names
     assert names.index("gemv_sweep") < min(names.index(n) for n in names if "fused" in n)
     assert names.index("gemv_sweep_fp8") < min(names.index(n) for n in names if "fp8_fused" in n)
+    assert names.index("gemv_sweep_b4") < min(names.index(n) for n in names if n.startswith("decode_b4_"))
+    assert names.index("gemv_sweep_fp8_b4") < names.index("decode_b4_fp8_fused_all")
     assert "offline_bf16" not in names
+
+
+def test_the_four_row_sweep_times_separate_norm_only_where_a_norm_is_in_front(monkeypatch, tmp_path):
+    from bench import kernel_bench
+
+    calls = []
+
+    def fake_sweep(rows_list, weights, fp8, tilings):
+        calls.append((rows_list, weights, fp8, tilings))
+        key = "rows [weight, rows, tiling, us, GB/s, err]"
+        out = [[w, 4, None, 50.0, 1, 0.0] for w in weights]  # cuBLAS's row, timed by both calls
+        for i, t in enumerate(tilings):  # the normed gate_up fastest with separate_norm
+            out += [[w, 4, dataclasses.asdict(t), 40.0 - i - 20 * (t.separate_norm and w == "gate_up"), 1, 0.0]
+                    for w in weights]
+        return {key: out}
+
+    monkeypatch.setattr(tb, "_need_cuda", lambda: None)
+    monkeypatch.setattr(kernel_bench, "gemv_sweep", fake_sweep)
+    res = tb.run_gemv_sweep_b4(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0), fp8=True)
+    assert [c[1] for c in calls] == [tb.GEMV_AB_WEIGHTS, tb.GEMV_B4_NORMED] and all(c[2] for c in calls)
+    assert all(c[0] == (4,) for c in calls) and not any(t.separate_norm for t in calls[0][3])
+    assert all(t.separate_norm for t in calls[1][3])
+    rows = next(v for k, v in res.items() if k.startswith("rows"))
+    assert sum(1 for r in rows if r[2] is None) == len(tb.GEMV_AB_WEIGHTS)  # cuBLAS once a weight
+    picks = res["best_tilings_by_rows"]["4"]
+    assert picks["gate_up"]["separate_norm"] and not picks["down"].get("separate_norm")
+    assert set(picks) == set(tb.GEMV_AB_WEIGHTS)
 
 
 def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
@@ -309,7 +340,14 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
                      earlier={"gemv_sweep": {"best_tilings": tilings, "best_tilings_by_rows": {"4": at_4}}})
     tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)  # the sweep's fastest at 4 rows, where it has them
     assert json.loads(seen["env"][TILING_ENV]) == at_4
+    at_4_b4 = {"gate_up": {"block_n": 8, "block_k": 512, "separate_norm": True}}
     ctx.earlier["gemv_sweep"] = {"best_tilings": tilings}
+    ctx.earlier["gemv_sweep_b4"] = {"best_tilings_by_rows": {"4": at_4_b4}}
+    tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)  # the four-row sweep's picks where the main sweep has none
+    assert json.loads(seen["env"][TILING_ENV]) == at_4_b4
+    tb.SECTIONS["decode_b2_fused_all"].fn(ctx)  # ... only at its own row count
+    assert json.loads(seen["env"][TILING_ENV]) == tilings
+    del ctx.earlier["gemv_sweep_b4"]
     res = tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)
     assert seen["fused"] is True and seen["batch"] == 4 and seen["env"][FUSED_GEMV_ROWS_ENV] == "4"
     assert seen["env"][FUSED_GEMV_ENV] == "qkv,o_proj" and json.loads(seen["env"][TILING_ENV]) == tilings
