@@ -203,12 +203,15 @@ SMALL_BATCH_TUNING = {"prefetch": True, "resident": 3}  # decode attention's fir
 _FLAT = {"late_reduce": True, "flat_row": True, "wide_rows": True}
 GEMV_AB_TILINGS = ({"block_n": 4, "block_k": 512, "late_reduce": True},
                    *({"block_n": bn, "block_k": bk, **_FLAT, "stages": st}
-                     for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)))
+                     for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)),
+                   *({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3, "fma_chain": True}  # the same at 1 row
+                     for bn, bk in ((4, 512), (4, 1024), (8, 512))))
 GEMV_AB_ROWS = (1, 2)
-# gemv_sweep_b4's tilings at four rows (the online TPOT's batch): §39's several-row tiles, and
-# for qkv and gate_up (the projections with a norm in front) each again with separate_norm.
-GEMV_B4_TILINGS = tuple({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3}
-                        for bn, bk in ((4, 1024), (8, 512), (16, 512), (16, 1024)))
+# gemv_sweep_b4's tilings at four rows (the online TPOT's batch): §39's several-row tiles, each
+# also with fma_chain, and for qkv and gate_up (the projections with a norm in front) all again
+# with separate_norm.
+GEMV_B4_TILINGS = tuple({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3, "fma_chain": chain}
+                        for bn, bk in ((4, 1024), (8, 512), (16, 512), (16, 1024)) for chain in (False, True))
 GEMV_B4_NORMED = ("qkv", "gate_up")
 GEMV_AB_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
 ALL_FUSED = ",".join(GEMV_AB_WEIGHTS)  # TANDEM_FUSED_GEMV's value for the *_fused_all sections

@@ -103,11 +103,8 @@ def _eighths(t, SHAPE: tl.constexpr):
 @triton.jit
 def _fma_eighths(acc, a, w, BM: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BM, BN, BLOCK_K / 8] plus the product of rows a [BM, BLOCK_K] and tile w [1, BN, BLOCK_K],
-    each eight neighbouring columns folded into their sum as a chain of multiply-adds: one FFMA a
-    product, where tl.sum over the eight is a tree (a multiply, then adds: 1.5 float instructions
-    a product). The tile is widened before it is split (an e4m3 pair converts as one). sm_90 SASS
-    at 4 rows, 8 x 1,024 tiles: 0.30 -> 0.24 warp-instructions a bf16 weight (o_proj), 0.32 ->
-    0.24 an e4m3 one (BENCHMARKS.md §41)."""
+    each eight neighbouring columns folded into their sum as a chain of multiply-adds
+    (GemvTiling.fma_chain). The tile is widened before it is split (an e4m3 pair converts as one)."""
     a0, a1, a2, a3, a4, a5, a6, a7 = _eighths(tl.reshape(a, [BM, 1, BLOCK_K]), [BM, 1, BLOCK_K // 8])
     w0, w1, w2, w3, w4, w5, w6, w7 = _eighths(w.to(tl.float32), [1, BN, BLOCK_K // 8])
     acc = tl.fma(a0, w0, acc)
@@ -124,7 +121,7 @@ def _fma_eighths(acc, a, w, BM: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.cons
 @triton.jit
 def _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
                BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD_RES: tl.constexpr, SILU_PAIR: tl.constexpr,
-               LATE_REDUCE: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr):
+               LATE_REDUCE: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr, FMA_CHAIN: tl.constexpr):
     """The sums after the weight tile at columns k0 (w, and wu with SILU_PAIR) times the activations there."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < K
@@ -138,9 +135,14 @@ def _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s
     elif W3D:
         BM: tl.constexpr = a.shape[0]
         BN: tl.constexpr = w.shape[1]
-        acc = _fma_eighths(acc, a, w, BM, BN, BLOCK_K)
-        if SILU_PAIR:
-            acc_up = _fma_eighths(acc_up, a, wu, BM, BN, BLOCK_K)
+        if FMA_CHAIN:
+            acc = _fma_eighths(acc, a, w, BM, BN, BLOCK_K)
+            if SILU_PAIR:
+                acc_up = _fma_eighths(acc_up, a, wu, BM, BN, BLOCK_K)
+        else:
+            acc += tl.sum(tl.reshape(a[:, None, :] * w.to(tl.float32), [BM, BN, BLOCK_K // 8, 8]), 3)
+            if SILU_PAIR:
+                acc_up += tl.sum(tl.reshape(a[:, None, :] * wu.to(tl.float32), [BM, BN, BLOCK_K // 8, 8]), 3)
     else:
         acc = _accumulate(acc, a, w, LATE_REDUCE)
         if SILU_PAIR:
@@ -155,6 +157,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
     NORM: tl.constexpr, ADD_RES: tl.constexpr, BIAS: tl.constexpr, SILU_PAIR: tl.constexpr, W_SCALE: tl.constexpr,
     LATE_REDUCE: tl.constexpr, PREFETCH: tl.constexpr, FLAT_ROW: tl.constexpr, W3D: tl.constexpr, STAGES: tl.constexpr,
+    FMA_CHAIN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -198,12 +201,14 @@ def _gemv_kernel(
         start = 0
         if PREFETCH:
             acc, acc_up = _tile_step(acc, acc_up, w_next, wu_next, x_ptr, res_ptr, nw_ptr, m, m_mask, 0, K, x_s0,
-                                     res_s0, inv, BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
+                                     res_s0, inv, BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D,
+                                     FMA_CHAIN)
             start = BLOCK_K
         for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
             w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR, W3D)
             acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
-                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D,
+                                     FMA_CHAIN)
     else:
         for k0 in range(0, K, BLOCK_K):
             if PREFETCH:  # this tile arrived (or is arriving); ask for the next before using it
@@ -213,7 +218,8 @@ def _gemv_kernel(
             else:
                 w, wu = _weight_tile(w_rows, up_rows, r_mask, k0 + tl.arange(0, BLOCK_K), K, SILU_PAIR, W3D)
             acc, acc_up = _tile_step(acc, acc_up, w, wu, x_ptr, res_ptr, nw_ptr, m, m_mask, k0, K, x_s0, res_s0, inv,
-                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D)
+                                     BLOCK_K, NORM, ADD_RES, SILU_PAIR, LATE_REDUCE, FLAT_ROW, W3D,
+                                     FMA_CHAIN)
     if FLAT_ROW:
         acc2 = tl.sum(acc, 1)[None, :]
         up2 = tl.sum(acc_up, 1)[None, :]
@@ -299,7 +305,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                   W_SCALE=weight_scale is not None,
                   LATE_REDUCE=t.late_reduce, PREFETCH=t.prefetch, FLAT_ROW=t.flat_row and t.late_reduce and block_m == 1,
                   W3D=t.flat_row and t.late_reduce and block_m > 1,  # flat_row's several-row product
-                  STAGES=t.stages,
+                  STAGES=t.stages, FMA_CHAIN=t.fma_chain,
                   num_warps=t.num_warps, **pdl_launch(x.device))
     return (triton.cdiv(n_out, t.block_n),), args, consts
 

@@ -65,6 +65,13 @@ class GemvTiling:
       a tile at a time (at four rows and gate_up's 1,792 programs about as many bytes from L2 as
       the weights from memory), where the unfused-norm projections o_proj and down beat
       cuBLAS(Lt) at four rows and qkv and gate_up did not (§39). Same results.
+    fma_chain: at several rows with flat_row, each lane folds its eight products into their sum
+      as a chain of eight multiply-adds (the tile and the rows split into their eight interleaved
+      parts in registers) rather than tl.sum's tree over the eight (a multiply, then adds: 1.5
+      float instructions a product where the chain issues one FFMA). sm_90 SASS: 14% (bf16) and
+      27% (e4m3) fewer loop instructions a weight (medians over 60 tiles at 2 and 4 rows), but
+      on small tiles (2 x 512 at 2 rows) a layout change through shared memory in the loop, and
+      the H100's steps at the default tiles were 2-41% slower with it (BENCHMARKS.md §41).
     """
 
     block_n: int = 8
@@ -76,6 +83,7 @@ class GemvTiling:
     flat_row: bool = False
     stages: int = 1
     separate_norm: bool = False
+    fma_chain: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):

@@ -194,7 +194,7 @@ def case_gemv() -> None:
     # one) with the next tile loaded ahead; a program of more rows than some weights have; each
     # row against the whole tile, with and without per-lane sums; one row's 2-D product (several
     # rows': a 3-D product of the tile loaded in its layout, wide or narrowed by the rows); the norm
-    # as its own kernel.
+    # as its own kernel; the several rows' sums as chains of multiply-adds.
     tilings = [gm.GemvTiling(), gm.GemvTiling(late_reduce=True, prefetch=False),
                gm.GemvTiling(block_n=4, block_k=64), gm.GemvTiling(block_n=64, block_k=128, num_warps=8),
                gm.GemvTiling(block_n=2, block_k=64, wide_rows=True),
@@ -204,7 +204,8 @@ def case_gemv() -> None:
                gm.GemvTiling(block_n=8, block_k=32, stages=2, prefetch=False),
                gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, stages=2),
                gm.GemvTiling(block_n=8, block_k=32, late_reduce=True, flat_row=True),
-               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, separate_norm=True)]
+               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, separate_norm=True),
+               gm.GemvTiling(block_n=4, block_k=64, late_reduce=True, flat_row=True, wide_rows=True, fma_chain=True)]
     for t, (dtype, rows, (n, k), norm, res, bias, silu) in itertools.product(tilings, cases):
         what = f"gemv {dtype} rows={rows} n={n} k={k} norm={norm} residual={res} bias={bias} silu={silu} {t}"
         x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
@@ -1044,6 +1045,10 @@ def test_gemv_tilings_on_the_gpu_at_llama_shapes(fp8: bool) -> None:
                                       stages=3)),
                              (4, dict(block_n=16, block_k=1024, late_reduce=True, flat_row=True, wide_rows=True,
                                       stages=3, separate_norm=True)),
+                             (2, dict(block_n=8, block_k=512, late_reduce=True, flat_row=True, wide_rows=True,
+                                      stages=3, fma_chain=True)),
+                             (4, dict(block_n=2, block_k=1024, late_reduce=True, flat_row=True, stages=3,
+                                      fma_chain=True)),
                              (8, dict(block_n=8, block_k=1024, late_reduce=True, flat_row=True, stages=2))):
             xr = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             kr = dict(kw, residual=torch.randn(rows, k, device=dev, dtype=torch.bfloat16) if norm else None)
