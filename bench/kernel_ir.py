@@ -258,7 +258,7 @@ def gemv(projection: str, rows: int, pdl: bool, fields: dict | None = None, gpu:
     x = torch.empty(rows, k, **meta)
     w = torch.empty(n, k, device="meta", dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     out = torch.empty(rows, n // 2 if silu else n, **meta)
-    tiling = dataclasses.replace(base_tiling(projection, gpu, fp8), **(fields or {}))
+    tiling = dataclasses.replace(base_tiling(projection, gpu, fp8, rows), **(fields or {}))
     norm = norm and not tiling.separate_norm  # the GEMV of normalized rows (the norm its own kernel)
     _, args, consts = gm.gemv_launch(x, w, None, torch.empty_like(x) if norm else None,
                                      torch.empty(k, **meta) if norm else None, 1e-5, silu, tiling,

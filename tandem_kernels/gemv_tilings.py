@@ -121,11 +121,22 @@ FP8_DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
              "gate_up": GemvTiling(block_n=8, block_k=512, late_reduce=True, flat_row=True, stages=3, wide_rows=True),
              "down": GemvTiling(block_n=4, block_k=1024, late_reduce=True, flat_row=True, stages=3, wide_rows=True)},
 }
+# Where a GPU's FP8 layers fuse at more rows than the tiles above suit: from `rows` rows up (a
+# step of 3 rows runs the 4-row kernel: rows pad to a power of two), these tiles. §41 (H100, 4
+# rows): the norm as its own kernel in front of qkv and gate_up, each lane's sums as chains of
+# FFMAs, 4.395 ms a step against cuBLASLt's 4.947 (and 5.403 at the one-row tiles).
+_ROWS4 = dict(late_reduce=True, flat_row=True, wide_rows=True, stages=3, fma_chain=True)
+FP8_SEVERAL_ROW_TILINGS: dict[str, tuple[int, dict[str, GemvTiling]]] = {
+    "H100": (3, {"qkv": GemvTiling(block_n=16, block_k=512, separate_norm=True, **_ROWS4),
+                 "o_proj": GemvTiling(block_n=16, block_k=1024, **_ROWS4),
+                 "gate_up": GemvTiling(block_n=8, block_k=512, separate_norm=True, **_ROWS4),
+                 "down": GemvTiling(block_n=16, block_k=1024, **_ROWS4)}),
+}
 # The most tokens a decode step of an FP8 layer may have for it to fuse, where more than one
 # (wide_rows above: each row against the whole tile). §39 (H100, batch 2): 3.703 ms a step
-# against cuBLASLt's 4.916; at 4 rows no fused tiling measured (3-D products, tensor cores) beat
-# it in the step (4.925 vs 4.703). bf16 layers fuse at one row (batch 2: -2.4%, other tiles).
-FP8_DEVICE_ROWS: dict[str, int] = {"H100": 2}
+# against cuBLASLt's 4.916; §41 (batch 4, FP8_SEVERAL_ROW_TILINGS): 4.395 vs 4.947. bf16 layers
+# fuse at one row (batch 2: -2.4%, other tiles; batch 4: -1.1%, §41).
+FP8_DEVICE_ROWS: dict[str, int] = {"H100": 4}
 # Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
 FALLBACK_TILINGS: dict[str, GemvTiling] = {
     "qkv": _ROWS_4x512, "o_proj": _ROWS_4x512, "gate_up": _ROWS_8x256, "down": _ROWS_4x512,
@@ -164,24 +175,32 @@ def default_fused_rows(device: torch.device | str | None, fp8: bool = False) -> 
     return next((rows for family, rows in FP8_DEVICE_ROWS.items() if family in name), 1) if fp8 else 1
 
 
-def base_tiling(projection: str, gpu_name: str, fp8: bool = False) -> GemvTiling:
-    """The tiling of `projection` (one of PROJECTIONS) on the GPU named `gpu_name`: its
-    FP8_DEVICE_TILINGS entry's for `fp8` weights where there is one, else its DEVICE_TILINGS
+def base_tiling(projection: str, gpu_name: str, fp8: bool = False, rows: int = 1) -> GemvTiling:
+    """The tiling of `projection` (one of PROJECTIONS) at `rows` rows on the GPU named
+    `gpu_name`: for `fp8` weights its FP8_SEVERAL_ROW_TILINGS entry's where `rows` reaches that
+    entry's, else its FP8_DEVICE_TILINGS entry's where there is one; else its DEVICE_TILINGS
     entry's, else FALLBACK_TILINGS'."""
     if projection not in PROJECTIONS:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
-    tiling = device_tilings(gpu_name, fp8=True).get(projection) if fp8 else None
+    tiling = None
+    if fp8:
+        from_rows, several = next((entry for family, entry in FP8_SEVERAL_ROW_TILINGS.items() if family in gpu_name),
+                                  (0, {}))
+        tiling = (several.get(projection) if rows >= from_rows else None) \
+            or device_tilings(gpu_name, fp8=True).get(projection)
     return tiling or device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])
 
 
-def tiling_for(projection: str, device: torch.device | str | None = None, fp8: bool = False) -> GemvTiling:
-    """base_tiling of `projection` on `device` (`fp8`: for e4m3 weights), with TILING_ENV's
-    fields over it where set."""
+def tiling_for(projection: str, device: torch.device | str | None = None, fp8: bool = False,
+               rows: int = 1) -> GemvTiling:
+    """base_tiling of `projection` at `rows` rows on `device` (`fp8`: for e4m3 weights), with
+    TILING_ENV's fields over it where set."""
     from tandem_kernels.triton_common import env_overridden  # triton: only where a kernel launches
 
-    base = base_tiling(projection, device_name(device), fp8)
+    base = base_tiling(projection, device_name(device), fp8, rows)
     return env_overridden(base, TILING_ENV, os.environ.get(TILING_ENV, ""), projection, PROJECTIONS)
 
 
-__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "FP8_DEVICE_ROWS", "FP8_DEVICE_TILINGS", "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections", "default_fused_rows",
+__all__ = ["DEVICE_TILINGS", "FALLBACK_TILINGS", "FP8_DEVICE_ROWS", "FP8_DEVICE_TILINGS", "FP8_SEVERAL_ROW_TILINGS",
+           "TILING_ENV", "GemvTiling", "base_tiling", "default_fused_projections", "default_fused_rows",
            "device_name", "device_tilings", "tiling_for"]

@@ -104,12 +104,13 @@ def gemv(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See tandem_kernels.reference.gemv (x: at most GEMV_MAX_ROWS rows; an e4m3 weight with its
     `weight_scale`). projection (one of GEMV_PROJECTIONS): the Triton launch takes that
-    projection's tiling on x's GPU (gemv_tilings.tiling_for)."""
+    projection's tiling on x's GPU at x's rows (gemv_tilings.tiling_for)."""
     if x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"x: at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     kw = dict(residual=residual, norm_weight=norm_weight, eps=eps, silu_pair=silu_pair, weight_scale=weight_scale)
     if _use_triton(x):
-        tiling = (_triton("gemv", "tiling_for")(projection, x.device, weight_scale is not None)
+        rows = x.shape[0] if x.dim() == 2 else 1
+        tiling = (_triton("gemv", "tiling_for")(projection, x.device, weight_scale is not None, rows)
                   if projection is not None else None)
         return _triton("gemv", "gemv")(x, weight, bias, tiling=tiling, **kw)
     return reference.gemv(x, weight, bias, **kw)

@@ -295,9 +295,16 @@ def test_fused_decode_gemvs_by_gpu(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert model.fused_decode_projections(None, cuda, fp8_weights=True) == frozenset(model.GEMV_PROJECTIONS)
     assert gt.tiling_for("down", "cuda", fp8=True) == gt.FP8_DEVICE_TILINGS["H100"]["down"] != gt.tiling_for("down", "cuda")
-    # ... and at two rows there; bf16 at one
-    assert gt.default_fused_rows(cuda, fp8=True) == 2 and gt.default_fused_rows(cuda) == 1
-    assert model.fused_gemv_rows(gt.default_fused_rows(cuda, fp8=True)) == 2
+    # ... and at up to four rows there, from three rows at the several-row tiles; bf16 at one
+    assert gt.default_fused_rows(cuda, fp8=True) == 4 and gt.default_fused_rows(cuda) == 1
+    assert model.fused_gemv_rows(gt.default_fused_rows(cuda, fp8=True)) == 4
+    from_rows, several = gt.FP8_SEVERAL_ROW_TILINGS["H100"]
+    for projection in model.GEMV_PROJECTIONS:
+        one_row = gt.FP8_DEVICE_TILINGS["H100"][projection]
+        assert gt.tiling_for(projection, cuda, fp8=True, rows=from_rows - 1) == one_row
+        assert gt.tiling_for(projection, cuda, fp8=True, rows=from_rows) == several[projection] != one_row
+    assert gt.tiling_for("qkv", cuda, fp8=True, rows=4).separate_norm
+    assert gt.tiling_for("qkv", cuda, rows=4) == gt.DEVICE_TILINGS["H100"]["qkv"]  # bf16: one table
     monkeypatch.setenv(model.FUSED_GEMV_ROWS_ENV, "3")
     assert model.fused_gemv_rows(2) == 3
     monkeypatch.delenv(model.FUSED_GEMV_ROWS_ENV)
