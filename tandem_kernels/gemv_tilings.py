@@ -70,8 +70,9 @@ class GemvTiling:
       parts in registers) rather than tl.sum's tree over the eight (a multiply, then adds: 1.5
       float instructions a product where the chain issues one FFMA). sm_90 SASS: 14% (bf16) and
       27% (e4m3) fewer loop instructions a weight (medians over 60 tiles at 2 and 4 rows), but
-      on small tiles (2 x 512 at 2 rows) a layout change through shared memory in the loop, and
-      the H100's steps at the default tiles were 2-41% slower with it (BENCHMARKS.md §41).
+      on small tiles (2 x 512 at 2 rows) a layout change through shared memory in the loop and
+      elsewhere more registers (fewer programs an SM, fewer tiles in flight): the H100's steps at
+      the default tiles were 2-42% slower with it, in two calls (BENCHMARKS.md §41).
     """
 
     block_n: int = 8
@@ -123,9 +124,10 @@ FP8_DEVICE_TILINGS: dict[str, dict[str, GemvTiling]] = {
 }
 # Where a GPU's FP8 layers fuse at more rows than the tiles above suit: from `rows` rows up (a
 # step of 3 rows runs the 4-row kernel: rows pad to a power of two), these tiles. §41 (H100, 4
-# rows): the norm as its own kernel in front of qkv and gate_up, each lane's sums as chains of
-# FFMAs, 4.395 ms a step against cuBLASLt's 4.947 (and 5.403 at the one-row tiles).
-_ROWS4 = dict(late_reduce=True, flat_row=True, wide_rows=True, stages=3, fma_chain=True)
+# rows, one call): the four-row sweep's fastest, the norm as its own kernel in front of qkv and
+# gate_up, 3.809 ms a step against cuBLASLt's 4.678 (-18.6%; with fma_chain 4.181; at the
+# one-row tiles 5.403 in another call).
+_ROWS4 = dict(late_reduce=True, flat_row=True, wide_rows=True, stages=3)
 FP8_SEVERAL_ROW_TILINGS: dict[str, tuple[int, dict[str, GemvTiling]]] = {
     "H100": (3, {"qkv": GemvTiling(block_n=16, block_k=512, separate_norm=True, **_ROWS4),
                  "o_proj": GemvTiling(block_n=16, block_k=1024, **_ROWS4),
@@ -134,8 +136,8 @@ FP8_SEVERAL_ROW_TILINGS: dict[str, tuple[int, dict[str, GemvTiling]]] = {
 }
 # The most tokens a decode step of an FP8 layer may have for it to fuse, where more than one
 # (wide_rows above: each row against the whole tile). §39 (H100, batch 2): 3.703 ms a step
-# against cuBLASLt's 4.916; §41 (batch 4, FP8_SEVERAL_ROW_TILINGS): 4.395 vs 4.947. bf16 layers
-# fuse at one row (batch 2: -2.4%, other tiles; batch 4: -1.1%, §41).
+# against cuBLASLt's 4.916; §41 (batch 4, FP8_SEVERAL_ROW_TILINGS): 3.809 vs 4.678. bf16 layers
+# fuse at one row (batch 2: -2.4%, other tiles; batch 4 at the four-row sweep's tiles: +0.3%, §41).
 FP8_DEVICE_ROWS: dict[str, int] = {"H100": 4}
 # Any other device (and a projection its entry leaves out): the H200's sweep's fastest at one row.
 FALLBACK_TILINGS: dict[str, GemvTiling] = {
