@@ -369,6 +369,38 @@ def case_sample_filtered() -> None:
     assert torch.equal(got, x.argmax(1)), "top_p ~0 keeps only the most likely token"
 
 
+def case_gemv_table_tilings() -> None:
+    """Every tiling a GPU's tables choose (gemv_tilings.base_tiling: bf16 at one row, FP8 at each
+    row count up to FP8_DEVICE_ROWS, the several-row tiles included) on small shapes of each
+    projection's kind, bf16 or e4m3 weights, against the reference."""
+    from tandem_kernels import gemv as gm, gemv_tilings as gt, reference as ref
+
+    shapes = {"qkv": (48, 96, True, False), "o_proj": (32, 64, False, False),
+              "gate_up": (2 * 24, 96, True, True), "down": (32, 80, False, False)}
+    families = {*gt.DEVICE_TILINGS, *gt.FP8_DEVICE_TILINGS, *gt.FP8_SEVERAL_ROW_TILINGS, *gt.FP8_DEVICE_ROWS}
+    for family, fp8, (projection, (n, k, norm, silu)) in itertools.product(sorted(families), (False, True),
+                                                                           shapes.items()):
+        most = gt.FP8_DEVICE_ROWS.get(family, 1) if fp8 else 1
+        for rows in range(1, most + 1):
+            t = gt.base_tiling(projection, family, fp8, rows)
+            what = f"{family} fp8={fp8} {projection} rows={rows} {t}"
+            x, w = rand(rows, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.float32, scale=k ** -0.5)
+            scale = None
+            if fp8:
+                scale = (w.abs().amax(1) / 448.0).clamp(min=1e-12)
+                w = (w / scale[:, None]).clamp(-448, 448).to(FP8)
+            else:
+                w = w.to(torch.bfloat16)
+            kw = dict(residual=rand(rows, k, dtype=torch.bfloat16) if norm else None,
+                      norm_weight=(torch.rand(k) + 0.5).to(torch.bfloat16) if norm else None, eps=1e-5,
+                      silu_pair=silu, weight_scale=scale)
+            got, got_res = gm.gemv(x, w, tiling=t, **kw)
+            want, want_res = ref.gemv(x, w, **kw)
+            close(got, want, torch.bfloat16, what, scale=2.0 if silu else 1.0, rscale=2.0 if silu else 1.0)
+            if norm:
+                close(got_res, want_res, torch.bfloat16, what + " residual")
+
+
 def case_fused_decode_engine() -> None:
     """The engine with all four projections as fused decode GEMVs (in steps of both prompts'
     tokens) gives the unfused engine's greedy tokens, every kernel in Triton (interpreted), for a
