@@ -204,7 +204,7 @@ _FLAT = {"late_reduce": True, "flat_row": True, "wide_rows": True}
 GEMV_AB_TILINGS = ({"block_n": 4, "block_k": 512, "late_reduce": True},
                    *({"block_n": bn, "block_k": bk, **_FLAT, "stages": st}
                      for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512)) for st in (1, 2, 3)),
-                   *({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3, "fma_chain": True}  # the same at 1 row
+                   *({"block_n": bn, "block_k": bk, **_FLAT, "stages": 3, "fma_chain": True}  # 1 row: as without
                      for bn, bk in ((4, 512), (4, 1024), (8, 512))))
 GEMV_AB_ROWS = (1, 2)
 # gemv_sweep_b4's tilings at four rows (the online TPOT's batch): §39's several-row tiles, each

@@ -10,8 +10,9 @@ measured) and takes `FALLBACK_TILINGS` when a caller asks for fused GEMVs anyway
 
 FP8 weights (e4m3, half the bytes a row) have their own table, `FP8_DEVICE_TILINGS`: a GPU it
 names fuses all four projections of an FP8 model by default (there the fused GEMV beats
-cuBLASLt's FP8 GEMM at one row), each at that tiling; elsewhere FP8 projections keep cuBLASLt
-unless asked, and then take the bf16 tiling.
+cuBLASLt's FP8 GEMM at one row), each at that tiling, in steps of up to `FP8_DEVICE_ROWS` tokens,
+and from some row count up at `FP8_SEVERAL_ROW_TILINGS`' tiles where a GPU has them; elsewhere
+FP8 projections keep cuBLASLt unless asked, and then take the bf16 tiling.
 """
 from __future__ import annotations
 
@@ -158,10 +159,15 @@ def device_name(device: torch.device | str | None) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _family_entry(table: dict, name: str, default):
+    """The entry of `table` (keyed by GPU family, a substring of the GPU's name; the first match
+    wins) for the GPU named `name`; `default` where none matches."""
+    return next((entry for family, entry in table.items() if family in name), default)
+
+
 def device_tilings(name: str, fp8: bool = False) -> dict[str, GemvTiling]:
     """The DEVICE_TILINGS (FP8_DEVICE_TILINGS with `fp8`) entry naming GPU `name`; {} where none does."""
-    tables = FP8_DEVICE_TILINGS if fp8 else DEVICE_TILINGS
-    return next((table for family, table in tables.items() if family in name), {})
+    return _family_entry(FP8_DEVICE_TILINGS if fp8 else DEVICE_TILINGS, name, {})
 
 
 def default_fused_projections(device: torch.device | str | None, fp8: bool = False) -> frozenset[str]:
@@ -173,8 +179,7 @@ def default_fused_projections(device: torch.device | str | None, fp8: bool = Fal
 def default_fused_rows(device: torch.device | str | None, fp8: bool = False) -> int:
     """The most tokens a decode step on `device` may have for its projections (`fp8`: e4m3
     weights) to run as fused GEMVs by default: FP8_DEVICE_ROWS' entry for FP8 weights, else 1."""
-    name = device_name(device)
-    return next((rows for family, rows in FP8_DEVICE_ROWS.items() if family in name), 1) if fp8 else 1
+    return _family_entry(FP8_DEVICE_ROWS, device_name(device), 1) if fp8 else 1
 
 
 def base_tiling(projection: str, gpu_name: str, fp8: bool = False, rows: int = 1) -> GemvTiling:
@@ -186,8 +191,7 @@ def base_tiling(projection: str, gpu_name: str, fp8: bool = False, rows: int = 1
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
     tiling = None
     if fp8:
-        from_rows, several = next((entry for family, entry in FP8_SEVERAL_ROW_TILINGS.items() if family in gpu_name),
-                                  (0, {}))
+        from_rows, several = _family_entry(FP8_SEVERAL_ROW_TILINGS, gpu_name, (0, {}))
         tiling = (several.get(projection) if rows >= from_rows else None) \
             or device_tilings(gpu_name, fp8=True).get(projection)
     return tiling or device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])

@@ -373,6 +373,7 @@ def case_gemv_table_tilings() -> None:
     """Every tiling a GPU's tables choose (gemv_tilings.base_tiling: bf16 at one row, FP8 at each
     row count up to FP8_DEVICE_ROWS, the several-row tiles included) on small shapes of each
     projection's kind, bf16 or e4m3 weights, against the reference."""
+    from engine.quant.fp8 import quantize_weight_per_channel
     from tandem_kernels import gemv as gm, gemv_tilings as gt, reference as ref
 
     shapes = {"qkv": (48, 96, True, False), "o_proj": (32, 64, False, False),
@@ -385,12 +386,7 @@ def case_gemv_table_tilings() -> None:
             t = gt.base_tiling(projection, family, fp8, rows)
             what = f"{family} fp8={fp8} {projection} rows={rows} {t}"
             x, w = rand(rows, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.float32, scale=k ** -0.5)
-            scale = None
-            if fp8:
-                scale = (w.abs().amax(1) / 448.0).clamp(min=1e-12)
-                w = (w / scale[:, None]).clamp(-448, 448).to(FP8)
-            else:
-                w = w.to(torch.bfloat16)
+            w, scale = quantize_weight_per_channel(w) if fp8 else (w.to(torch.bfloat16), None)
             kw = dict(residual=rand(rows, k, dtype=torch.bfloat16) if norm else None,
                       norm_weight=(torch.rand(k) + 0.5).to(torch.bfloat16) if norm else None, eps=1e-5,
                       silu_pair=silu, weight_scale=scale)
