@@ -439,7 +439,8 @@ class Clusters:
     MODES = {"disagg": [], "colocated": ["--colocated"],
              "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"],
              "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"],
-             "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": []}
+             "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
+             "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"]}
     ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"}}  # a mode's environment (entrypoints/worker.py)
 
     def __init__(self, model_dir: Path, log_root: Path, up_args: list[str] = ()) -> None:
@@ -674,6 +675,12 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "`tandem up --no-share-weights`: a copy of the weights each, the decode worker's K/V smaller by one"),
     Section("online_own_weights", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_own_weights"),
             "online with --no-share-weights (TTFT / TPOT against `online`)"),
+    Section("online_fp8", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8"),
+            "online with FP8 weights (`tandem up --quantization fp8`; TTFT / TPOT against `online`)"),
+    Section("max_rate_fp8", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8"),
+            "max_rate with FP8 weights"),
+    Section("online_colocated_fp8", "", 75, 45, "cluster", lambda c: run_online(c, "colocated_fp8"),
+            "online_colocated with FP8 weights"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),

@@ -36,6 +36,7 @@ from engine.config import EXPECTED_CONTEXT_TOKENS, EngineConfig, ModelConfig
 from engine.cuda_graphs import DEFAULT_BUCKETS, MAX_GRAPH_BATCH, spare_buckets, timed_buckets_enabled
 from engine.kv_cache import KVCache
 from engine.prefill_graphs import buckets_up_to, graph_token_limit
+from engine.quant.formats import checkpoint_fp8_format
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +91,28 @@ class MemoryPlan:
         return f"{self.limit / GiB:.1f} GiB = {parts}, KV {max(0, self.kv) / GiB:.1f} GiB"
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
-    """Bytes of one tensor-parallel rank's weights of `dtype`."""
-    return config.num_params() * dtype.itemsize // tp
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: int = 1, fp8: bool = False) -> int:
+    """Bytes of one tensor-parallel rank's weights of `dtype`; with `fp8` (--quantization fp8 or
+    an FP8 checkpoint) the decoder layers' projections are e4m3 with a float32 scale per output
+    channel (engine.quant.fp8) and the rest `dtype`."""
+    total = config.num_params() * dtype.itemsize
+    if fp8:
+        h = config.hidden_size
+        channels = config.q_size + 2 * config.kv_size + h + 2 * config.intermediate_size + h
+        projections = config.num_layers * config.projection_params()
+        total -= projections * (dtype.itemsize - 1) - config.num_layers * channels * 4
+    return total // tp
 
 
 def check_weights_fit(config: ModelConfig, dtype: torch.dtype, device: torch.device, fraction: float,
                       tp: int = 1) -> None:
     """Before loading: ValueError naming --gpu-memory-fraction (and --tp) when the weights alone
-    exceed this engine's share of the GPU."""
+    exceed this engine's share of the GPU: an FP8 checkpoint's as they load (e4m3), any other's
+    in `dtype` (--quantization fp8 loads them so before quantizing)."""
     if device.type != "cuda":
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    weights = weight_bytes(config, dtype, tp)
+    weights = weight_bytes(config, dtype, tp, fp8=checkpoint_fp8_format(config.raw) is not None)
     if weights + NON_TORCH_BYTES > fraction * total:
         raise ValueError(
             f"gpu_memory_fraction: the weights take {weights / GiB:.1f} GiB, more than --gpu-memory-fraction "

@@ -26,6 +26,7 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
+from engine.quant.formats import checkpoint_fp8_format
 from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
                            prefill_graph_bytes, weight_bytes)
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
@@ -43,9 +44,10 @@ MIN_FITTED_CONTEXT = 4096  # fitting_max_model_len halves the context no further
 
 def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: str, max_model_len: int | None,
                        max_batched_tokens: int, max_running: int | None = None, tp: int = 1,
-                       prefill_graph_tokens: int = 0, shared_weights: bool = False) -> int:
+                       prefill_graph_tokens: int = 0, shared_weights: bool = False, fp8_weights: bool = False) -> int:
     """Bytes of one GPU a prefill worker (one tensor-parallel rank) needs: weights of `dtype`
-    (none where `shared_weights`: a decode worker's share holds them, engine/shared_weights.py),
+    (`fp8_weights`: the projections e4m3, engine.memory.weight_bytes; none where
+    `shared_weights`: a decode worker's share holds them, engine/shared_weights.py),
     KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
     activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
     `max_running` rows, or the device's ceiling before the pool is known), its prefill graphs
@@ -56,7 +58,7 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
     rows = max_running or MAX_RUNNING_CEILING_CUDA
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
-    weights = 0 if shared_weights else weight_bytes(mc, dtype, tp)
+    weights = 0 if shared_weights else weight_bytes(mc, dtype, tp, fp8_weights)
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
     graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
@@ -81,21 +83,21 @@ def prefill_memory_ratio(need_bytes: int, gpu_bytes: int, cluster_share: float, 
 
 def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                      dtype: str | None, kv_cache_dtype: str, max_model_len: int | None, max_batched_tokens: int,
-                     max_running: int | None, tp: int, cluster_share: float,
+                     max_running: int | None, tp: int, cluster_share: float, quantization: str | None = None,
                      prefill_graph_tokens: int = 0, shared_weights: bool = False) -> float | None:
     """The prefill-to-decode memory ratio from what a prefill worker of `model` needs on the
     first GPU of `placement` that hosts both roles (`physical` names it for nvidia-smi; with
     `shared_weights` the weights are in a decode worker's share); None when no GPU does, its
     size cannot be read, or the model's config cannot (the workers then report what is wrong
-    with it)."""
-    shared = _shared_gpu(placement, model, physical, dtype)
+    with it). `quantization`: --quantization (an FP8 checkpoint's weights count as FP8 without it)."""
+    shared = _shared_gpu(placement, model, physical, dtype, quantization)
     if shared is None:
         return None
-    gpu, here, size, mc, element = shared
+    gpu, here, size, mc, element, fp8 = shared
     need = prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype,
                               max_model_len=max_model_len, max_batched_tokens=max_batched_tokens,
                               max_running=max_running, tp=tp, prefill_graph_tokens=prefill_graph_tokens,
-                              shared_weights=shared_weights)
+                              shared_weights=shared_weights, fp8_weights=fp8)
     ratio = prefill_memory_ratio(need, size, cluster_share, here.count("prefill"), here.count("decode"))
     logger.info("a prefill worker needs %.1f GiB of GPU %d's %.1f GiB: prefill memory ratio %.3f",
                 need / GiB, gpu, size / GiB, ratio)
@@ -104,7 +106,7 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
 
 def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                           dtype: str | None, kv_cache_dtype: str, max_batched_tokens: int,
-                          max_running: int | None, tp: int, cluster_share: float,
+                          max_running: int | None, tp: int, cluster_share: float, quantization: str | None = None,
                           prefill_graph_tokens: int = 0, shared_weights: bool = False) -> int | None:
     """For a cluster given no --max-model-len: the model's context halved until, on the first GPU
     of `placement` hosting both roles, its prefill and decode workers can each hold one request
@@ -114,32 +116,34 @@ def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[
     MIN_FITTED_CONTEXT fits (the workers then name the flag to change). With `shared_weights`
     the GPU holds the weights once, in the first decode worker's share. Llama-3.1-8B on an 80 GB
     H100: 131,072 tokens need ~79 GiB of the 71 that 0.9 of it leaves; 65,536 fit."""
-    shared = _shared_gpu(placement, model, physical, dtype)
+    shared = _shared_gpu(placement, model, physical, dtype, quantization)
     if shared is None:
         return None
-    _, here, size, mc, element = shared
+    _, here, size, mc, element, fp8 = shared
 
     def need(context: int, graph_tokens: int, shared: bool) -> int:
         return prefill_need_bytes(mc, dtype=element, kv_cache_dtype=kv_cache_dtype, max_model_len=context,
                                   max_batched_tokens=max_batched_tokens, max_running=max_running, tp=tp,
-                                  prefill_graph_tokens=graph_tokens, shared_weights=shared)
+                                  prefill_graph_tokens=graph_tokens, shared_weights=shared, fp8_weights=fp8)
 
     budget = cluster_share * size * CUDA_VISIBLE_SHARE
     context = mc.max_position_embeddings
     while context >= MIN_FITTED_CONTEXT:
         prefill = need(context, prefill_graph_tokens, shared_weights)
         decode = need(context, 0, shared_weights) + DECODE_GRAPH_BYTES
-        weights_once = weight_bytes(mc, element, tp) if shared_weights else 0
+        weights_once = weight_bytes(mc, element, tp, fp8) if shared_weights else 0
         if here.count("prefill") * prefill + here.count("decode") * decode + weights_once <= budget:
             return None if context == mc.max_position_embeddings else context
         context //= 2
     return None
 
 
-def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], dtype: str | None):
-    """(gpu, the roles on it, its bytes, the model's ModelConfig, the dtype) of the first GPU of
-    `placement` that hosts a prefill and a decode worker; None when none does or its size or the
-    model's config cannot be read."""
+def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], dtype: str | None,
+                quantization: str | None = None):
+    """(gpu, the roles on it, its bytes, the model's ModelConfig, the dtype, whether the weights
+    are FP8: `quantization` or the checkpoint's own format) of the first GPU of `placement` that
+    hosts a prefill and a decode worker; None when none does or its size or the model's config
+    cannot be read."""
     for gpu in placement.gpus:
         here = [w.role for w in placement.workers if gpu in w.gpus]
         if "prefill" in here and "decode" in here:
@@ -152,10 +156,11 @@ def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int,
     try:
         mc = ModelConfig.from_dir(model)
         element = parse_dtype(dtype, "--dtype") if dtype else mc.torch_dtype
+        fp8 = quantization == "fp8" or checkpoint_fp8_format(mc.raw) is not None
     except (OSError, ValueError) as exc:
         logger.warning("cannot size the prefill worker's share from %s (%s)", model, exc)
         return None
-    return gpu, here, size, mc, element
+    return gpu, here, size, mc, element, fp8
 
 
 def gpu_memory_bytes(physical_gpu: str) -> int | None:

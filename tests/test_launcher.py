@@ -88,6 +88,21 @@ def test_up_serves_demo_model_and_sigterm_leaves_nothing(tmp_path):
     assert "failed" not in (log_dir / "agent.log").read_text()
 
 
+def test_up_serves_fp8_weights(tmp_path):
+    """`tandem up --quantization fp8`: both workers quantize the (shared) weights at load and
+    serve (on a CPU, through the FP8 reference path)."""
+    proc, port, log_dir = start_up(tmp_path, "--quantization", "fp8", "--no-agent")
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            a = client.generate("Once upon a time", max_tokens=8, temperature=0.0)
+            b = client.generate("Once upon a time", max_tokens=8, temperature=0.0)
+        assert a.token_ids and a.token_ids == b.token_ids
+    finally:
+        assert stop(proc) == 0
+    for worker in ("prefill-0", "decode-0"):
+        assert "FP8 weights:" in (log_dir / f"{worker}.log").read_text(), worker
+
+
 def logged_at(path: Path, text: str) -> str:
     """The timestamp ("YYYY-MM-DD HH:MM:SS,mmm") of the first line of `path` holding `text`."""
     for line in path.read_text().splitlines():
@@ -228,7 +243,7 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
     from entrypoints.launcher import build_children, parse_args, placement_for
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the launcher's own view: indices map to these
-    a = parse_args(["--max-model-len", "4096", "--kv-cache-dtype", "fp8", "--no-prefix-cache",
+    a = parse_args(["--max-model-len", "4096", "--kv-cache-dtype", "fp8", "--quantization", "fp8", "--no-prefix-cache",
                     "--max-num-seqs", "64", "--gpus", "1", "--swap-space", "2", "--prefill-graph-tokens", "512"])
     children = {c.name: c for c in build_children(a, "/models/m", placement=placement_for(a, visible=4))}
     pre, dec, gw = children["prefill-0"], children["decode-0"], children["gateway"]
@@ -242,11 +257,12 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
     for c in (pre, dec):
         assert flag(c, "--device") == "cuda" and flag(c, "--max-model-len") == "4096"
         assert flag(c, "--kv-cache-dtype") == "fp8" and "--no-prefix-cache" in c.argv
+        assert flag(c, "--quantization") == "fp8"  # workers sharing a device's weights must agree
         assert flag(c, "--max-running") == "64" and flag(c, "--swap-space-gb") == "2.0"
         assert flag(c, "--prefill-graph-tokens") == "512"
         assert int(flag(c, "--metrics-port")) > 0
     assert flag(gw, "--max-context") == "4096" and int(flag(gw, "--metrics-port")) > 0
-    assert "CUDA_VISIBLE_DEVICES" not in gw.env
+    assert "CUDA_VISIBLE_DEVICES" not in gw.env and "--quantization" not in gw.argv
     cpu = build_children(parse_args(["--no-metrics"]), "/models/m", placement=placement_for(parse_args([]), 0))
     assert all("CUDA_VISIBLE_DEVICES" not in c.env and "--device" not in c.argv and "--metrics-port" not in c.argv
                and "--prefill-graph-tokens" not in c.argv for c in cpu)  # the workers' own default
@@ -259,6 +275,16 @@ def test_a_bad_prefill_graph_size_names_the_flag(value, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--prefill-graph-tokens", value])
     assert "--prefill-graph-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,names", [(["--quantization", "int4"], "--quantization"),
+                                        (["--quantization", "fp8", "--tp", "2"], "--tp 1")])
+def test_a_quantization_the_workers_cannot_run_names_the_flag(argv, names, capsys) -> None:
+    from entrypoints.launcher import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert names in capsys.readouterr().err
 
 
 def test_no_drawn_port_is_one_the_user_fixed(monkeypatch) -> None:

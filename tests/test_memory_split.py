@@ -206,3 +206,51 @@ def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worke
     shared = placement_for(b, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     gained = (shared - own) * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
     assert gained == pytest.approx(mc.num_params() * 2, rel=1e-3)  # the prefill worker's copy, now K/V
+
+
+def test_fp8_weights_count_a_byte_for_each_projection_weight(tiny_models) -> None:
+    """engine.memory.weight_bytes with fp8: the bytes the quantized model's parameters take
+    (e4m3 projections, a float32 scale per output channel), against the bf16 model's, for every
+    family (num_params leaves out biases and q/k norms: the difference is what is compared)."""
+    from engine.memory import weight_bytes
+    from engine.weights import model_without_weights
+
+    def held(config: ModelConfig, quantization: str | None) -> int:
+        model = model_without_weights(config, torch.bfloat16, quantization=quantization)
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    for family, path in tiny_models.items():
+        config = ModelConfig.from_dir(path)
+        saved = weight_bytes(config, torch.bfloat16) - weight_bytes(config, torch.bfloat16, fp8=True)
+        assert saved == held(config, None) - held(config, "fp8") > 0, family
+    llama = ModelConfig.from_dir(tiny_models["llama"])
+    assert weight_bytes(llama, torch.bfloat16, fp8=True) == held(llama, "fp8")
+    mc = ModelConfig.from_dict(LLAMA31_8B)  # 16.1 GB in bf16, 9.1 with e4m3 projections
+    assert 9.0e9 < weight_bytes(mc, torch.bfloat16, fp8=True) < 9.2e9 < 16e9 < weight_bytes(mc, torch.bfloat16)
+
+
+def test_tandem_up_sizes_fp8_weights_as_e4m3(model_dir: Path, nvidia_smi: Path, tmp_path: Path, monkeypatch) -> None:
+    """`tandem up --quantization fp8` (or an FP8 checkpoint, without the flag) sizes the prefill
+    worker's own copy of the weights, and the decode worker's shared one, at their e4m3 size."""
+    from engine.memory import weight_bytes
+    from entrypoints import launcher
+    from entrypoints.launcher import parse_args, placement_for
+
+    monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
+    mc = ModelConfig.from_dict(LLAMA31_8B)
+    saved = weight_bytes(mc, torch.bfloat16) - weight_bytes(mc, torch.bfloat16, fp8=True)
+    gpu = (H200_MIB << 20) * CUDA_VISIBLE_SHARE
+
+    def prefill_share(model: Path, *flags: str) -> float:
+        return placement_for(parse_args(list(flags)), visible=1, model=str(model)).worker("prefill-0").memory_fraction
+
+    bf16 = prefill_share(model_dir, "--no-share-weights")
+    fp8 = prefill_share(model_dir, "--no-share-weights", "--quantization", "fp8")
+    assert (bf16 - fp8) * gpu == pytest.approx(saved, abs=gpu * 2e-4)
+    checkpoint = tmp_path / "llama31-8b-fp8"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(
+        {**LLAMA31_8B, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}))
+    assert prefill_share(checkpoint, "--no-share-weights") == fp8
+    # One shared copy: the prefill worker holds none either way, so its share is the same.
+    assert prefill_share(model_dir, "--quantization", "fp8") == prefill_share(model_dir)
