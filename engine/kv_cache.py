@@ -73,4 +73,8 @@ class KVCache:
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         src = torch.tensor(host_blocks, dtype=torch.long)
         dst = upload(device_blocks, torch.long, self.stacked.device)
-        self.stacked.index_copy_(2, dst, self.host[:, :, src].to(self.stacked.device, non_blocking=True))
+        blocks = self.host[:, :, src].to(self.stacked.device, non_blocking=True)
+        if self.dtype.itemsize == 1:  # torch has no index_copy_ for FP8 dtypes: copy their bytes
+            self.stacked.view(torch.uint8).index_copy_(2, dst, blocks.view(torch.uint8))
+        else:
+            self.stacked.index_copy_(2, dst, blocks)

@@ -88,8 +88,8 @@ class TensorKVSink:
                     v: torch.Tensor) -> None:
         dev = k_cache.device
         idx = device_index(dst_block_ids, dev)
-        k_cache.index_copy_(0, idx, k.to(dev, non_blocking=True))
-        v_cache.index_copy_(0, idx, v.to(dev, non_blocking=True))
+        for cache, src in ((k_cache, k), (v_cache, v)):
+            _copyable(cache).index_copy_(0, idx, _copyable(src.to(dev, non_blocking=True)))
 
     def wait_written(self) -> None:
         """Block until every upload from host memory queued so far has reached the cache."""
@@ -99,6 +99,12 @@ class TensorKVSink:
     def close(self) -> None:
         """Stop the helper thread (it also ends with the process)."""
         self._pool.close()
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a one-byte float tensor (an FP8 cache) its bytes as uint8 of the same shape:
+    torch has no index_copy_ for FP8 dtypes, on the CPU or CUDA."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -131,27 +131,33 @@ def test_tensor_sink_writes_only_the_named_blocks(stacked: bool) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_sink_uploads_host_sources_off_the_compute_stream() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_sink_uploads_host_sources_off_the_compute_stream(dtype) -> None:
     """Host sources land in a CUDA cache through the sink's own stream, also while the default
-    stream is busy; wait_written waits for them; a source buffer may be reused after write."""
+    stream is busy; wait_written waits for them; a source buffer may be reused after write.
+    Device sources (CUDA IPC's) land too; an FP8 cache takes both."""
     layers, blocks = 3, 64
-    k_cache = torch.zeros(layers, blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.zeros(layers, blocks, 16, 8, 128, dtype=dtype, device="cuda")
     v_cache = torch.zeros_like(k_cache)
     sink = TensorKVSink(k_cache, v_cache)
     busy = torch.randn(4096, 4096, device="cuda")
     for _ in range(20):  # queue work on the compute stream
         busy = busy @ busy / 64
-    src = torch.randn(layers, 5, 16, 8, 128).to(torch.bfloat16)
+    src = torch.randn(layers, 5, 16, 8, 128).to(dtype)
     want = src.clone()
     ids = [60, 3, 17, 9, 41]
     for layer in range(layers):
-        sink.write(layer, ids, src[layer], src[layer] * 2)
+        sink.write(layer, ids, src[layer], src[layer].float().mul(2).to(dtype))
     src.zero_()  # the transport reuses its buffer
     sink.wait_written()
     for layer in range(layers):
-        assert torch.equal(k_cache[layer, ids].cpu(), want[layer])
-        assert torch.equal(v_cache[layer, ids].cpu(), want[layer] * 2)
-    assert k_cache[:, [0, 1, 2]].abs().sum().item() == 0
+        assert torch.equal(k_cache[layer, ids].cpu().float(), want[layer].float())
+        assert torch.equal(v_cache[layer, ids].cpu().float(), want[layer].float() * 2)
+    assert k_cache[:, [0, 1, 2]].float().abs().sum().item() == 0
+    on_device = want[0].cuda()
+    sink.write(0, [0, 1, 2, 4, 5], on_device, on_device)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache[0, [0, 1, 2, 4, 5]].float(), on_device.float())
 
 
 def test_registry_resolves_zmq_and_rejects_unknown_names() -> None:
