@@ -407,8 +407,9 @@ def busy_port(a: argparse.Namespace) -> str | None:
 
 def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, model: str) -> list[str]:
     """The banner: one line per worker (GPU, memory share, KV blocks and tokens, max running,
-    metrics port) and the KV transport."""
+    metrics port), the KV transport, and what is stored as FP8."""
     from engine.memory import default_max_running
+    from engine.quant.formats import checkpoint_fp8_format
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     longest = int(cfg.get("max_position_embeddings", 2048))
@@ -439,6 +440,15 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
                     f"(max {min(max_model_len, blocks * block)} per request), max running {running}{metrics}")
     if placement.kv_transport:
         rows.append(f"  KV transport: {placement.kv_transport}")
+    try:
+        fp8_checkpoint = checkpoint_fp8_format(cfg) is not None
+    except ValueError:  # the workers have refused it already
+        fp8_checkpoint = False
+    fp8 = [what for what, on in (("weights" + (" (the checkpoint's)" if fp8_checkpoint else " (quantized at load)"),
+                                  fp8_checkpoint or a.quantization == "fp8"),
+                                 ("KV cache", a.kv_cache_dtype == "fp8")) if on]
+    if fp8:
+        rows.append(f"  FP8 (e4m3): {' and '.join(fp8)}")
     return rows
 
 

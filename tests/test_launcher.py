@@ -92,6 +92,7 @@ def test_up_serves_fp8_weights(tmp_path):
     """`tandem up --quantization fp8`: both workers quantize the (shared) weights at load and
     serve (on a CPU, through the FP8 reference path)."""
     proc, port, log_dir = start_up(tmp_path, "--quantization", "fp8", "--no-agent")
+    assert "FP8 (e4m3): weights (quantized at load)\n" in proc.printed  # the banner says so
     try:
         with Client(f"127.0.0.1:{port}") as client:
             a = client.generate("Once upon a time", max_tokens=8, temperature=0.0)
