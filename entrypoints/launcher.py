@@ -118,6 +118,33 @@ def _sizing(a: argparse.Namespace, placement: Placement) -> dict:
                 shared_weights=shares_weights(a, placement))
 
 
+def fp8_gpu_error(a: argparse.Namespace, placement: Placement, model: str) -> str | None:
+    """The one-line error where FP8 is asked of (--quantization fp8, --kv-cache-dtype fp8, or an
+    FP8 checkpoint) a placed GPU that nvidia-smi says is older than compute capability 8.9, before
+    any worker starts (each would fail at start-up, and be restarted until the cluster gives up);
+    None when every GPU can, or nothing tells (the workers then check for themselves)."""
+    from engine.quant.formats import checkpoint_fp8_format
+    from entrypoints.nvidia_smi import compute_capability
+    from tandem_kernels.ops import FP8_MIN_CAPABILITY
+
+    try:
+        checkpoint = checkpoint_fp8_format(json.loads((Path(model) / "config.json").read_text())) is not None
+    except (OSError, ValueError):  # the workers name what is wrong with it
+        checkpoint = False
+    asked = [flag for flag, on in (("--quantization fp8", a.quantization == "fp8"),
+                                   ("--kv-cache-dtype fp8", a.kv_cache_dtype == "fp8"),
+                                   ("the checkpoint (config.json quantization_config)", checkpoint)) if on]
+    if not asked:
+        return None
+    for gpu in sorted({g for w in placement.workers for g in w.gpus}):
+        cap = compute_capability(physical_gpus((gpu,)))
+        if cap is not None and cap < FP8_MIN_CAPABILITY:
+            need = ".".join(map(str, FP8_MIN_CAPABILITY))
+            return (f"{' and '.join(asked)}: FP8 (e4m3) needs a GPU of compute capability {need} or newer (Ada, "
+                    f"Hopper, Blackwell); GPU {gpu} is {cap[0]}.{cap[1]}. Serve the model in bf16 or fp16 instead")
+    return None
+
+
 def physical_gpus(gpus: tuple[int, ...]) -> str:
     """CUDA_VISIBLE_DEVICES for a child: `gpus` index what this process sees, which is its own
     CUDA_VISIBLE_DEVICES list when it has one."""
@@ -488,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         placement = placement_for(a, model=model)
     except PlacementError as exc:
         print(f"tandem up: {exc}", file=sys.stderr, flush=True)
+        return 2
+    unable = fp8_gpu_error(a, placement, model)
+    if unable:
+        print(f"tandem up: {unable}", file=sys.stderr, flush=True)
         return 2
     log_dir = Path(a.log_dir) if a.log_dir else None
     if log_dir:

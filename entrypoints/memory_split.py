@@ -16,10 +16,7 @@ instead of 60%; with `--max-model-len 32768` the decode worker gets 70%.
 """
 from __future__ import annotations
 
-import functools
 import logging
-import shutil
-import subprocess
 from collections.abc import Callable
 
 import torch
@@ -29,6 +26,7 @@ from engine.kv_cache import KVCache
 from engine.quant.formats import checkpoint_fp8_format
 from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
                            prefill_graph_bytes, weight_bytes)
+from entrypoints.nvidia_smi import memory_bytes
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
 logger = logging.getLogger(__name__)
@@ -150,7 +148,7 @@ def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int,
             break
     else:
         return None
-    size = gpu_memory_bytes(physical((gpu,)))
+    size = memory_bytes(physical((gpu,)))
     if size is None:
         return None
     try:
@@ -163,30 +161,4 @@ def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int,
     return gpu, here, size, mc, element, fp8
 
 
-def gpu_memory_bytes(physical_gpu: str) -> int | None:
-    """Total memory of one GPU (an index or UUID as CUDA_VISIBLE_DEVICES names it), read with
-    nvidia-smi so that `tandem up` itself never opens a CUDA context; None when it cannot tell.
-    Asked once per GPU and nvidia-smi executable (`tandem up` sizes the context, then the shares)."""
-    exe = shutil.which("nvidia-smi")
-    return None if exe is None else _asked_memory_bytes(exe, physical_gpu)
-
-
-@functools.lru_cache(maxsize=64)
-def _asked_memory_bytes(exe: str, physical_gpu: str) -> int | None:
-    try:
-        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", physical_gpu],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("nvidia-smi could not tell GPU %s's memory (%s)", physical_gpu, exc)
-        return None
-    return parse_memory_mib(out)
-
-
-def parse_memory_mib(text: str) -> int | None:
-    """Bytes from nvidia-smi's `memory.total` in MiB (its first line); None for anything else."""
-    first = text.strip().splitlines()[0].strip() if text.strip() else ""
-    return int(first) * (1 << 20) if first.isdigit() and int(first) > 0 else None
-
-
-__all__ = ["fitting_max_model_len", "gpu_memory_bytes", "parse_memory_mib", "prefill_memory_ratio",
-           "prefill_need_bytes", "shared_gpu_ratio"]
+__all__ = ["fitting_max_model_len", "prefill_memory_ratio", "prefill_need_bytes", "shared_gpu_ratio"]

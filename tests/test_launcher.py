@@ -288,6 +288,39 @@ def test_a_quantization_the_workers_cannot_run_names_the_flag(argv, names, capsy
     assert names in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("capability", ["8.0", "9.0"])
+def test_fp8_on_a_gpu_that_cannot_hold_it_is_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                            capability) -> None:
+    """nvidia-smi (a stand-in here) tells the GPU's compute capability: FP8 asked of one older
+    than 8.9 is a one-line error naming what asked for it; a newer one, or nothing FP8, passes."""
+    import json
+
+    from bench.h200_bench import LLAMA31_8B
+    from entrypoints.launcher import fp8_gpu_error, parse_args, placement_for
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\ncase "$*" in *compute_cap*) echo {capability};; *) echo 81559;; esac\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    plain, fp8 = tmp_path / "plain", tmp_path / "fp8"
+    for path, extra in ((plain, {}), (fp8, {"quantization_config": {"quant_method": "fp8"}})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**LLAMA31_8B, **extra}))
+    placement = placement_for(parse_args([]), visible=1)
+    old = capability == "8.0"
+    for argv, model, named in ((["--quantization", "fp8"], plain, "--quantization fp8"),
+                               (["--kv-cache-dtype", "fp8"], plain, "--kv-cache-dtype fp8"),
+                               ([], fp8, "the checkpoint (config.json quantization_config)")):
+        error = fp8_gpu_error(parse_args(argv), placement, str(model))
+        if old:
+            assert error.startswith(f"{named}: FP8 (e4m3) needs a GPU of compute capability 8.9") and "is 8.0" in error
+        else:
+            assert error is None
+    assert fp8_gpu_error(parse_args([]), placement, str(plain)) is None  # nothing FP8 asked
+
+
 def test_no_drawn_port_is_one_the_user_fixed(monkeypatch) -> None:
     """The gateway binds --port, --metrics-port and --http-port last, after every worker is up, so
     those ports are free while the launcher draws the workers' ports: drawing one of them again

@@ -15,7 +15,8 @@ import torch
 from bench.h200_bench import LLAMA31_8B
 from engine.config import ModelConfig
 from engine.memory import NON_TORCH_BYTES
-from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, parse_memory_mib, prefill_memory_ratio, prefill_need_bytes
+from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, prefill_memory_ratio, prefill_need_bytes
+from entrypoints.nvidia_smi import parse_compute_cap, parse_memory_mib
 from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, place
 from worker.config import PREFILL_GRAPH_TOKENS
 
@@ -74,6 +75,10 @@ def test_nvidia_smi_output_is_parsed_or_refused() -> None:
     assert parse_memory_mib("81559\n81559\n") == 81559 << 20
     for bad in ("", "[N/A]", "0", "-5", "12.5"):
         assert parse_memory_mib(bad) is None
+    assert parse_compute_cap("9.0\n") == (9, 0) and parse_compute_cap("8.9\n8.0\n") == (8, 9)
+    assert parse_compute_cap("10.0") == (10, 0) > (8, 9)
+    for bad in ("", "[N/A]", "9", "9.", ".0", "x.y"):
+        assert parse_compute_cap(bad) is None
 
 
 @pytest.fixture
