@@ -118,22 +118,28 @@ def _sizing(a: argparse.Namespace, placement: Placement) -> dict:
                 shared_weights=shares_weights(a, placement))
 
 
+def fp8_checkpoint(model: str) -> bool:
+    """Whether `model`'s config.json names an FP8 format the workers load as FP8
+    (engine/quant/formats.py); False where it cannot be read or names one they refuse (they say why)."""
+    from engine.quant.formats import checkpoint_fp8_format
+
+    try:
+        return checkpoint_fp8_format(json.loads((Path(model) / "config.json").read_text())) is not None
+    except (OSError, ValueError):
+        return False
+
+
 def fp8_gpu_error(a: argparse.Namespace, placement: Placement, model: str) -> str | None:
     """The one-line error where FP8 is asked of (--quantization fp8, --kv-cache-dtype fp8, or an
     FP8 checkpoint) a placed GPU that nvidia-smi says is older than compute capability 8.9, before
     any worker starts (each would fail at start-up, and be restarted until the cluster gives up);
     None when every GPU can, or nothing tells (the workers then check for themselves)."""
-    from engine.quant.formats import checkpoint_fp8_format
     from entrypoints.nvidia_smi import compute_capability
     from tandem_kernels.ops import FP8_MIN_CAPABILITY
 
-    try:
-        checkpoint = checkpoint_fp8_format(json.loads((Path(model) / "config.json").read_text())) is not None
-    except (OSError, ValueError):  # the workers name what is wrong with it
-        checkpoint = False
     asked = [flag for flag, on in (("--quantization fp8", a.quantization == "fp8"),
                                    ("--kv-cache-dtype fp8", a.kv_cache_dtype == "fp8"),
-                                   ("the checkpoint (config.json quantization_config)", checkpoint)) if on]
+                                   ("the checkpoint (config.json quantization_config)", fp8_checkpoint(model))) if on]
     if not asked:
         return None
     for gpu in sorted({g for w in placement.workers for g in w.gpus}):
@@ -436,7 +442,6 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
     """The banner: one line per worker (GPU, memory share, KV blocks and tokens, max running,
     metrics port), the KV transport, and what is stored as FP8."""
     from engine.memory import default_max_running
-    from engine.quant.formats import checkpoint_fp8_format
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     longest = int(cfg.get("max_position_embeddings", 2048))
@@ -467,12 +472,9 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
                     f"(max {min(max_model_len, blocks * block)} per request), max running {running}{metrics}")
     if placement.kv_transport:
         rows.append(f"  KV transport: {placement.kv_transport}")
-    try:
-        fp8_checkpoint = checkpoint_fp8_format(cfg) is not None
-    except ValueError:  # the workers have refused it already
-        fp8_checkpoint = False
-    fp8 = [what for what, on in (("weights" + (" (the checkpoint's)" if fp8_checkpoint else " (quantized at load)"),
-                                  fp8_checkpoint or a.quantization == "fp8"),
+    checkpoint = fp8_checkpoint(model)
+    fp8 = [what for what, on in (("weights" + (" (the checkpoint's)" if checkpoint else " (quantized at load)"),
+                                  checkpoint or a.quantization == "fp8"),
                                  ("KV cache", a.kv_cache_dtype == "fp8")) if on]
     if fp8:
         rows.append(f"  FP8 (e4m3): {' and '.join(fp8)}")

@@ -23,9 +23,9 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
-from engine.quant.formats import checkpoint_fp8_format
 from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
                            prefill_graph_bytes, weight_bytes)
+from engine.quant.formats import checkpoint_fp8_format
 from entrypoints.nvidia_smi import memory_bytes
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
 
