@@ -440,8 +440,10 @@ class Clusters:
              "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"],
              "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"],
              "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
-             "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"]}
-    ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"}}  # a mode's environment (entrypoints/worker.py)
+             "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
+             "disagg_fp8_one_row": ["--quantization", "fp8"]}
+    ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"},  # a mode's environment (entrypoints/worker.py)
+           "disagg_fp8_one_row": {"TANDEM_FUSED_GEMV_ROWS": "1"}}
 
     def __init__(self, model_dir: Path, log_root: Path, up_args: list[str] = ()) -> None:
         self.model_dir, self.log_root, self.up_args = model_dir, log_root, list(up_args)
@@ -681,6 +683,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "max_rate with FP8 weights"),
     Section("online_colocated_fp8", "", 75, 45, "cluster", lambda c: run_online(c, "colocated_fp8"),
             "online_colocated with FP8 weights"),
+    Section("online_fp8_one_row", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_one_row"),
+            "online_fp8 with fused GEMVs at one row only (TANDEM_FUSED_GEMV_ROWS=1): steps of 2+ sequences "
+            "through cuBLASLt's FP8 GEMM, against online_fp8's fused ones"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
