@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 
 
 def test_up_on_a_gpu_serves_fp8_weights_and_an_fp8_kv_cache(tmp_path) -> None:
-    proc, port, log_dir = start_up(tmp_path, "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--no-agent")
+    proc, port, log_dir = start_up(tmp_path, "--dtype", "bfloat16", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                                   "--no-agent")  # bf16, as models are served (the demo model is float32)
     try:
         assert "KV transport: cuda_ipc" in proc.printed  # the prompt's KV crosses to the decode worker
         assert "FP8 (e4m3): weights (quantized at load) and KV cache" in proc.printed
