@@ -204,6 +204,11 @@ class ModelConfig:
         h = self.hidden_size
         return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
 
+    def projection_channels(self) -> int:
+        """Output channels of one decoder layer's four projections (qkv, o_proj, gate_up, down)."""
+        h = self.hidden_size
+        return (self.q_size + 2 * self.kv_size) + h + 2 * self.intermediate_size + h
+
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         h, v = self.hidden_size, self.vocab_size

@@ -97,10 +97,8 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype, tp: int = 1, fp8: bool
     channel (engine.quant.fp8) and the rest `dtype`."""
     total = config.num_params() * dtype.itemsize
     if fp8:
-        h = config.hidden_size
-        channels = config.q_size + 2 * config.kv_size + h + 2 * config.intermediate_size + h
         projections = config.num_layers * config.projection_params()
-        total -= projections * (dtype.itemsize - 1) - config.num_layers * channels * 4
+        total -= projections * (dtype.itemsize - 1) - config.num_layers * config.projection_channels() * 4
     return total // tp
 
 
