@@ -303,14 +303,16 @@ def decode_tuning(fields: str | None):
     replaced, while inside."""
     import tandem_kernels.decode_attention as da
 
-    saved = da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING
+    names = ("FP8_TUNING", "FP8_WIDE_TUNING", "BF16_TUNING", "BF16_PREFETCH_TUNING", "FP8_PREFETCH_TUNING")
+    saved = {name: getattr(da, name) for name in names}  # the small batches' prefetching tunings too
     if fields is not None:
-        da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING = (dataclasses.replace(t, **json.loads(fields))
-                                                             for t in saved)
+        for name, t in saved.items():
+            setattr(da, name, dataclasses.replace(t, **json.loads(fields)))
     try:
         yield
     finally:
-        da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING = saved
+        for name, t in saved.items():
+            setattr(da, name, t)
 
 
 def main() -> int:

@@ -42,7 +42,7 @@ def test_allocator_events_are_per_step_deltas():
                                                    "device_frees": 1.0, "sync_all_streams": 1.0}
 
 
-def test_decode_tuning_replaces_both_defaults_and_restores_them():
+def test_decode_tuning_replaces_every_default_and_restores_them():
     import torch
 
     import tandem_kernels.decode_attention as da
@@ -55,6 +55,11 @@ def test_decode_tuning_replaces_both_defaults_and_restores_them():
             assert (got.num_stages, got.defer_sum) == (4, True)
             assert got.block_n == was.block_n and got.opaque_cvt == was.opaque_cvt  # the rest kept
         assert da.default_tuning(torch.float8_e4m3fn, 10**6, 1).num_stages == 4  # the wide batches' too
+        for cache in (torch.float8_e4m3fn, torch.bfloat16):  # and the small batches' prefetching ones
+            small = da.default_tuning(cache, 1, 132)
+            assert small.prefetch and small.num_stages == 4
+    assert da.default_tuning(torch.bfloat16, 1, 132) == da.BF16_PREFETCH_TUNING
+    assert da.BF16_PREFETCH_TUNING.num_stages != 4 and da.FP8_PREFETCH_TUNING.num_stages != 4
     assert (da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING) == (fp8, wide, bf16)
     with decode_tuning(None):
         assert (da.FP8_TUNING, da.FP8_WIDE_TUNING, da.BF16_TUNING) == (fp8, wide, bf16)
