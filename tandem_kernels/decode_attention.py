@@ -77,6 +77,9 @@ class DecodeTuning:
     prefetch: load each program's first K/V tile before waiting on the kernel before (PDL), the
       step's own token excepted (the 2-D tile only, and not with rotary_store_and_decode's store;
       see _decode_stage1).
+    prefetch_tiles: with prefetch, how many of a program's first tiles (1 or 2) are loaded before
+      the wait. At 2 a program of two tiles (batch 4 at ~1,100 tokens of context, the online
+      step) issues every K/V load before the wait, at twice the tile's registers held over it.
     """
 
     block_n: int = 64
@@ -91,10 +94,13 @@ class DecodeTuning:
     unsigned_index: bool = False
     warp_split: bool = False
     prefetch: bool = False
+    prefetch_tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.opaque_cvt not in ("", "v", "kv"):
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
+        if self.prefetch_tiles not in (1, 2):
+            raise ValueError(f"prefetch_tiles must be 1 or 2, got {self.prefetch_tiles}")
         if self.warp_split and (self.block_n % self.num_warps or self.block_n // self.num_warps < 16):
             raise ValueError(f"warp_split needs block_n a multiple of 16 * num_warps, got block_n {self.block_n} "
                              f"and num_warps {self.num_warps}")
@@ -363,11 +369,11 @@ def stage1_launch(
     if step is None:  # the step's arguments are not read: any pointer, no strides
         args += [q, q, q, q, q, 0, 0, 0, 0, 0, 1.0]
         consts.update(ROTARY=False, ROT=2, IS_NEOX=True, STORE_FP8=False, SOFT_ROUND=False,
-                      PREFETCH=tuning.prefetch and not tuning.warp_split)
+                      PREFETCH=tuning.prefetch_tiles if tuning.prefetch and not tuning.warp_split else 0)
     else:
         args += [step.k, step.v, step.positions, step.cos_sin_cache, step.slot_mapping,
                  step.k.stride(0), step.k.stride(1), step.v.stride(0), step.v.stride(1),
                  step.cos_sin_cache.stride(0), k_scale]
         consts.update(ROTARY=True, ROT=step.rotary_dim, IS_NEOX=step.is_neox, STORE_FP8=fp8,
-                      SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=False)
+                      SOFT_ROUND=fp8 and soft_fp8_round(), PREFETCH=0)
     return (bsz, k_cache.shape[2], splits), args, consts

@@ -170,10 +170,10 @@ def _decode_stage1(
     ROTARY: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, STORE_FP8: tl.constexpr,
     SOFT_ROUND: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """PREFETCH (not with ROTARY): the program's first K/V tile is loaded before the PDL wait,
-    but for the step's own token (position ctx - 1), which the kernel before (rotary and store)
-    writes; that row is read after the wait. The contexts, the block tables (copied in before the
-    step) and every other cached token are written by no kernel of the step."""
+    """PREFETCH (tiles, 0-2; not with ROTARY): the program's first PREFETCH K/V tiles are loaded
+    before the PDL wait, but for the step's own token (position ctx - 1), which the kernel before
+    (rotary and store) writes; that row is read after the wait. The contexts, the block tables
+    (copied in before the step) and every other cached token are written by no kernel of the step."""
     if PREFETCH:
         b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
         d = tl.arange(0, D_PAD)
@@ -184,6 +184,13 @@ def _decode_stage1(
         early = first_mask & (start + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
         k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
         v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
+        if PREFETCH > 1:
+            k1_offs, v1_offs, second_mask = _tile_offsets(bt_ptr + b * bt_s0, start + BLOCK_N, end, kvh, d, d_mask,
+                                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                                          BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
+            early = second_mask & (start + BLOCK_N + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
+            k1 = tl.load(k_cache_ptr + k1_offs, mask=early, other=0.0)
+            v1 = tl.load(v_cache_ptr + v1_offs, mask=early, other=0.0)
     pdl_begin(PDL)
     if not PREFETCH:
         b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
@@ -219,6 +226,16 @@ def _decode_stage1(
                     start + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
                     PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
             loop_start = start + BLOCK_N
+            if PREFETCH > 1:  # the second tile, as the first
+                if loop_start < end:
+                    mine = second_mask & (loop_start + tl.arange(0, BLOCK_N) == ctx - 1)[:, None]
+                    k1 = tl.where(mine, tl.load(k_cache_ptr + k1_offs, mask=mine, other=0.0), k1)
+                    v1 = tl.where(mine, tl.load(v_cache_ptr + v1_offs, mask=mine, other=0.0), v1)
+                    m_i, l_i, l_lanes, acc = _tile_step(
+                        q, widen(k1, q.dtype, OPAQUE_K), widen(v1, q.dtype, OPAQUE_V), v_cache_ptr, v1_offs,
+                        second_mask, loop_start + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
+                        PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
+                loop_start += BLOCK_N
         blk_next = first_tile_blocks(bt_row, loop_start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
         for n0 in range(loop_start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)

@@ -434,7 +434,7 @@ def case_decode_tunings() -> None:
         stages = 3 if block_n == 16 else 2  # half the shapes with the block-table entries read a tile ahead
         what = (f"decode tuning cache={cdt} opaque_cvt={cvt} block_n={block_n} min_partition={min_partition} "
                 f"num_stages={stages} narrow_offsets={block_n == 16} unsigned_index={min_partition == 16} "
-                f"prefetch={cvt != 'v'}")
+                f"prefetch={cvt != 'v'} prefetch_tiles={2 if block_n == 16 else 1}")
         lens = [width * bs - 3, 0, int(torch.randint(1, width * bs, ()))]
         kc, vc, table = paged(lens, bs, hk, d, cdt, width)
         q = rand(b, hq, d, dtype=torch.bfloat16)
@@ -442,7 +442,8 @@ def case_decode_tunings() -> None:
         tuning = da.DecodeTuning(block_n=block_n, min_partition=min_partition, opaque_cvt=cvt, num_stages=stages,
                                  narrow_offsets=block_n == 16,  # half with 32-bit K/V offsets,
                                  unsigned_index=min_partition == 16,  # half with unsigned table math
-                                 prefetch=cvt != "v")  # a third with the first tile loaded in the loop
+                                 prefetch=cvt != "v",  # a third with the first tile loaded in the loop
+                                 prefetch_tiles=2 if block_n == 16 else 1)  # half two tiles before the wait
         got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), what
         live = ctx > 0
