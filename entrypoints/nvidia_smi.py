@@ -25,15 +25,19 @@ def compute_capability(physical_gpu: str) -> tuple[int, int] | None:
 
 def parse_memory_mib(text: str) -> int | None:
     """Bytes from nvidia-smi's `memory.total` in MiB (its first line); None for anything else."""
-    first = text.strip().splitlines()[0].strip() if text.strip() else ""
+    first = _first_line(text)
     return int(first) * (1 << 20) if first.isdigit() and int(first) > 0 else None
 
 
 def parse_compute_cap(text: str) -> tuple[int, int] | None:
     """(major, minor) from nvidia-smi's `compute_cap` ("8.9"; its first line); None for anything else."""
-    first = text.strip().splitlines()[0].strip() if text.strip() else ""
-    major, dot, minor = first.partition(".")
+    major, dot, minor = _first_line(text).partition(".")
     return (int(major), int(minor)) if dot and major.isdigit() and minor.isdigit() else None
+
+
+def _first_line(text: str) -> str:
+    """The first line of nvidia-smi's answer (one line a GPU it was asked about), stripped."""
+    return text.strip().splitlines()[0].strip() if text.strip() else ""
 
 
 def _ask(physical_gpu: str, field: str) -> str | None:
