@@ -154,6 +154,36 @@ def _tile_step(q, k, v, v_cache_ptr, v_offs, kv_mask, n_mask, m_i, l_i, l_lanes,
     return m_i, l_i, l_lanes, acc
 
 
+@triton.jit
+def _early_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, ctx, kvh, d, d_mask,
+                kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NARROW: tl.constexpr, UNSIGNED: tl.constexpr):
+    """(K, V, K offsets, V offsets, mask) of the tile of tokens n0 .. n0 + BLOCK_N (those before
+    `end`), loaded before the PDL wait: every row but the step's own token (position ctx - 1),
+    which the kernel before writes (left 0 here; _early_tile_step reads it)."""
+    k_offs, v_offs, mask = _tile_offsets(bt_row, n0, end, kvh, d, d_mask, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
+                                         BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
+    early = mask & (n0 + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
+    k = tl.load(k_cache_ptr + k_offs, mask=early, other=0.0)
+    v = tl.load(v_cache_ptr + v_offs, mask=early, other=0.0)
+    return k, v, k_offs, v_offs, mask
+
+
+@triton.jit
+def _early_tile_step(q, k, v, k_cache_ptr, v_cache_ptr, k_offs, v_offs, mask, n0, end, ctx,
+                     m_i, l_i, l_lanes, acc, qk_scale, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, OPAQUE_K: tl.constexpr, OPAQUE_V: tl.constexpr,
+                     DEFER_SUM: tl.constexpr, LAZY: tl.constexpr, LAZY_LOG2: tl.constexpr):
+    """_tile_step by a tile _early_tile loaded, after the wait: the step's own token's row is
+    read now."""
+    mine = mask & (n0 + tl.arange(0, BLOCK_N) == ctx - 1)[:, None]
+    k = tl.where(mine, tl.load(k_cache_ptr + k_offs, mask=mine, other=0.0), k)
+    v = tl.where(mine, tl.load(v_cache_ptr + v_offs, mask=mine, other=0.0), v)
+    return _tile_step(q, widen(k, q.dtype, OPAQUE_K), widen(v, q.dtype, OPAQUE_V), v_cache_ptr, v_offs, mask,
+                      n0 + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
+                      PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
+
+
 @triton.jit(do_not_specialize=_STAGE1_PER_STEP)
 def _decode_stage1(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
@@ -178,19 +208,13 @@ def _decode_stage1(
         b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
         d = tl.arange(0, D_PAD)
         d_mask = d < D
-        k0_offs, v0_offs, first_mask = _tile_offsets(bt_ptr + b * bt_s0, start, end, kvh, d, d_mask,
-                                                     kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
-                                                     BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
-        early = first_mask & (start + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
-        k0 = tl.load(k_cache_ptr + k0_offs, mask=early, other=0.0)
-        v0 = tl.load(v_cache_ptr + v0_offs, mask=early, other=0.0)
+        k0, v0, k0_offs, v0_offs, first_mask = _early_tile(
+            k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_s0, start, end, ctx, kvh, d, d_mask,
+            kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
         if PREFETCH > 1:
-            k1_offs, v1_offs, second_mask = _tile_offsets(bt_ptr + b * bt_s0, start + BLOCK_N, end, kvh, d, d_mask,
-                                                          kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2,
-                                                          BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
-            early = second_mask & (start + BLOCK_N + tl.arange(0, BLOCK_N) != ctx - 1)[:, None]
-            k1 = tl.load(k_cache_ptr + k1_offs, mask=early, other=0.0)
-            v1 = tl.load(v_cache_ptr + v1_offs, mask=early, other=0.0)
+            k1, v1, k1_offs, v1_offs, second_mask = _early_tile(
+                k_cache_ptr, v_cache_ptr, bt_ptr + b * bt_s0, start + BLOCK_N, end, ctx, kvh, d, d_mask,
+                kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, BLOCK_N, BLOCK_SIZE, NARROW, UNSIGNED)
     pdl_begin(PDL)
     if not PREFETCH:
         b, kvh, split, ctx, start, end = _program_split(ctx_ptr, MIN_PARTITION, BLOCK_N)
@@ -216,25 +240,19 @@ def _decode_stage1(
         acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
         bt_row = bt_ptr + b * bt_s0
         loop_start = start
-        if PREFETCH:  # the first tile, loaded before the wait, with the step's own row read now
+        if PREFETCH:  # the tiles loaded before the wait, each with the step's own row read now
             if start < end:
-                mine = first_mask & (start + tl.arange(0, BLOCK_N) == ctx - 1)[:, None]
-                k0 = tl.where(mine, tl.load(k_cache_ptr + k0_offs, mask=mine, other=0.0), k0)
-                v0 = tl.where(mine, tl.load(v_cache_ptr + v0_offs, mask=mine, other=0.0), v0)
-                m_i, l_i, l_lanes, acc = _tile_step(
-                    q, widen(k0, q.dtype, OPAQUE_K), widen(v0, q.dtype, OPAQUE_V), v_cache_ptr, v0_offs, first_mask,
-                    start + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
-                    PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
+                m_i, l_i, l_lanes, acc = _early_tile_step(
+                    q, k0, v0, k_cache_ptr, v_cache_ptr, k0_offs, v0_offs, first_mask, start, end, ctx,
+                    m_i, l_i, l_lanes, acc, qk_scale, BLOCK_N, PRECISION, UPCAST, OPAQUE_K, OPAQUE_V,
+                    DEFER_SUM, LAZY, LAZY_LOG2)
             loop_start = start + BLOCK_N
-            if PREFETCH > 1:  # the second tile, as the first
+            if PREFETCH > 1:
                 if loop_start < end:
-                    mine = second_mask & (loop_start + tl.arange(0, BLOCK_N) == ctx - 1)[:, None]
-                    k1 = tl.where(mine, tl.load(k_cache_ptr + k1_offs, mask=mine, other=0.0), k1)
-                    v1 = tl.where(mine, tl.load(v_cache_ptr + v1_offs, mask=mine, other=0.0), v1)
-                    m_i, l_i, l_lanes, acc = _tile_step(
-                        q, widen(k1, q.dtype, OPAQUE_K), widen(v1, q.dtype, OPAQUE_V), v_cache_ptr, v1_offs,
-                        second_mask, loop_start + tl.arange(0, BLOCK_N) < end, m_i, l_i, l_lanes, acc, qk_scale,
-                        PRECISION, UPCAST, OPAQUE_V, DEFER_SUM, LAZY, LAZY_LOG2, True)
+                    m_i, l_i, l_lanes, acc = _early_tile_step(
+                        q, k1, v1, k_cache_ptr, v_cache_ptr, k1_offs, v1_offs, second_mask, loop_start, end, ctx,
+                        m_i, l_i, l_lanes, acc, qk_scale, BLOCK_N, PRECISION, UPCAST, OPAQUE_K, OPAQUE_V,
+                        DEFER_SUM, LAZY, LAZY_LOG2)
                 loop_start += BLOCK_N
         blk_next = first_tile_blocks(bt_row, loop_start, end, BLOCK_N, BLOCK_SIZE, BLOCKS_AHEAD, UNSIGNED)
         for n0 in range(loop_start, end, BLOCK_N):
