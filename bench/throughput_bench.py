@@ -70,7 +70,12 @@ sys.path.insert(0, str(REPO))
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CEILINGS = {"copy_GBps": 4300.0, "matmul_bf16_TFLOPs": 790.0}  # used only when the ceilings section failed
+# Each GPU's ceilings as this bench's `ceilings` section measured them (H200: §37's run; H100: §43's),
+# used only by a run that has none measured on its own GPU: its fractions are then marked "assumed".
+KNOWN_CEILINGS = {
+    "H200": {"copy_GBps": 4240.8, "matmul_bf16_TFLOPs": 763.5, "matmul_fp8_TFLOPs": 1343.0},
+    "H100": {"copy_GBps": 3024.7, "matmul_bf16_TFLOPs": 792.6, "matmul_fp8_TFLOPs": 1439.6},
+}
 B1_PROMPT = list(range(100, 228))  # decode_b1's prompt (bench/h200_bench.py)
 B1_WARMUP, B1_STEPS = 5, 200
 
@@ -120,6 +125,29 @@ def _need_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise RuntimeError("this section needs a CUDA device")
+
+
+def this_gpu_name() -> str | None:
+    """The name of the GPU the sections will run on (the first CUDA_VISIBLE_DEVICES names), from
+    nvidia-smi so that this parent never opens a CUDA context; None without one."""
+    from entrypoints.nvidia_smi import name
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return name(visible or "0")
+
+
+def run_ceilings_for(measured: Any, gpu: str | None) -> dict:
+    """The ceilings a section's fractions are read against: those `ceilings` measured (in this run
+    or the merged file) when they were measured on this GPU (or its name is unknown), else
+    KNOWN_CEILINGS for its kind, marked "assumed" with the reason (an H100 run that merged an
+    H200 file, say, would otherwise read its fractions against the H200's copy speed)."""
+    if isinstance(measured, dict) and "copy_GBps" in measured and (gpu is None or measured.get("device") == gpu):
+        return measured
+    kind = next((k for k in KNOWN_CEILINGS if gpu and k in gpu), "H200")
+    why = "no ceilings measured" if not isinstance(measured, dict) or "copy_GBps" not in measured \
+        else f"ceilings measured on {measured.get('device')}"
+    return {**KNOWN_CEILINGS[kind], "device": gpu,
+            "assumed": f"{why} for this GPU ({gpu or 'unknown'}): {kind}'s from an earlier run"}
 
 
 def run_ceilings(ctx: Context) -> dict:
@@ -1088,6 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
         result["small_batch"] = small_batch(sections)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
+    gpu = this_gpu_name()
     with tempfile.TemporaryDirectory(prefix="throughput-bench-") as tmp:
         work = Path(tmp)
         from bench.h200_bench import LLAMA31_8B, write_model
@@ -1104,13 +1133,14 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 if section.where != "cluster" and clusters.proc is not None:
                     clusters.close()  # GPU sections get the whole device
-                ceil = sections.get("ceilings") if isinstance(sections.get("ceilings"), dict) else None
-                ceil = ceil if ceil and "copy_GBps" in ceil else {**DEFAULT_CEILINGS, "assumed": True}
+                ceil = run_ceilings_for(sections.get("ceilings"), gpu)
                 ctx = Context(a, model_dir, work, ceil, time.time() + min(budget, left), clusters, sections)
                 log(f"== {section.name} (budget {min(budget, left):.0f} s)")
                 t = time.time()
                 res = run_section(section, ctx)
                 res["wall_s"] = round(time.time() - t, 1)
+                if "assumed" in ceil and section.name != "ceilings":
+                    res["ceilings_assumed"] = ceil["assumed"]  # its fractions are read against KNOWN_CEILINGS
                 sections[section.name] = res
                 failed |= "error" in res
                 run_record["section_seconds"][section.name] = res["wall_s"]

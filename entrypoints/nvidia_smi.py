@@ -1,5 +1,6 @@
 """What `tandem up` asks nvidia-smi about a GPU, so that it never opens a CUDA context itself:
-its memory (the workers' shares are sized from it) and its compute capability (FP8 needs 8.9+).
+its memory (the workers' shares are sized from it) and its compute capability (FP8 needs 8.9+);
+the benchmarks ask its name.
 
 Each answer is asked once per GPU, field and nvidia-smi executable; None wherever nvidia-smi is
 missing, fails or answers something else."""
@@ -21,6 +22,11 @@ def memory_bytes(physical_gpu: str) -> int | None:
 def compute_capability(physical_gpu: str) -> tuple[int, int] | None:
     """(major, minor) of one GPU, e.g. (9, 0) for an H100 or H200."""
     return parse_compute_cap(_ask(physical_gpu, "compute_cap") or "")
+
+
+def name(physical_gpu: str) -> str | None:
+    """The GPU's product name, e.g. "NVIDIA H100 80GB HBM3"."""
+    return _first_line(_ask(physical_gpu, "name") or "") or None
 
 
 def parse_memory_mib(text: str) -> int | None:

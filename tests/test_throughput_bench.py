@@ -378,3 +378,33 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     tb.SECTIONS["decode_b4_ctx1024"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
     assert seen["batch"] == 4 and seen["prompt_len"] == 1024 and seen["fused"] is None
     assert seen["env"][TUNING_ENV] is None
+
+
+def test_a_run_reads_its_fractions_against_ceilings_measured_on_its_own_gpu():
+    h100 = "NVIDIA H100 80GB HBM3"
+    measured = {"copy_GBps": 3001.0, "matmul_bf16_TFLOPs": 700.0, "device": h100}
+    assert tb.run_ceilings_for(measured, h100) is measured
+    assert tb.run_ceilings_for(measured, None) is measured  # no nvidia-smi: what was measured stands
+    merged_h200 = {**measured, "copy_GBps": 4240.0, "device": "NVIDIA H200"}
+    on_h100 = tb.run_ceilings_for(merged_h200, h100)  # an H100 run that merged an H200 file
+    assert on_h100["copy_GBps"] == tb.KNOWN_CEILINGS["H100"]["copy_GBps"]
+    assert "NVIDIA H200" in on_h100["assumed"] and on_h100["device"] == h100
+    none = tb.run_ceilings_for({"error": "CUDA is not available"}, "NVIDIA H200")
+    assert none["copy_GBps"] == tb.KNOWN_CEILINGS["H200"]["copy_GBps"] and "no ceilings" in none["assumed"]
+    assert tb.run_ceilings_for(None, "Some Other GPU")["copy_GBps"] == tb.KNOWN_CEILINGS["H200"]["copy_GBps"]
+
+
+def test_nvidia_smi_names_the_gpu_it_is_asked_about(tmp_path, monkeypatch):
+    from entrypoints import nvidia_smi
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\necho "$@" >> "$0.args"\necho "NVIDIA H100 80GB HBM3"\necho "NVIDIA H200"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    nvidia_smi._asked.cache_clear()
+    assert nvidia_smi.name("1") == "NVIDIA H100 80GB HBM3"  # the first line: the GPU asked about
+    assert "--query-gpu=name" in (tmp_path / "nvidia-smi.args").read_text()
+    assert "-i 1" in (tmp_path / "nvidia-smi.args").read_text()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert tb.this_gpu_name() == "NVIDIA H100 80GB HBM3"
+    nvidia_smi._asked.cache_clear()
