@@ -251,7 +251,7 @@ def main() -> None:
             o = res[name]
             print(f"{name}: {o['output_tok_s']} out tok/s ({o['prompts']} prompts, {o['seconds']} s, "
                   f"{o['kv_blocks']} KV blocks, {o['preemptions']} preemptions)")
-    print(f"kernels at M=256: " + ", ".join(f"{k} equal={v.get('equal')}" for k, v in res["kernels"]["256"].items()
+    print("kernels at M=256: " + ", ".join(f"{k} equal={v.get('equal')}" for k, v in res["kernels"]["256"].items()
                                             if isinstance(v, dict) and "equal" in v))
     print(f"total {res['seconds']} s; wrote {a.out}")
 
