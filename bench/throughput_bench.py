@@ -128,12 +128,12 @@ def _need_cuda() -> None:
 
 
 def this_gpu_name() -> str | None:
-    """The name of the GPU the sections will run on (the first CUDA_VISIBLE_DEVICES names), from
+    """The name of the GPU the sections will run on (device 0 as CUDA_VISIBLE_DEVICES maps it), from
     nvidia-smi so that this parent never opens a CUDA context; None without one."""
+    from entrypoints.launcher import physical_gpus
     from entrypoints.nvidia_smi import name
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return name(visible or "0")
+    return name(physical_gpus((0,)))
 
 
 def run_ceilings_for(measured: Any, gpu: str | None) -> dict:
