@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.gpu_family import family_entry
 from tandem_kernels.ops import GEMV_PROJECTIONS as PROJECTIONS
 
 TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}
@@ -159,15 +160,9 @@ def device_name(device: torch.device | str | None) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _family_entry(table: dict, name: str, default):
-    """The entry of `table` (keyed by GPU family, a substring of the GPU's name; the first match
-    wins) for the GPU named `name`; `default` where none matches."""
-    return next((entry for family, entry in table.items() if family in name), default)
-
-
 def device_tilings(name: str, fp8: bool = False) -> dict[str, GemvTiling]:
     """The DEVICE_TILINGS (FP8_DEVICE_TILINGS with `fp8`) entry naming GPU `name`; {} where none does."""
-    return _family_entry(FP8_DEVICE_TILINGS if fp8 else DEVICE_TILINGS, name, {})
+    return family_entry(FP8_DEVICE_TILINGS if fp8 else DEVICE_TILINGS, name, {})
 
 
 def default_fused_projections(device: torch.device | str | None, fp8: bool = False) -> frozenset[str]:
@@ -179,7 +174,7 @@ def default_fused_projections(device: torch.device | str | None, fp8: bool = Fal
 def default_fused_rows(device: torch.device | str | None, fp8: bool = False) -> int:
     """The most tokens a decode step on `device` may have for its projections (`fp8`: e4m3
     weights) to run as fused GEMVs by default: FP8_DEVICE_ROWS' entry for FP8 weights, else 1."""
-    return _family_entry(FP8_DEVICE_ROWS, device_name(device), 1) if fp8 else 1
+    return family_entry(FP8_DEVICE_ROWS, device_name(device), 1) if fp8 else 1
 
 
 def base_tiling(projection: str, gpu_name: str, fp8: bool = False, rows: int = 1) -> GemvTiling:
@@ -191,7 +186,7 @@ def base_tiling(projection: str, gpu_name: str, fp8: bool = False, rows: int = 1
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
     tiling = None
     if fp8:
-        from_rows, several = _family_entry(FP8_SEVERAL_ROW_TILINGS, gpu_name, (0, {}))
+        from_rows, several = family_entry(FP8_SEVERAL_ROW_TILINGS, gpu_name, (0, {}))
         tiling = (several.get(projection) if rows >= from_rows else None) \
             or device_tilings(gpu_name, fp8=True).get(projection)
     return tiling or device_tilings(gpu_name).get(projection, FALLBACK_TILINGS[projection])
