@@ -130,7 +130,7 @@ def _need_cuda() -> None:
 def this_gpu_name() -> str | None:
     """The name of the GPU the sections will run on (device 0 as CUDA_VISIBLE_DEVICES maps it), from
     nvidia-smi so that this parent never opens a CUDA context; None without one."""
-    from entrypoints.launcher import physical_gpus
+    from entrypoints.placement import physical_gpus
     from entrypoints.nvidia_smi import name
 
     return name(physical_gpus((0,)))
@@ -471,7 +471,8 @@ class Clusters:
              "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"],
              "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
              "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
-             "disagg_fp8_one_row": ["--quantization", "fp8"]}
+             "disagg_fp8_one_row": ["--quantization", "fp8"],
+             "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"]}
     ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"},  # a mode's environment (entrypoints/worker.py)
            "disagg_fp8_one_row": {"TANDEM_FUSED_GEMV_ROWS": "1"}}
 
@@ -716,6 +717,16 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("online_fp8_one_row", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_one_row"),
             "online_fp8 with fused GEMVs at one row only (TANDEM_FUSED_GEMV_ROWS=1): steps of 2+ sequences "
             "through cuBLASLt's FP8 GEMM, against online_fp8's fused ones"),
+    Section("online_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps"),
+            "online with `tandem up --mps` (prefill and decode kernels side by side; TTFT / TPOT against `online`)"),
+    Section("services_mps", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_mps"),
+            "services with `tandem up --mps`"),
+    Section("max_rate_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_mps"),
+            "max_rate with `tandem up --mps`"),
+    Section("online_fp8_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps"),
+            "online_fp8 with `tandem up --mps`"),
+    Section("max_rate_fp8_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps"),
+            "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §45: past 26 req/s on an H100, 24 in turns)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),
@@ -831,6 +842,7 @@ RATIOS = {
     "colocated_vs_offline": (("colocated", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_small_prefill_vs_offline": (("services_small_prefill", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_own_weights_vs_offline": (("services_own_weights", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "services_mps_vs_offline": (("services_mps", "output_tok_s"), ("offline_subset", "output_tok_s")),
 }
 
 
@@ -863,7 +875,7 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
         "services_out_tok_s": g("services", "output_tok_s"), "colocated_out_tok_s": g("colocated", "output_tok_s"),
         "offline_subset_out_tok_s": g("offline_subset", "output_tok_s"),
         "services_vs_offline": None, "colocated_vs_offline": None, "services_small_prefill_vs_offline": None,
-        "services_own_weights_vs_offline": None,
+        "services_own_weights_vs_offline": None, "services_mps_vs_offline": None,
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),

@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import logging
-import os
 import shlex
 import shutil
 import signal
@@ -40,8 +39,9 @@ from pathlib import Path
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
+from entrypoints.mps import MpsDaemon, MpsError, start_daemons, stop_daemons
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
-                                   place, visible_gpu_count)
+                                   physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
@@ -151,23 +151,15 @@ def fp8_gpu_error(a: argparse.Namespace, placement: Placement, model: str) -> st
     return None
 
 
-def physical_gpus(gpus: tuple[int, ...]) -> str:
-    """CUDA_VISIBLE_DEVICES for a child: `gpus` index what this process sees, which is its own
-    CUDA_VISIBLE_DEVICES list when it has one."""
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if parent:
-        names = [x.strip() for x in parent.split(",") if x.strip()]
-        return ",".join(names[g] for g in gpus)
-    return ",".join(map(str, gpus))
-
-
 def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None,
                    placement: Placement | None = None, ready_dir: Path | None = None,
-                   auth_token: str | None = None) -> list[ClusterProcess]:
+                   auth_token: str | None = None, mps: dict[int, MpsDaemon] | None = None) -> list[ClusterProcess]:
     """The cluster's processes on fixed free ports (a restarted child keeps its address), the
     gateway last. `placement` None: placed on the GPUs this process sees. With `ready_dir`, each
     worker writes its ready file there (how `tandem up` knows the worker on a port is its own).
-    `auth_token`: the cluster token every child gets (in its environment)."""
+    `auth_token`: the cluster token every child gets (in its environment). `mps`: the MPS daemon
+    of a GPU (entrypoints.mps), whose workers run under it."""
+    mps = mps or {}
     placement = placement or placement_for(a)
     common = ["--model", model, "--load-format", a.load_format]
     if a.dtype:
@@ -198,6 +190,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         if w is not None:
             if w.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = physical_gpus(w.visible or w.gpus)
+                if w.gpus[0] in mps:  # its GPU by UUID, and the daemon's pipe directory
+                    env.update(mps[w.gpus[0]].client_env())
                 argv += ["--device", "cuda", "--gpu-memory-fraction", f"{w.memory_fraction:g}"]
             if a.metrics:
                 argv += ["--metrics-port", str(free_port())]
@@ -330,10 +324,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(overlaps the transfer with the forward), step = every layer once the forward has run "
                         "(one burst, no decode-side copies between the prefill's layers); auto = step where a "
                         "prefill worker shares its GPU with a decode worker, else layer")
-    p.add_argument("--no-gpu-turn", action="store_false", dest="gpu_turn",
-                   help="where prefill and decode workers share a GPU, let a decode worker step while a prefill "
-                        "worker computes a prompt (the GPU then time-slices between them; default: the decode "
-                        "worker waits for the prefill step, up to --gpu-turn-max-wait-ms; worker.gpu_turn)")
+    p.add_argument("--gpu-turn", action=argparse.BooleanOptionalAction, default=None, dest="gpu_turn",
+                   help="where prefill and decode workers share a GPU, a decode worker waits for the prefill "
+                        "worker's step, up to --gpu-turn-max-wait-ms (worker.gpu_turn); --no-gpu-turn lets it step "
+                        "meanwhile (the GPU then time-slices between them, or with --mps runs both). Default: on, "
+                        "off with --mps")
+    p.add_argument("--mps", action="store_true",
+                   help="run the prefill and decode workers that share a GPU under CUDA MPS, their kernels side "
+                        "by side: higher rates within the SLO, a few ms more TTFT at low load (entrypoints/mps.py; "
+                        "tandem up starts its own MPS daemon; needs nvidia-cuda-mps-control)")
     p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
                    help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
@@ -412,6 +411,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--share-weights: the workers' weights are shared whole, so it needs --tp 1")
     if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
         p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
+    if a.gpu_turn is None:
+        a.gpu_turn = not a.mps
+    if a.mps and a.tp > 1:
+        p.error("--mps: an MPS client runs on one GPU, so it needs --tp 1")
     try:
         check_max_wait_ms(a.gpu_turn_max_wait_ms, "--gpu-turn-max-wait-ms")
     except ValueError as exc:
@@ -526,8 +529,14 @@ def main(argv: list[str] | None = None) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     ready_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))  # mode 0700
+    try:
+        mps = start_daemons(placement, ready_dir, log_dir) if a.mps else {}
+    except MpsError as exc:
+        shutil.rmtree(ready_dir, ignore_errors=True)
+        print(f"tandem up: {exc}", file=sys.stderr, flush=True)
+        return 2
     token_file = write_token_file(ready_dir / "auth-token", a.auth_token)
-    children = build_children(a, model, log_dir, placement, ready_dir, a.auth_token)
+    children = build_children(a, model, log_dir, placement, ready_dir, a.auth_token, mps)
     gateway = children.pop()
     cluster = Cluster(children)
     supervisor: SupervisorSocket | None = None
@@ -545,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             if stopping:
                 return 0
             rows = worker_rows(cluster, placement, a, model)
+            rows += [f"  MPS on GPU {d.physical_gpu} ({d.uuid}): its prefill and decode workers run side by side"
+                     for d in mps.values()]
             # The gateway keeps at most what a decode worker runs on it; the rest wait in its tiers.
             caps = [p.info["max_running"] for p in cluster.processes if p.role in ("decode", "worker")]
             gateway.argv += ["--max-inflight-per-decode", str(min(caps))]
@@ -590,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         cluster.stop()
-        shutil.rmtree(ready_dir, ignore_errors=True)  # ready, token and turn files, weight rendezvous
+        stop_daemons(mps)  # after their clients, the workers, have gone
+        shutil.rmtree(ready_dir, ignore_errors=True)  # ready, token and turn files, weight rendezvous, MPS pipes
         if supervisor is not None:
             supervisor.close()
         print("Tandem stopped.", flush=True)

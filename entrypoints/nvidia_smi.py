@@ -1,6 +1,6 @@
 """What `tandem up` asks nvidia-smi about a GPU, so that it never opens a CUDA context itself:
 its memory (the workers' shares are sized from it) and its compute capability (FP8 needs 8.9+);
-the benchmarks ask its name.
+the benchmarks ask its name, `tandem up --mps` its UUID.
 
 Each answer is asked once per GPU, field and nvidia-smi executable; None wherever nvidia-smi is
 missing, fails or answers something else."""
@@ -27,6 +27,12 @@ def compute_capability(physical_gpu: str) -> tuple[int, int] | None:
 def name(physical_gpu: str) -> str | None:
     """The GPU's product name, e.g. "NVIDIA H100 80GB HBM3"."""
     return _first_line(_ask(physical_gpu, "name") or "") or None
+
+
+def uuid(physical_gpu: str) -> str | None:
+    """The GPU's UUID ("GPU-8a2c..."), the name that stays the same whatever CUDA_VISIBLE_DEVICES says."""
+    first = _first_line(_ask(physical_gpu, "uuid") or "")
+    return first if first.startswith(("GPU-", "MIG-")) else None
 
 
 def parse_memory_mib(text: str) -> int | None:

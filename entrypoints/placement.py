@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,16 @@ DECODE_WEIGHT = 2.0
 PREFILL_MEMORY_RATIO = 0.5  # a prefill worker's weight against a decode worker's (--prefill-memory-ratio)
 MIN_PREFILL_MEMORY_RATIO, MAX_PREFILL_MEMORY_RATIO = 0.05, 20.0
 KV_TRANSPORTS = ("auto", "zmq", "nccl", "cuda_ipc")
+
+
+def physical_gpus(gpus: tuple[int, ...]) -> str:
+    """CUDA_VISIBLE_DEVICES for a child: `gpus` index what this process sees, which is its own
+    CUDA_VISIBLE_DEVICES list when it has one."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if parent:
+        names = [x.strip() for x in parent.split(",") if x.strip()]
+        return ",".join(names[g] for g in gpus)
+    return ",".join(map(str, gpus))
 
 
 class PlacementError(ValueError):

@@ -209,7 +209,7 @@ def test_kv_push_goes_to_the_prefill_workers() -> None:
 def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     """tandem up makes one turn file per prefill worker that shares its GPU, in its run
     directory: the prefill worker marks it, the decode worker waits on it (with the bound it was
-    given); none with --no-gpu-turn, on separate GPUs, or on the CPU."""
+    given); none with --no-gpu-turn, with --mps (unless --gpu-turn), on separate GPUs, or on the CPU."""
     from entrypoints.launcher import build_children, parse_args, placement_for
     from worker.gpu_turn import MAX_WAIT_S
 
@@ -230,8 +230,9 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     assert turns("--gpu-turn-max-wait-ms", "20")["decode-0"][3] == "20"
     assert turns("--gpu-turn-hold", "reserving")["decode-0"][-1] == "reserving"
     assert turns("--prefill-workers", "2", visible=1)["decode-0"][1] == f"{turn},{tmp_path / 'prefill-1.gpu-turn'}"
-    for argv, visible in ((["--no-gpu-turn"], 1), ([], 2), ([], 0)):
+    for argv, visible in ((["--no-gpu-turn"], 1), (["--mps"], 1), ([], 2), ([], 0)):
         assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
+    assert turns("--mps", "--gpu-turn")["decode-0"][:2] == ["--gpu-turn", turn]  # asked for: kept under MPS
     for bad in ("0", "-5", "2000"):
         with pytest.raises(SystemExit):
             parse_args(["--gpu-turn-max-wait-ms", bad])

@@ -1,0 +1,203 @@
+"""CUDA MPS on the GPUs that a prefill and a decode worker share (`tandem up --mps`).
+
+Two processes on one GPU time-slice: their kernels never run side by side, so by default the
+decode worker waits out each prompt's forward (worker.gpu_turn: the prompt goes first). Under MPS
+(NVIDIA's Multi-Process Service) the two processes' kernels share the GPU's SMs at once: a decode
+step runs beside a prompt's forward instead of after it. On an H100 with FP8 weights (1024/256,
+BENCHMARKS.md §45) that moved the highest rate within the SLO from 24 to past 26 req/s (TPOT P99
+at 26 req/s 17.1 ms against 21.7) and cost 4-5 ms of TTFT P50 at 2 req/s (the prompt shares the
+SMs with decode steps); TPOT at 2 req/s was the same. Hence opt-in: for throughput under load.
+
+`tandem up --mps` starts one MPS control daemon per such GPU (`nvidia-cuda-mps-control -f`) with
+its own pipe and log directories in tandem up's private run directory, so it needs no system-wide
+MPS and leaves any other alone. The daemon and the workers it serves name the GPU by UUID: an MPS
+server renumbers the GPUs it sees, a UUID stays what it is (NVIDIA's advice). The daemon runs
+under `python -m entrypoints.mps`, which asks the kernel for SIGTERM when tandem up dies and then
+becomes the daemon (exec), so it never outlives tandem up; tandem up's stop asks it to quit once
+the workers have gone. A worker the supervisor restarts connects to the same daemon.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from entrypoints.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+_PARENT_ENV = "TANDEM_MPS_PARENT_PID"
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 10.0
+
+
+class MpsError(RuntimeError):
+    """MPS cannot be had as asked; the message names --mps and what to do."""
+
+
+def shared_gpus(placement: "Placement") -> list[int]:
+    """The GPUs (as tandem up sees them) on which a prefill and a decode worker both run."""
+    roles: dict[int, set[str]] = {}
+    for w in placement.workers:
+        for g in w.gpus:
+            roles.setdefault(g, set()).add(w.role)
+    return sorted(g for g, r in roles.items() if {"prefill", "decode"} <= r)
+
+
+def check_placement(placement: "Placement") -> list[int]:
+    """shared_gpus(placement), or MpsError where --mps has nothing to do or cannot serve a worker
+    there (a worker that sees more GPUs than its own one: an MPS client reaches one server)."""
+    gpus = shared_gpus(placement)
+    if not gpus:
+        raise MpsError("--mps: no GPU here hosts both a prefill and a decode worker (MPS lets the two run "
+                       "side by side on one GPU); drop --mps, or place them together (e.g. --gpus 0)")
+    for w in placement.workers:
+        if set(w.gpus) & set(gpus) and len(w.visible or w.gpus) != 1:
+            raise MpsError(f"--mps: worker {w.name} sees GPUs {w.visible or w.gpus}; under MPS a worker runs on "
+                           "one GPU (--tp 1, no --kv-transport cuda_ipc across GPUs)")
+    return gpus
+
+
+@dataclass
+class MpsDaemon:
+    """One GPU's MPS control daemon, `run_dir` holding its pipe and log directories.
+    `physical_gpu`: the GPU as the machine numbers it (for messages); `uuid`: as the daemon and
+    its clients name it."""
+
+    physical_gpu: str
+    uuid: str
+    run_dir: Path
+    control: str = CONTROL
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def pipe_dir(self) -> Path:
+        return self.run_dir / "pipe"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "log"
+
+    def client_env(self) -> dict[str, str]:
+        """What a worker on this GPU needs in its environment to run under this daemon."""
+        return {"CUDA_VISIBLE_DEVICES": self.uuid, PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+
+    def start(self, log_path: Path | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start the daemon and wait until it answers; MpsError (with its log's tail) if it does not."""
+        for d in (self.pipe_dir, self.log_dir):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        env = {**os.environ, **self.client_env(), _PARENT_ENV: str(os.getpid())}
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "entrypoints.mps", self.control], env=env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        finally:
+            if log_path is not None:
+                out.close()
+        deadline = time.monotonic() + timeout_s
+        while not self.answers():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
+                       else f"did not answer within {timeout_s:g} s")
+                self.stop()
+                raise MpsError(f"--mps: the MPS control daemon for GPU {self.physical_gpu} {why}"
+                               f"{self._log_tail(log_path)}; start without --mps")
+            time.sleep(0.05)
+        logger.info("MPS control daemon for GPU %s (%s) started: pipe %s", self.physical_gpu, self.uuid, self.pipe_dir)
+
+    def ask(self, command: str, timeout_s: float = 5.0) -> str | None:
+        """The daemon's answer to one control command (`get_server_list`, `quit`, ...); None if
+        it cannot be asked."""
+        try:
+            done = subprocess.run([self.control], input=command + "\n", capture_output=True, text=True,
+                                  env={**os.environ, **self.client_env()}, timeout=timeout_s)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def answers(self) -> bool:
+        return self.ask("get_server_list") is not None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the daemon to quit (it stops its server, whose clients should be gone by now);
+        terminate it if it has not exited within `timeout_s`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.ask("quit", timeout_s)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("MPS control daemon for GPU %s did not quit; terminating it", self.physical_gpu)
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self.proc = None
+
+    def _log_tail(self, log_path: Path | None) -> str:
+        logs = [p for p in (log_path, self.log_dir / "control.log") if p is not None and p.is_file()]
+        tail = " | ".join(line for p in logs for line in p.read_text(errors="replace").strip().splitlines()[-3:])
+        return f" ({tail})" if tail else ""
+
+
+def start_daemons(placement: "Placement", run_dir: Path, log_dir: Path | None = None) -> dict[int, MpsDaemon]:
+    """A started daemon for each GPU of check_placement(placement), by the GPU as tandem up sees
+    it; MpsError (the daemons started so far stopped) where one cannot be had."""
+    from entrypoints.placement import physical_gpus
+    from entrypoints.nvidia_smi import uuid
+
+    gpus = check_placement(placement)
+    control = shutil.which(CONTROL)
+    if control is None:
+        raise MpsError(f"--mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver's utilities); "
+                       "install them or start without --mps")
+    daemons: dict[int, MpsDaemon] = {}
+    try:
+        for gpu in gpus:
+            physical = physical_gpus((gpu,))
+            gpu_uuid = uuid(physical)
+            if gpu_uuid is None:
+                raise MpsError(f"--mps: nvidia-smi cannot tell GPU {physical}'s UUID, which MPS clients name it by")
+            daemon = MpsDaemon(physical, gpu_uuid, run_dir / f"mps-gpu{gpu}", control)
+            daemon.start(log_dir / f"mps-gpu{gpu}.log" if log_dir else None)
+            daemons[gpu] = daemon
+    except BaseException:
+        stop_daemons(daemons)
+        raise
+    return daemons
+
+
+def stop_daemons(daemons: dict[int, MpsDaemon]) -> None:
+    for daemon in daemons.values():
+        daemon.stop()
+
+
+def main(argv: list[str]) -> None:
+    """`python -m entrypoints.mps CONTROL`: SIGTERM to this process when the one named in
+    $TANDEM_MPS_PARENT_PID (tandem up) dies, then become `CONTROL -f` (the setting survives exec)."""
+    from tandem.native import parent_death_signal
+
+    parent = os.environ.pop(_PARENT_ENV, None)
+    if parent and parent_death_signal(signal.SIGTERM) and os.getppid() != int(parent):
+        sys.exit(1)  # tandem up died before the watch was set
+    os.execv(argv[0], [argv[0], "-f"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,179 @@
+"""`tandem up --mps` (entrypoints/mps.py): one MPS control daemon per GPU that a prefill and a
+decode worker share, its workers pointed at it, the daemon gone with tandem up.
+
+On the CPU the daemon is a stand-in `nvidia-cuda-mps-control` (an external NVIDIA tool, not one
+of ours) that keeps the real one's contract: `-f` runs in the foreground until a `quit` arrives
+through a client invocation (`echo quit | nvidia-cuda-mps-control`), and a client invocation
+fails while no daemon runs on its pipe directory. tests/test_gpu_services.py's MPS test runs the
+real one on a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from entrypoints.mps import MpsDaemon, MpsError, check_placement, shared_gpus, start_daemons, stop_daemons
+from entrypoints.placement import Placement, WorkerPlacement, place
+
+REPO = Path(__file__).resolve().parents[1]
+UUID = "GPU-5f0e6c1a-0000-4000-8000-00000000beef"
+
+FAKE_CONTROL = textwrap.dedent('''\
+    #!{python}
+    """nvidia-cuda-mps-control's contract: -f serves until quit; a client fails without a daemon."""
+    import json, os, sys, time
+    pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+    state = os.path.join(pipe, "daemon.json")
+    if sys.argv[1:] == ["-f"]:
+        with open(state + ".tmp", "w") as f:
+            json.dump({{"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                       "log": os.environ.get("CUDA_MPS_LOG_DIRECTORY")}}, f)
+        os.replace(state + ".tmp", state)
+        while not os.path.exists(os.path.join(pipe, "quit")):
+            time.sleep(0.02)
+        os.unlink(state)
+        sys.exit(0)
+    if not os.path.exists(state):
+        print("Cannot find MPS control daemon process", file=sys.stderr)
+        sys.exit(1)
+    command = sys.stdin.read().strip()
+    if command == "quit":
+        open(os.path.join(pipe, "quit"), "w").close()
+    elif command != "get_server_list":
+        sys.exit(1)
+''')
+
+
+@pytest.fixture
+def nvidia_tools(tmp_path: Path, monkeypatch) -> Path:
+    """A stand-in nvidia-cuda-mps-control and an nvidia-smi that answers the UUID query, on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(FAKE_CONTROL.format(python=sys.executable))
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\ncase "$*" in *uuid*) echo {UUID};; *) echo 143771;; esac\n')
+    for exe in (control, smi):
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir
+
+
+def _daemon_state(daemon: MpsDaemon) -> dict:
+    return json.loads((daemon.pipe_dir / "daemon.json").read_text())
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_mps_is_for_the_gpus_a_prefill_and_a_decode_worker_share() -> None:
+    assert shared_gpus(place([0])) == [0]
+    assert shared_gpus(place([0, 1, 2, 3], prefill=2, decode=2)) == []  # each worker has its own GPU
+    assert shared_gpus(place([0, 1], prefill=2, decode=2)) == [0, 1]
+    assert shared_gpus(place([0], prefill=2, decode=1)) == [0]
+    assert shared_gpus(place([0], colocated=True)) == []  # one role-both worker: nothing to run beside
+    for placement in (place([]), place([0, 1]), place([0], colocated=True)):
+        with pytest.raises(MpsError, match="--mps: no GPU here hosts both a prefill and a decode worker"):
+            check_placement(placement)
+    # A decode worker that also sees another GPU (to map memory there) cannot be an MPS client.
+    wide = Placement((WorkerPlacement("prefill-0", "prefill", (0,), 0.3),
+                      WorkerPlacement("decode-0", "decode", (0,), 0.6, visible=(0, 1))), "cuda_ipc", (0, 1))
+    with pytest.raises(MpsError, match=r"worker decode-0 sees GPUs \(0, 1\); under MPS a worker runs on one GPU"):
+        check_placement(wide)
+
+
+def test_a_daemon_serves_its_gpu_by_uuid_and_quits_when_stopped(nvidia_tools: Path, tmp_path: Path) -> None:
+    daemons = start_daemons(place([0]), tmp_path / "run", tmp_path / "logs")
+    try:
+        assert list(daemons) == [0]
+        d = daemons[0]
+        state = _daemon_state(d)
+        # The daemon sees the GPU by UUID, as its workers will (an MPS server renumbers indices).
+        assert state["visible"] == UUID and state["log"] == str(d.log_dir)
+        assert d.client_env() == {"CUDA_VISIBLE_DEVICES": UUID, "CUDA_MPS_PIPE_DIRECTORY": str(d.pipe_dir),
+                                  "CUDA_MPS_LOG_DIRECTORY": str(d.log_dir)}
+        assert d.answers()
+        pid, proc = state["pid"], d.proc
+    finally:
+        stop_daemons(daemons)
+    assert proc.returncode == 0 and _gone(pid, 1.0)  # it quit when asked: not terminated
+    assert not (tmp_path / "run" / "mps-gpu0" / "pipe" / "daemon.json").exists()
+
+
+def test_the_daemon_does_not_outlive_tandem_up(nvidia_tools: Path, tmp_path: Path) -> None:
+    """tandem up killed with SIGKILL (no finally runs): its daemon gets SIGTERM from the kernel."""
+    script = textwrap.dedent(f'''\
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from pathlib import Path
+        from entrypoints.mps import start_daemons
+        from entrypoints.placement import Placement, WorkerPlacement, place
+        start_daemons(place([0]), Path({str(tmp_path / "run")!r}))
+        print("started", flush=True)
+        time.sleep(60)
+        ''')
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        pid = json.loads((tmp_path / "run" / "mps-gpu0" / "pipe" / "daemon.json").read_text())["pid"]
+        os.kill(pid, 0)  # running
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _gone(pid), "the MPS daemon outlived the process that started it"
+
+
+def test_without_the_mps_tools_tandem_up_says_so(nvidia_tools: Path, tmp_path: Path, monkeypatch) -> None:
+    (nvidia_tools / "nvidia-cuda-mps-control").unlink()
+    monkeypatch.setenv("PATH", str(nvidia_tools))
+    with pytest.raises(MpsError, match="--mps: nvidia-cuda-mps-control is not on PATH"):
+        start_daemons(place([0]), tmp_path / "run")
+
+
+def test_a_daemon_that_does_not_come_up_is_an_error_naming_mps(nvidia_tools: Path, tmp_path: Path) -> None:
+    broken = nvidia_tools / "nvidia-cuda-mps-control"
+    broken.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 3\n")
+    with pytest.raises(MpsError, match=r"--mps: the MPS control daemon for GPU 0 exited with code 3.*already running"):
+        start_daemons(place([0]), tmp_path / "run", tmp_path / "logs")
+
+
+def test_tandem_up_hands_the_daemon_to_the_workers_on_its_gpu(nvidia_tools: Path, tmp_path: Path) -> None:
+    from entrypoints.launcher import build_children, parse_args, placement_for
+
+    a = parse_args(["--mps"])
+    placement = placement_for(a, visible=1)
+    daemons = start_daemons(placement, tmp_path / "run")
+    try:
+        children = {c.name: c for c in build_children(a, "/models/m", placement=placement, ready_dir=tmp_path,
+                                                      mps=daemons)}
+    finally:
+        stop_daemons(daemons)
+    for name in ("prefill-0", "decode-0"):
+        assert children[name].env["CUDA_VISIBLE_DEVICES"] == UUID
+        assert children[name].env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemons[0].pipe_dir)
+        assert "--gpu-turn" not in children[name].argv  # side by side, not in turns
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in children["gateway"].env
+
+
+def test_mps_flag_errors_name_the_flag(capsys) -> None:
+    from entrypoints.launcher import main, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--mps", "--tp", "2"])
+    assert "--mps" in capsys.readouterr().err
+    assert main(["--mps", "--gpus", "", "--no-agent"]) == 2  # on the CPU: nothing shares a GPU
+    assert "--mps: no GPU here hosts both a prefill and a decode worker" in capsys.readouterr().err

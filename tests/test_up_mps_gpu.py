@@ -1,0 +1,63 @@
+"""`tandem up --mps` on a GPU with NVIDIA's MPS tools: tandem up's own daemon, the prefill and
+decode workers its clients (their kernels side by side), the same greedy tokens as without MPS,
+a decode worker killed with SIGKILL restarted under the same daemon, and no daemon left after
+the stop. (tests/test_mps.py checks the plumbing on the CPU with a stand-in daemon.)"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from tandem import Client
+from tests.test_launcher import alive, cmdline, processes_with, start_up, stop
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-cuda-mps-control") is None,
+                                reason="needs a CUDA GPU and nvidia-cuda-mps-control")
+
+PROMPT = "Once upon a time"
+
+
+def _greedy(port: int) -> list[int]:
+    with Client(f"127.0.0.1:{port}") as client:
+        return client.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True, timeout=60).token_ids
+
+
+def _mps_processes() -> list[int]:
+    return [p for p in processes_with("nvidia-cuda-mps") if "nvidia-cuda-mps" in cmdline(p).split(" ")[0]]
+
+
+def test_up_with_mps_serves_recovers_and_leaves_no_daemon(tmp_path) -> None:
+    before = set(_mps_processes())
+    plain, port, _ = start_up(tmp_path / "plain", "--dtype", "bfloat16", "--no-agent")
+    try:
+        expected = _greedy(port)
+    finally:
+        assert stop(plain) == 0
+    proc, port, log_dir = start_up(tmp_path / "mps", "--dtype", "bfloat16", "--no-agent", "--mps")
+    try:
+        assert "MPS on GPU" in proc.printed and "KV transport: cuda_ipc" in proc.printed
+        assert _greedy(port) == expected  # the same kernels, side by side or not
+        ours = set(_mps_processes()) - before
+        assert ours, "no MPS daemon of tandem up's is running"
+        decode = [p for p in processes_with(str(tmp_path / "mps")) if " -m entrypoints decode " in cmdline(p)]
+        assert len(decode) == 1
+        env = open(f"/proc/{decode[0]}/environ", "rb").read().split(b"\0")
+        assert any(e.startswith(b"CUDA_MPS_PIPE_DIRECTORY=") for e in env)
+        os.kill(decode[0], signal.SIGKILL)
+        deadline, tokens = time.time() + 180, None
+        while tokens is None and time.time() < deadline:
+            try:
+                tokens = _greedy(port)
+            except Exception:
+                time.sleep(1)
+        assert tokens == expected  # served again, by the restarted worker under the same daemon
+    finally:
+        assert stop(proc) == 0
+    deadline = time.time() + 15
+    while time.time() < deadline and alive(sorted(ours)):
+        time.sleep(0.2)
+    assert alive(sorted(ours)) == []
