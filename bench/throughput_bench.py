@@ -141,7 +141,7 @@ def run_ceilings_for(measured: Any, gpu: str | None) -> dict:
     or the merged file) when they were measured on this GPU (or its name is unknown), else
     KNOWN_CEILINGS for its kind, marked "assumed" with the reason (an H100 run that merged an
     H200 file, say, would otherwise read its fractions against the H200's copy speed)."""
-    from tandem.gpu_family import family_of
+    from tandem_kernels.gpu_family import family_of
 
     has_copy = isinstance(measured, dict) and "copy_GBps" in measured
     if has_copy and (gpu is None or measured.get("device") == gpu):

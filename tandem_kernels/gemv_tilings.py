@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.gpu_family import family_entry
+from tandem_kernels.gpu_family import family_entry
 from tandem_kernels.ops import GEMV_PROJECTIONS as PROJECTIONS
 
 TILING_ENV = "TANDEM_GEMV_TILING"  # JSON: GemvTiling fields over every default, or {projection: fields}

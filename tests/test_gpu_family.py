@@ -1,6 +1,6 @@
-"""tandem.gpu_family: the one rule by which the kernels' tables and the benchmarks' ceilings are
+"""tandem_kernels.gpu_family: the one rule by which the kernels' tables and the benchmarks' ceilings are
 read for a GPU's product name."""
-from tandem.gpu_family import family_entry, family_of
+from tandem_kernels.gpu_family import family_entry, family_of
 
 TABLE = {"H100": "hopper-80", "H200": "hopper-141", "A100": "ampere"}
 

@@ -1,8 +1,8 @@
 """Tables keyed by GPU family: the one rule for reading them by a GPU's product name.
 
 A family is a substring of the name torch or nvidia-smi reports ("H100" in "NVIDIA H100 80GB
-HBM3"). Torch-free, so that a benchmark's parent process reads the same tables' rule as the
-kernels do without importing torch.
+HBM3"). Torch-free (this package's __init__ imports nothing), so that a benchmark's parent
+process reads tables by the kernels' rule without importing torch.
 """
 from __future__ import annotations
 
