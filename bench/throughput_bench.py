@@ -472,7 +472,9 @@ class Clusters:
              "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
              "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
              "disagg_fp8_one_row": ["--quantization", "fp8"],
-             "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"]}
+             "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"],
+             "disagg_mps_turn16": ["--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"],
+             "disagg_fp8_mps_turn16": ["--quantization", "fp8", "--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"]}
     ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"},  # a mode's environment (entrypoints/worker.py)
            "disagg_fp8_one_row": {"TANDEM_FUSED_GEMV_ROWS": "1"}}
 
@@ -727,6 +729,12 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "online_fp8 with `tandem up --mps`"),
     Section("max_rate_fp8_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps"),
             "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §45: past 26 req/s on an H100, 24 in turns)"),
+    Section("online_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_turn16"),
+            "online with --mps --gpu-turn --gpu-turn-max-batch 16: turns at small batches, side by side above"),
+    Section("online_fp8_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_turn16"),
+            "online_fp8 with --mps --gpu-turn --gpu-turn-max-batch 16"),
+    Section("max_rate_fp8_mps_turn16", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_turn16"),
+            "max_rate_fp8 with --mps --gpu-turn --gpu-turn-max-batch 16"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),

@@ -340,6 +340,10 @@ class Engine:
         whose KV another engine is about to compute and push."""
         return bool(self._scheduler.held)
 
+    def num_running(self) -> int:
+        """Sequences in the running batch now (O(1))."""
+        return len(self._scheduler.running)
+
     def knows(self, request_id: str) -> bool:
         """Whether `request_id` is queued, running, swapped, reserved or prefilled-and-held."""
         return self._scheduler.knows(request_id)

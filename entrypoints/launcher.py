@@ -45,7 +45,7 @@ from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementErr
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
-from worker.gpu_turn import DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, check_max_wait_ms, create_turn_file
+from worker.gpu_turn import DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, check_max_batch, check_max_wait_ms, create_turn_file
 
 logger = logging.getLogger("tandem.up")
 
@@ -222,6 +222,8 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
             if not f.exists():
                 create_turn_file(f)
         decode_flags = ["--gpu-turn-max-wait-ms", f"{a.gpu_turn_max_wait_ms:g}", "--gpu-turn-hold", a.gpu_turn_hold]
+        if a.gpu_turn_max_batch is not None:
+            decode_flags += ["--gpu-turn-max-batch", str(a.gpu_turn_max_batch)]
         wait = decode_flags if decode else []
         return ["--gpu-turn", ",".join(map(str, files)), *wait]
 
@@ -335,6 +337,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tandem up starts its own MPS daemon; needs nvidia-cuda-mps-control)")
     p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
                    help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
+    p.add_argument("--gpu-turn-max-batch", type=int, default=None,
+                   help="a decode worker takes turns (waits, holds) only while it runs at most this many sequences: "
+                        "with --mps --gpu-turn, prompts go first at low load and run beside the decode steps under "
+                        "load (default: no bound)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="when a decode worker sharing a GPU queues a step only once the one before has finished "
                         "and no prefill step holds the GPU: always (prompts go first: lower TTFT for ~0.3 ms "
@@ -417,6 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--mps: an MPS client runs on one GPU, so it needs --tp 1")
     try:
         check_max_wait_ms(a.gpu_turn_max_wait_ms, "--gpu-turn-max-wait-ms")
+        check_max_batch(a.gpu_turn_max_batch, "--gpu-turn-max-batch")
     except ValueError as exc:
         p.error(str(exc))
     if len({bool(a.tls_cert), bool(a.tls_key), bool(a.tls_ca)}) > 1:

@@ -223,6 +223,83 @@ def test_a_held_launch_takes_a_second_look_right_before_the_forward(
     assert got == want
 
 
+def test_a_batch_bound_takes_turns_only_at_small_batches(tmp_path: Path) -> None:
+    """--gpu-turn-max-batch N: a decode worker running more than N sequences neither waits for
+    the prefill's step nor holds its launch; at N or fewer it does both, as without the bound."""
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    p = PrefillTurn(str(f))
+    d = DecodeTurn([str(f)], max_wait_s=0.2, hold="always", max_batch=2)
+    p.before_step()  # a prompt's forward is running
+    t = time.monotonic()
+    assert d.before_step(running=3) == 0.0 and d.waits == 0 and time.monotonic() - t < 0.1
+    assert not d.holds(reserving=True, running=3)
+    assert d.before_step(running=2) >= 0.2 and d.waits == 1  # bounded by max_wait_s, as before
+    assert d.holds(reserving=False, running=2) and d.holds(reserving=True, running=0)
+    unbounded = DecodeTurn([str(f)], max_wait_s=0.2)
+    assert unbounded.max_batch is None and unbounded.before_step(running=10_000) >= 0.2
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="gpu_turn_max_batch"):
+            DecodeTurn([str(f)], max_batch=bad)
+    p.close()
+    d.close()
+    unbounded.close()
+
+
+def test_the_engine_loop_steps_through_a_prefill_past_the_batch_bound(tiny_models: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """The engine loop hands the turn its running batch: with two sequences running and a bound
+    of one, the steps go on while a prefill step holds the turn (for seconds here); with one
+    running they wait for it."""
+    from engine import Engine, EngineConfig, SamplingParams
+    from worker.engine_loop import EngineLoop
+
+    f = tmp_path / "p.gpu-turn"
+    create_turn_file(f)
+    prefill = PrefillTurn(str(f))
+    turn = DecodeTurn([str(f)], max_wait_s=30.0, stale_s=60.0, hold="off", max_batch=1)
+    engine = Engine(EngineConfig(str(tiny_models["llama"]), num_kv_blocks=64, max_running=4, device="cpu"))
+    loop = EngineLoop(engine, turn=turn)
+    tokens: dict[str, int] = {"a": 0, "b": 0}
+
+    def counter(rid: str):
+        def listen(out) -> None:
+            tokens[rid] += len(getattr(out, "new_token_ids", ()))  # (the loop's stop hands an exception)
+        return listen
+
+    loop.start()
+    try:
+        for rid, n in (("a", 4000), ("b", 60)):
+            loop.listen(rid, counter(rid))
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            loop.submit(lambda e, rid=rid, params=params: e.admit([256, *range(40, 60)], params, rid)).result(WAIT)
+        deadline = time.monotonic() + WAIT
+        while tokens["b"] < 20:  # both running
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        prefill.before_step()  # a prompt's forward starts, and lasts
+        deadline = time.monotonic() + WAIT
+        while tokens["b"] < 60:  # two running: past the bound, no waits
+            assert time.monotonic() < deadline, f"the steps waited for the turn at batch 2: {tokens}"
+            time.sleep(0.01)
+        assert turn.waits == 0
+        time.sleep(0.5)  # "b" has finished: one running, within the bound: the next step waits
+        before = tokens["a"]
+        time.sleep(0.5)
+        assert tokens["a"] == before, "a step of one sequence did not wait for the prefill's turn"
+        prefill.after_step()
+        deadline = time.monotonic() + WAIT
+        while tokens["a"] == before:
+            assert time.monotonic() < deadline, "the steps never went on after the turn was released"
+            time.sleep(0.01)
+        assert turn.waits >= 1
+    finally:
+        loop.stop(timeout=WAIT)
+        prefill.close()
+        turn.close()
+        engine.close()
+
+
 def test_the_hold_is_on_for_a_decode_turn_unless_turned_off(tmp_path: Path) -> None:
     f = tmp_path / "p.gpu-turn"
     create_turn_file(f)

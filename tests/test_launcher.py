@@ -233,6 +233,13 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     for argv, visible in ((["--no-gpu-turn"], 1), (["--mps"], 1), ([], 2), ([], 0)):
         assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
     assert turns("--mps", "--gpu-turn")["decode-0"][:2] == ["--gpu-turn", turn]  # asked for: kept under MPS
+    a = parse_args(["--gpu-turn-max-batch", "16"])
+    decode = next(c for c in build_children(a, "/models/m", placement=placement_for(a, visible=1), ready_dir=tmp_path)
+                  if c.role == "decode")
+    assert decode.argv[decode.argv.index("--gpu-turn-max-batch") + 1] == "16"
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--gpu-turn-max-batch", bad])
     for bad in ("0", "-5", "2000"):
         with pytest.raises(SystemExit):
             parse_args(["--gpu-turn-max-wait-ms", bad])

@@ -17,7 +17,8 @@ from typing import Any
 from engine import EngineConfig
 from tandem.netaddr import is_wildcard
 from tandem.types import ROLES
-from worker.gpu_turn import DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, check_hold, check_max_wait_ms, turn_paths
+from worker.gpu_turn import (DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, check_hold, check_max_batch, check_max_wait_ms,
+                             turn_paths)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class WorkerConfig:
     gpu_turn: str | None = None  # turn files of a GPU shared with other workers (worker.gpu_turn)
     gpu_turn_max_wait_ms: float = MAX_WAIT_S * 1000  # decode: the longest a step waits for prefill steps
     gpu_turn_hold: str = DEFAULT_HOLD  # decode: when a step's launch is held for the turn (worker.gpu_turn)
+    gpu_turn_max_batch: int | None = None  # decode: take turns only while running at most this many sequences
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     drain_timeout_s: float = 30.0
     ready_file: str | None = None
@@ -119,6 +121,7 @@ class WorkerConfig:
         turn_paths(self.role, self.gpu_turn)
         check_max_wait_ms(self.gpu_turn_max_wait_ms, "gpu_turn_max_wait_ms")
         check_hold(self.gpu_turn_hold, "gpu_turn_hold")
+        check_max_batch(self.gpu_turn_max_batch, "gpu_turn_max_batch")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: give both --tls-cert and --tls-key (or neither)")
         if self.role == "prefill" and self.engine.cuda_graphs:
@@ -306,6 +309,9 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
     p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
                    help="decode: the longest a step waits for prefill steps on its GPU (the most a running "
                         "stream's token is delayed on a prefill's account)")
+    p.add_argument("--gpu-turn-max-batch", type=int, default=None,
+                   help="decode: wait for the prefill steps (and hold launches) only while running at most this "
+                        "many sequences (default: always)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="decode: when to queue a step's forward only once the step before's forward has "
                         "finished and no prefill step holds the GPU: always (a prompt's forward then shares the "
@@ -384,6 +390,7 @@ def config_from_args(args: argparse.Namespace, role: str | None = None) -> Worke
         gpu_turn=args.gpu_turn,
         gpu_turn_max_wait_ms=args.gpu_turn_max_wait_ms,
         gpu_turn_hold=args.gpu_turn_hold,
+        gpu_turn_max_batch=args.gpu_turn_max_batch,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
         ready_file=args.ready_file,

@@ -302,7 +302,7 @@ class EngineLoop:
             self._on_turn_wait(waited)
 
     def _step(self) -> None:
-        waited = self.turn.before_step(self._pause)
+        waited = self.turn.before_step(self._pause, self.engine.num_running())
         if waited and self._on_turn_wait is not None:
             self._on_turn_wait(waited)
         if self._stop_taken or not self.engine.has_unfinished():  # commands ran during the wait
@@ -312,7 +312,8 @@ class EngineLoop:
             self.profiler.before_step()
         t0 = time.perf_counter()
         try:
-            hold = self._hold if self.turn.holds(self.reserves_arriving > 0 or self.engine.holds_any()) else None
+            reserving = self.reserves_arriving > 0 or self.engine.holds_any()
+            hold = self._hold if self.turn.holds(reserving, self.engine.num_running()) else None
             outputs = self.engine.step(on_layer=self.on_layer, hold=hold, while_running=self.while_running)
         except Exception as exc:
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))

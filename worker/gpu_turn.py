@@ -29,7 +29,12 @@ decode worker lets the prompt go first:
   holding every step lets the prompt go first: on an H100 at 2 req/s TTFT P50 31.4 ms against
   `reserving`'s 37.3, TPOT P50 the same 6.57, BENCHMARKS §35), `reserving` (only while a
   prefill is known to be near), `off`. Reserve commands run during a held wait
-  (`EngineLoop.submit(in_hold=True)`).
+  (`EngineLoop.submit(in_hold=True)`);
+- `--gpu-turn-max-batch N`: the decode worker waits and holds only while it runs at most N
+  sequences. A small batch loses little by letting the prompt go first; a large one (the GPU
+  under load) loses the waits on every step (3-4 ms a step at 22-26 req/s on an H100, BENCHMARKS
+  §44-45), and under MPS (`tandem up --mps`) its steps can run beside the prompt's forward
+  instead. Default: no bound.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -43,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 
 __all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_hold",
-           "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
+           "check_max_batch", "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
 # When a decode worker holds a step's launch until the step before's forward has finished and the
@@ -72,6 +77,12 @@ def check_max_wait_ms(ms: float, field: str) -> None:
     """ValueError naming `field` unless `ms` is a wait bound this module takes: (0, 1000] ms."""
     if not 0 < ms <= MAX_WAIT_LIMIT_MS:
         raise ValueError(f"{field}: must be in (0, {MAX_WAIT_LIMIT_MS:g}], got {ms:g}")
+
+
+def check_max_batch(n: int | None, field: str) -> None:
+    """ValueError naming `field` unless `n` is None (no bound) or a batch size >= 1."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{field}: must be a number of sequences >= 1, got {n!r}")
 
 
 def create_turn_file(path: str | os.PathLike) -> None:
@@ -103,15 +114,22 @@ class GpuTurn:
     holds_launch = False  # whether the loop calls `before_forward` (through Engine.step's hold)
     hold_always = False  # hold every step, not only while a prefill is near
 
-    def holds(self, reserving: bool) -> bool:
-        """Whether the next step's launch is held; `reserving`: the worker holds a reservation
-        or answers a Reserve (a prefill for it is coming or running)."""
-        return self.holds_launch and (reserving or self.hold_always)
+    max_batch: int | None = None  # wait and hold only while running at most this many sequences
 
-    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
-        """Called before a step; returns the seconds it waited. A wait goes through `pause(s)`,
-        which returns within about `s` seconds, and False to end the wait at once (the loop is
-        stopping)."""
+    def takes_turns(self, running: int) -> bool:
+        """Whether a worker running `running` sequences waits for the turn (and may hold)."""
+        return self.max_batch is None or running <= self.max_batch
+
+    def holds(self, reserving: bool, running: int = 0) -> bool:
+        """Whether the next step's launch is held; `reserving`: the worker holds a reservation
+        or answers a Reserve (a prefill for it is coming or running); `running`: the sequences
+        it runs."""
+        return self.holds_launch and (reserving or self.hold_always) and self.takes_turns(running)
+
+    def before_step(self, pause: Callable[[float], bool] = _sleep, running: int = 0) -> float:
+        """Called before a step of `running` sequences; returns the seconds it waited. A wait
+        goes through `pause(s)`, which returns within about `s` seconds, and False to end the
+        wait at once (the loop is stopping)."""
         return 0.0
 
     def before_forward(self, pause: Callable[[float], bool] = _sleep) -> float:
@@ -137,7 +155,7 @@ class PrefillTurn(GpuTurn):
         self._mark = _map(path)
         self.after_step()  # a restarted worker clears what its predecessor left
 
-    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
+    def before_step(self, pause: Callable[[float], bool] = _sleep, running: int = 0) -> float:
         _MARK.pack_into(self._mark, 0, time.monotonic_ns() or 1)
         return 0.0
 
@@ -154,10 +172,12 @@ class DecodeTurn(GpuTurn):
     """A decode worker's side: waits, before each step, for the prefill workers' marks."""
 
     def __init__(self, paths: Sequence[str], max_wait_s: float = MAX_WAIT_S, stale_s: float = STALE_S,
-                 hold: str = DEFAULT_HOLD) -> None:
+                 hold: str = DEFAULT_HOLD, max_batch: int | None = None) -> None:
         if not paths:
             raise ValueError("gpu_turn: no turn file given")
         check_hold(hold, "gpu_turn_hold")
+        check_max_batch(max_batch, "gpu_turn_max_batch")
+        self.max_batch = max_batch
         self.paths = list(paths)
         self._marks = [_map(p) for p in self.paths]
         self.max_wait_s, self.stale_ns = max_wait_s, int(stale_s * 1e9)
@@ -174,8 +194,8 @@ class DecodeTurn(GpuTurn):
                 return True
         return False
 
-    def before_step(self, pause: Callable[[float], bool] = _sleep) -> float:
-        if not self.busy():
+    def before_step(self, pause: Callable[[float], bool] = _sleep, running: int = 0) -> float:
+        if not self.takes_turns(running) or not self.busy():
             return 0.0
         start = time.monotonic()
         end = start + self.max_wait_s
@@ -188,7 +208,7 @@ class DecodeTurn(GpuTurn):
         return waited
 
     def before_forward(self, pause: Callable[[float], bool] = _sleep) -> float:
-        return self.before_step(pause) if self.holds_launch else 0.0
+        return self.before_step(pause) if self.holds_launch else 0.0  # held: holds() checked the batch
 
     def close(self) -> None:
         for mark in self._marks:
@@ -211,11 +231,13 @@ def turn_paths(role: str, spec: str | None) -> list[str]:
     return paths
 
 
-def make_turn(role: str, spec: str | None, max_wait_s: float = MAX_WAIT_S, hold: str = DEFAULT_HOLD) -> GpuTurn:
+def make_turn(role: str, spec: str | None, max_wait_s: float = MAX_WAIT_S, hold: str = DEFAULT_HOLD,
+              max_batch: int | None = None) -> GpuTurn:
     """The turn of a worker of `role` from its --gpu-turn value: the prefill worker marks its
-    file, a decode worker waits on its files (at most `max_wait_s` a step) and holds its
-    launches as `hold` says; None: no shared GPU, nothing to do."""
+    file, a decode worker waits on its files (at most `max_wait_s` a step, while it runs at most
+    `max_batch` sequences) and holds its launches as `hold` says; None: no shared GPU, nothing
+    to do."""
     paths = turn_paths(role, spec)
     if not paths:
         return GpuTurn()
-    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths, max_wait_s, hold=hold)
+    return PrefillTurn(paths[0]) if role == "prefill" else DecodeTurn(paths, max_wait_s, hold=hold, max_batch=max_batch)

@@ -131,7 +131,8 @@ class WorkerServer:
         except RuntimeError as exc:  # grpc's way of saying the address is taken
             raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}: {exc}") from None
         worker_id = cfg.worker_id or f"{cfg.role}-{self.advertised_host}-{self.port}"
-        self.turn = make_turn(cfg.role, cfg.gpu_turn, cfg.gpu_turn_max_wait_ms / 1000, cfg.gpu_turn_hold)
+        self.turn = make_turn(cfg.role, cfg.gpu_turn, cfg.gpu_turn_max_wait_ms / 1000, cfg.gpu_turn_hold,
+                              cfg.gpu_turn_max_batch)
         self.profiler = StepProfiler.from_env(worker_id)
         loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
                           on_step=self._observe_step, turn=self.turn, on_turn_wait=self._observe_turn_wait,
