@@ -118,13 +118,24 @@ def _sizing(a: argparse.Namespace, placement: Placement) -> dict:
                 shared_weights=shares_weights(a, placement))
 
 
+def model_config(model: str) -> dict:
+    """`model`'s config.json as read once by this process, shared (read it, do not change it);
+    OSError / ValueError where it cannot be read."""
+    return _read_config(str(Path(model) / "config.json"))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_config(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
 def fp8_checkpoint(model: str) -> bool:
     """Whether `model`'s config.json names an FP8 format the workers load as FP8
     (engine/quant/formats.py); False where it cannot be read or names one they refuse (they say why)."""
     from engine.quant.formats import checkpoint_fp8_format
 
     try:
-        return checkpoint_fp8_format(json.loads((Path(model) / "config.json").read_text())) is not None
+        return checkpoint_fp8_format(model_config(model)) is not None
     except (OSError, ValueError):
         return False
 
@@ -453,7 +464,7 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
     metrics port), the KV transport, and what is stored as FP8."""
     from engine.memory import default_max_running
 
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    cfg = model_config(model)
     longest = int(cfg.get("max_position_embeddings", 2048))
     max_model_len = min(a.max_model_len or longest, longest)
     block = a.block_size or 16
