@@ -474,6 +474,7 @@ class Clusters:
              "disagg_fp8_one_row": ["--quantization", "fp8"],
              "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"],
              "disagg_mps_turn16": ["--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"],
+             "disagg_mps_layer_push": ["--mps", "--kv-push", "layer"],
              "disagg_fp8_mps_turn16": ["--quantization", "fp8", "--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"]}
     ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"},  # a mode's environment (entrypoints/worker.py)
            "disagg_fp8_one_row": {"TANDEM_FUSED_GEMV_ROWS": "1"}}
@@ -731,6 +732,9 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §45: past 26 req/s on an H100, 24 in turns)"),
     Section("online_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_turn16"),
             "online with --mps --gpu-turn --gpu-turn-max-batch 16: turns at small batches, side by side above"),
+    Section("online_mps_layer_push", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_layer_push"),
+            "online_mps with --kv-push layer: each layer's KV sent as it is computed, beside the decode steps "
+            "(`auto` sends it after the forward on a shared GPU, chosen for the turns)"),
     Section("online_fp8_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_turn16"),
             "online_fp8 with --mps --gpu-turn --gpu-turn-max-batch 16"),
     Section("max_rate_fp8_mps_turn16", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_turn16"),
