@@ -142,12 +142,10 @@ def _shared_gpu(placement: Placement, model: str, physical: Callable[[tuple[int,
     are FP8: `quantization` or the checkpoint's own format) of the first GPU of `placement` that
     hosts a prefill and a decode worker; None when none does or its size or the model's config
     cannot be read."""
-    for gpu in placement.gpus:
-        here = [w.role for w in placement.workers if gpu in w.gpus]
-        if "prefill" in here and "decode" in here:
-            break
-    else:
+    if not placement.prefill_decode_gpus:
         return None
+    gpu = placement.prefill_decode_gpus[0]
+    here = [w.role for w in placement.workers if gpu in w.gpus]
     size = memory_bytes(physical((gpu,)))
     if size is None:
         return None

@@ -27,10 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from entrypoints.placement import Placement
+from entrypoints.nvidia_smi import uuid
+from entrypoints.placement import Placement, physical_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +44,10 @@ class MpsError(RuntimeError):
     """MPS cannot be had as asked; the message names --mps and what to do."""
 
 
-def shared_gpus(placement: "Placement") -> list[int]:
-    """The GPUs (as tandem up sees them) on which a prefill and a decode worker both run."""
-    roles: dict[int, set[str]] = {}
-    for w in placement.workers:
-        for g in w.gpus:
-            roles.setdefault(g, set()).add(w.role)
-    return sorted(g for g, r in roles.items() if {"prefill", "decode"} <= r)
-
-
-def check_placement(placement: "Placement") -> list[int]:
-    """shared_gpus(placement), or MpsError where --mps has nothing to do or cannot serve a worker
-    there (a worker that sees more GPUs than its own one: an MPS client reaches one server)."""
-    gpus = shared_gpus(placement)
+def check_placement(placement: Placement) -> tuple[int, ...]:
+    """placement.prefill_decode_gpus, or MpsError where --mps has nothing to do or cannot serve a
+    worker there (a worker that sees more GPUs than its own one: an MPS client reaches one server)."""
+    gpus = placement.prefill_decode_gpus
     if not gpus:
         raise MpsError("--mps: no GPU here hosts both a prefill and a decode worker (MPS lets the two run "
                        "side by side on one GPU); drop --mps, or place them together (e.g. --gpus 0)")
@@ -156,12 +146,9 @@ class MpsDaemon:
         return f" ({tail})" if tail else ""
 
 
-def start_daemons(placement: "Placement", run_dir: Path, log_dir: Path | None = None) -> dict[int, MpsDaemon]:
+def start_daemons(placement: Placement, run_dir: Path, log_dir: Path | None = None) -> dict[int, MpsDaemon]:
     """A started daemon for each GPU of check_placement(placement), by the GPU as tandem up sees
     it; MpsError (the daemons started so far stopped) where one cannot be had."""
-    from entrypoints.placement import physical_gpus
-    from entrypoints.nvidia_smi import uuid
-
     gpus = check_placement(placement)
     control = shutil.which(CONTROL)
     if control is None:

@@ -91,6 +91,12 @@ class Placement:
         used = [g for w in self.workers for g in w.gpus]
         return len(used) != len(set(used))
 
+    @property
+    def prefill_decode_gpus(self) -> tuple[int, ...]:
+        """The GPUs (in `gpus` order) on which a prefill and a decode worker both run."""
+        return tuple(g for g in self.gpus
+                     if {"prefill", "decode"} <= {w.role for w in self.workers if g in w.gpus})
+
     def gpu_partners(self, name: str) -> list[str]:
         """The workers of the other disaggregated role (decode for a prefill worker, prefill for
         a decode worker) that share a GPU with worker `name`, in placement order."""

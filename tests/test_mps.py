@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints.mps import MpsDaemon, MpsError, check_placement, shared_gpus, start_daemons, stop_daemons
+from entrypoints.mps import MpsDaemon, MpsError, check_placement, start_daemons, stop_daemons
 from entrypoints.placement import Placement, WorkerPlacement, place
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,11 +81,11 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 
 def test_mps_is_for_the_gpus_a_prefill_and_a_decode_worker_share() -> None:
-    assert shared_gpus(place([0])) == [0]
-    assert shared_gpus(place([0, 1, 2, 3], prefill=2, decode=2)) == []  # each worker has its own GPU
-    assert shared_gpus(place([0, 1], prefill=2, decode=2)) == [0, 1]
-    assert shared_gpus(place([0], prefill=2, decode=1)) == [0]
-    assert shared_gpus(place([0], colocated=True)) == []  # one role-both worker: nothing to run beside
+    assert place([0]).prefill_decode_gpus == (0,)
+    assert place([0, 1, 2, 3], prefill=2, decode=2).prefill_decode_gpus == ()  # each worker has its own GPU
+    assert place([0, 1], prefill=2, decode=2).prefill_decode_gpus == (0, 1)
+    assert place([0], prefill=2, decode=1).prefill_decode_gpus == (0,)
+    assert place([0], colocated=True).prefill_decode_gpus == ()  # one role-both worker: nothing to run beside
     for placement in (place([]), place([0, 1]), place([0], colocated=True)):
         with pytest.raises(MpsError, match="--mps: no GPU here hosts both a prefill and a decode worker"):
             check_placement(placement)

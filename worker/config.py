@@ -311,7 +311,7 @@ def build_parser(role: str | None, prog: str | None = None) -> argparse.Argument
                         "stream's token is delayed on a prefill's account)")
     p.add_argument("--gpu-turn-max-batch", type=int, default=None,
                    help="decode: wait for the prefill steps (and hold launches) only while running at most this "
-                        "many sequences (default: always)")
+                        "many sequences (default: no bound)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="decode: when to queue a step's forward only once the step before's forward has "
                         "finished and no prefill step holds the GPU: always (a prompt's forward then shares the "
