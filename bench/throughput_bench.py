@@ -473,9 +473,9 @@ class Clusters:
              "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
              "disagg_fp8_one_row": ["--quantization", "fp8"],
              "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"],
-             "disagg_mps_turn16": ["--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"],
+             "disagg_mps_no_turn": ["--mps", "--no-gpu-turn"],
              "disagg_mps_layer_push": ["--mps", "--kv-push", "layer"],
-             "disagg_fp8_mps_turn16": ["--quantization", "fp8", "--mps", "--gpu-turn", "--gpu-turn-max-batch", "16"]}
+             "disagg_fp8_mps_no_turn": ["--quantization", "fp8", "--mps", "--no-gpu-turn"]}
     ENV = {"disagg_gil_100us": {"TANDEM_GIL_SWITCH_US": "100"},  # a mode's environment (entrypoints/worker.py)
            "disagg_fp8_one_row": {"TANDEM_FUSED_GEMV_ROWS": "1"}}
 
@@ -721,7 +721,8 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "online_fp8 with fused GEMVs at one row only (TANDEM_FUSED_GEMV_ROWS=1): steps of 2+ sequences "
             "through cuBLASLt's FP8 GEMM, against online_fp8's fused ones"),
     Section("online_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps"),
-            "online with `tandem up --mps` (prefill and decode kernels side by side; TTFT / TPOT against `online`)"),
+            "online with `tandem up --mps` (turns while the decode batch is small, kernels side by side above it; "
+            "TTFT / TPOT against `online`)"),
     Section("services_mps", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_mps"),
             "services with `tandem up --mps`"),
     Section("max_rate_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_mps"),
@@ -729,16 +730,16 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("online_fp8_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps"),
             "online_fp8 with `tandem up --mps`"),
     Section("max_rate_fp8_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps"),
-            "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §45: past 26 req/s on an H100, 24 in turns)"),
-    Section("online_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_turn16"),
-            "online with --mps --gpu-turn --gpu-turn-max-batch 16: turns at small batches, side by side above"),
+            "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §46: 26 req/s on an H100, 24 in turns)"),
+    Section("online_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_no_turn"),
+            "online with --mps --no-gpu-turn: side by side at every batch (BENCHMARKS.md §45: TTFT P50 +4-5 ms)"),
+    Section("online_fp8_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_no_turn"),
+            "online_fp8 with --mps --no-gpu-turn"),
+    Section("max_rate_fp8_mps_no_turn", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_no_turn"),
+            "max_rate_fp8 with --mps --no-gpu-turn"),
     Section("online_mps_layer_push", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_layer_push"),
-            "online_mps with --kv-push layer: each layer's KV sent as it is computed, beside the decode steps "
-            "(`auto` sends it after the forward on a shared GPU, chosen for the turns)"),
-    Section("online_fp8_mps_turn16", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_turn16"),
-            "online_fp8 with --mps --gpu-turn --gpu-turn-max-batch 16"),
-    Section("max_rate_fp8_mps_turn16", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_turn16"),
-            "max_rate_fp8 with --mps --gpu-turn --gpu-turn-max-batch 16"),
+            "online_mps with --kv-push layer: each layer's KV sent as it is computed (BENCHMARKS.md §46: "
+            "the same TTFT as `auto`'s push after the forward)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
     Section("max_rate_colocated", "", 150, 125, "cluster", lambda c: run_max_rate(c, "colocated"), "colocated"),

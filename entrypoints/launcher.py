@@ -45,7 +45,8 @@ from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementErr
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
-from worker.gpu_turn import DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, check_max_batch, check_max_wait_ms, create_turn_file
+from worker.gpu_turn import (DEFAULT_HOLD, HOLD_MODES, MAX_WAIT_S, MPS_MAX_BATCH, check_max_batch, check_max_wait_ms,
+                             create_turn_file)
 
 logger = logging.getLogger("tandem.up")
 
@@ -337,21 +338,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(overlaps the transfer with the forward), step = every layer once the forward has run "
                         "(one burst, no decode-side copies between the prefill's layers); auto = step where a "
                         "prefill worker shares its GPU with a decode worker, else layer")
-    p.add_argument("--gpu-turn", action=argparse.BooleanOptionalAction, default=None, dest="gpu_turn",
+    p.add_argument("--gpu-turn", action=argparse.BooleanOptionalAction, default=True, dest="gpu_turn",
                    help="where prefill and decode workers share a GPU, a decode worker waits for the prefill "
                         "worker's step, up to --gpu-turn-max-wait-ms (worker.gpu_turn); --no-gpu-turn lets it step "
-                        "meanwhile (the GPU then time-slices between them, or with --mps runs both). Default: on, "
-                        "off with --mps")
+                        "meanwhile (the GPU then time-slices between them, or with --mps runs both)")
     p.add_argument("--mps", action="store_true",
-                   help="run the prefill and decode workers that share a GPU under CUDA MPS, their kernels side "
-                        "by side: higher rates within the SLO, a few ms more TTFT at low load (entrypoints/mps.py; "
-                        "tandem up starts its own MPS daemon; needs nvidia-cuda-mps-control)")
+                   help="run the prefill and decode workers that share a GPU under CUDA MPS: turns while the "
+                        f"decode batch is small (--gpu-turn-max-batch {MPS_MAX_BATCH}), kernels side by side above "
+                        "it: higher rates within the SLO at the turns' TTFT (entrypoints/mps.py; tandem up starts "
+                        "its own MPS daemon; needs nvidia-cuda-mps-control)")
     p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
                    help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
     p.add_argument("--gpu-turn-max-batch", type=int, default=None,
                    help="a decode worker takes turns (waits, holds) only while it runs at most this many sequences: "
-                        "with --mps --gpu-turn, prompts go first at low load and run beside the decode steps under "
-                        "load (default: no bound)")
+                        "with --mps, prompts go first at low load and run beside the decode steps under load "
+                        f"(default: {MPS_MAX_BATCH} with --mps, else no bound)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="when a decode worker sharing a GPU queues a step only once the one before has finished "
                         "and no prefill step holds the GPU: always (prompts go first: lower TTFT for ~0.3 ms "
@@ -428,8 +429,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--share-weights: the workers' weights are shared whole, so it needs --tp 1")
     if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
         p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
-    if a.gpu_turn is None:
-        a.gpu_turn = not a.mps
+    if a.mps and a.gpu_turn_max_batch is None:
+        a.gpu_turn_max_batch = MPS_MAX_BATCH
     if a.mps and a.tp > 1:
         p.error("--mps: an MPS client runs on one GPU, so it needs --tp 1")
     try:

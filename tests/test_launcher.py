@@ -209,9 +209,10 @@ def test_kv_push_goes_to_the_prefill_workers() -> None:
 def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     """tandem up makes one turn file per prefill worker that shares its GPU, in its run
     directory: the prefill worker marks it, the decode worker waits on it (with the bound it was
-    given); none with --no-gpu-turn, with --mps (unless --gpu-turn), on separate GPUs, or on the CPU."""
+    given; under --mps only while its batch is at most MPS_MAX_BATCH, unless told otherwise); none
+    with --no-gpu-turn, on separate GPUs, or on the CPU."""
     from entrypoints.launcher import build_children, parse_args, placement_for
-    from worker.gpu_turn import MAX_WAIT_S
+    from worker.gpu_turn import MAX_WAIT_S, MPS_MAX_BATCH
 
     def turns(*argv: str, visible: int = 1) -> dict[str, list[str]]:
         a = parse_args(list(argv))
@@ -230,13 +231,21 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     assert turns("--gpu-turn-max-wait-ms", "20")["decode-0"][3] == "20"
     assert turns("--gpu-turn-hold", "reserving")["decode-0"][-1] == "reserving"
     assert turns("--prefill-workers", "2", visible=1)["decode-0"][1] == f"{turn},{tmp_path / 'prefill-1.gpu-turn'}"
-    for argv, visible in ((["--no-gpu-turn"], 1), (["--mps"], 1), ([], 2), ([], 0)):
+    for argv, visible in ((["--no-gpu-turn"], 1), (["--mps", "--no-gpu-turn"], 1), ([], 2), ([], 0)):
         assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
-    assert turns("--mps", "--gpu-turn")["decode-0"][:2] == ["--gpu-turn", turn]  # asked for: kept under MPS
-    a = parse_args(["--gpu-turn-max-batch", "16"])
-    decode = next(c for c in build_children(a, "/models/m", placement=placement_for(a, visible=1), ready_dir=tmp_path)
-                  if c.role == "decode")
-    assert decode.argv[decode.argv.index("--gpu-turn-max-batch") + 1] == "16"
+
+    def max_batch(*argv: str) -> str | None:
+        a = parse_args(list(argv))
+        decode = next(c for c in build_children(a, "/models/m", placement=placement_for(a, visible=1),
+                                                ready_dir=tmp_path) if c.role == "decode")
+        assert decode.argv[decode.argv.index("--gpu-turn") + 1] == turn
+        i = decode.argv.index("--gpu-turn-max-batch") if "--gpu-turn-max-batch" in decode.argv else None
+        return None if i is None else decode.argv[i + 1]
+
+    assert max_batch() is None  # turns at every batch without MPS
+    assert max_batch("--gpu-turn-max-batch", "8") == "8"
+    assert max_batch("--mps") == str(MPS_MAX_BATCH)  # under MPS: turns at small batches, side by side above
+    assert max_batch("--mps", "--gpu-turn-max-batch", "4") == "4"
     for bad in ("0", "-1"):
         with pytest.raises(SystemExit):
             parse_args(["--gpu-turn-max-batch", bad])

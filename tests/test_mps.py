@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from entrypoints.mps import MpsDaemon, MpsError, check_placement, start_daemons, stop_daemons
+from worker.gpu_turn import MPS_MAX_BATCH
 from entrypoints.placement import Placement, WorkerPlacement, place
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +166,8 @@ def test_tandem_up_hands_the_daemon_to_the_workers_on_its_gpu(nvidia_tools: Path
     for name in ("prefill-0", "decode-0"):
         assert children[name].env["CUDA_VISIBLE_DEVICES"] == UUID
         assert children[name].env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemons[0].pipe_dir)
-        assert "--gpu-turn" not in children[name].argv  # side by side, not in turns
+    decode = children["decode-0"].argv  # turns only at small batches, side by side above
+    assert decode[decode.index("--gpu-turn-max-batch") + 1] == str(MPS_MAX_BATCH)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in children["gateway"].env
 
 

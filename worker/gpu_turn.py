@@ -34,7 +34,7 @@ decode worker lets the prompt go first:
   sequences. A small batch loses little by letting the prompt go first; a large one (the GPU
   under load) loses the waits on every step (3-4 ms a step at 22-26 req/s on an H100, BENCHMARKS
   §44-45), and under MPS (`tandem up --mps`) its steps can run beside the prompt's forward
-  instead. Default: no bound.
+  instead. Default: no bound; `tandem up --mps` passes MPS_MAX_BATCH.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
@@ -47,10 +47,14 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "PrefillTurn", "STALE_S", "check_hold",
-           "check_max_batch", "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
+__all__ = ["DEFAULT_HOLD", "DecodeTurn", "GpuTurn", "HOLD_MODES", "MAX_WAIT_S", "MPS_MAX_BATCH", "PrefillTurn", "STALE_S",
+           "check_hold", "check_max_batch", "check_max_wait_ms", "create_turn_file", "make_turn", "turn_paths"]
 
 MAX_WAIT_S = 0.05  # the longest a decode step waits for prefill steps (--gpu-turn-max-wait-ms)
+# Under MPS a decode worker takes turns only while it runs at most this many sequences: prompts go
+# first at low load (the turns' TTFT), beside the decode steps under load (MPS's rate within the
+# SLO); on an H100 this beat both turns and MPS alone on every online row (BENCHMARKS.md §46).
+MPS_MAX_BATCH = 16
 # When a decode worker holds a step's launch until the step before's forward has finished and the
 # turn is free: every step, only while a prefill for it is near (a reservation held or a Reserve
 # arriving), or never (steps are queued ahead).
