@@ -39,7 +39,7 @@ from pathlib import Path
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
-from entrypoints.mps import MpsDaemon, MpsError, start_daemons, stop_daemons
+from entrypoints.mps import MpsDaemon, MpsError, banner_row, start_daemons, stop_daemons
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
                                    physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
@@ -573,8 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             if stopping:
                 return 0
             rows = worker_rows(cluster, placement, a, model)
-            rows += [f"  MPS on GPU {d.physical_gpu} ({d.uuid}): its prefill and decode workers run side by side"
-                     for d in mps.values()]
+            rows += [banner_row(d, a.gpu_turn_max_batch if a.gpu_turn else None) for d in mps.values()]
             # The gateway keeps at most what a decode worker runs on it; the rest wait in its tiers.
             caps = [p.info["max_running"] for p in cluster.processes if p.role in ("decode", "worker")]
             gateway.argv += ["--max-inflight-per-decode", str(min(caps))]

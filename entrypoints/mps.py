@@ -3,10 +3,12 @@
 Two processes on one GPU time-slice: their kernels never run side by side, so by default the
 decode worker waits out each prompt's forward (worker.gpu_turn: the prompt goes first). Under MPS
 (NVIDIA's Multi-Process Service) the two processes' kernels share the GPU's SMs at once: a decode
-step runs beside a prompt's forward instead of after it. On an H100 with FP8 weights (1024/256,
-BENCHMARKS.md §45) that moved the highest rate within the SLO from 24 to past 26 req/s (TPOT P99
-at 26 req/s 17.1 ms against 21.7) and cost 4-5 ms of TTFT P50 at 2 req/s (the prompt shares the
-SMs with decode steps); TPOT at 2 req/s was the same. Hence opt-in: for throughput under load.
+step can run beside a prompt's forward instead of after it. `--mps` keeps the turns while the
+decode worker runs at most `MPS_MAX_BATCH` sequences (worker.gpu_turn) and runs side by side above
+that. On an H100 (1024/256, BENCHMARKS.md §45–46) that moved the FP8 rate within the SLO from 24
+to 26 req/s with TPOT P50 14% lower at 22–24 req/s, and took TTFT P50 at 2 req/s from 32.1 to
+30.3 ms (bf16), TPOT the same; side by side at every batch (`--no-gpu-turn`) reached the same rate
+but cost 4–5 ms of TTFT P50 at 2 req/s. Opt-in: it needs NVIDIA's daemon per GPU and its tools.
 
 `tandem up --mps` starts one MPS control daemon per such GPU (`nvidia-cuda-mps-control -f`) with
 its own pipe and log directories in tandem up's private run directory, so it needs no system-wide
@@ -168,6 +170,14 @@ def start_daemons(placement: Placement, run_dir: Path, log_dir: Path | None = No
         stop_daemons(daemons)
         raise
     return daemons
+
+
+def banner_row(daemon: MpsDaemon, turn_max_batch: int | None) -> str:
+    """tandem up's banner line for `daemon`'s GPU; `turn_max_batch`: the decode worker's turn bound
+    (--gpu-turn-max-batch), None where it takes no turns."""
+    how = ("side by side" if turn_max_batch is None else
+           f"in turns while the decode worker runs at most {turn_max_batch} sequences, side by side above")
+    return f"  MPS on GPU {daemon.physical_gpu} ({daemon.uuid}): its prefill and decode workers run {how}"
 
 
 def stop_daemons(daemons: dict[int, MpsDaemon]) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints.mps import MpsDaemon, MpsError, check_placement, start_daemons, stop_daemons
-from worker.gpu_turn import MPS_MAX_BATCH
+from entrypoints.mps import MpsDaemon, MpsError, banner_row, check_placement, start_daemons, stop_daemons
 from entrypoints.placement import Placement, WorkerPlacement, place
+from worker.gpu_turn import MPS_MAX_BATCH
 
 REPO = Path(__file__).resolve().parents[1]
 UUID = "GPU-5f0e6c1a-0000-4000-8000-00000000beef"
@@ -169,6 +169,13 @@ def test_tandem_up_hands_the_daemon_to_the_workers_on_its_gpu(nvidia_tools: Path
     decode = children["decode-0"].argv  # turns only at small batches, side by side above
     assert decode[decode.index("--gpu-turn-max-batch") + 1] == str(MPS_MAX_BATCH)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in children["gateway"].env
+
+
+def test_the_banner_says_how_the_workers_share_the_gpu(tmp_path: Path) -> None:
+    daemon = MpsDaemon("3", UUID, tmp_path)
+    assert banner_row(daemon, None) == f"  MPS on GPU 3 ({UUID}): its prefill and decode workers run side by side"
+    row = banner_row(daemon, MPS_MAX_BATCH)
+    assert row.startswith(f"  MPS on GPU 3 ({UUID}):") and f"at most {MPS_MAX_BATCH} sequences" in row
 
 
 def test_mps_flag_errors_name_the_flag(capsys) -> None:
