@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -595,13 +596,66 @@ def killed_worker(r: Rig, role: str, n_streams: int = 16, max_tokens: int = 400,
                     await asyncio.to_thread(victim.kill)
                     return list(await asyncio.gather(*tasks))
             outs = run_client(run())
-        for p, out in zip(prompts, outs):
-            result.outcomes[out.code] += 1
-            if out.code != "OK" or out.tokens != ref[p]:
-                result.failures += out.code != "OK"
-                result.tokens_lost += sum(1 for a, b in zip(out.tokens, ref[p]) if a != b) + abs(len(ref[p]) - len(out.tokens))
-        result.notes.append(f"retries {int(sum(gw.metric('tandem_gateway_retries_total', {'stage': s}) for s in ('reserve', 'prefill', 'decode', 'stream')))}")
+        score(result, prompts, outs, ref)
+        result.notes.append(f"retries {retries(gw)}")
         settle(gw, [r.workers[x] for x in (*prefill, *decode)], result)
+    finally:
+        gw.stop()
+    return result
+
+
+def score(result: FaultResult, prompts: Sequence[str], outs: Sequence[CallOutcome], ref: dict[str, list[int]]) -> None:
+    """Count each stream's outcome, its failure if it did not end OK, and its tokens that differ
+    from (or are missing against) the fault-free run."""
+    for p, out in zip(prompts, outs):
+        result.outcomes[out.code] += 1
+        if out.code != "OK" or out.tokens != ref[p]:
+            result.failures += out.code != "OK"
+            result.tokens_lost += sum(1 for a, b in zip(out.tokens, ref[p]) if a != b) + abs(len(ref[p]) - len(out.tokens))
+
+
+def retries(gw: GatewayThread) -> int:
+    return int(sum(gw.metric("tandem_gateway_retries_total", {"stage": s})
+                   for s in ("reserve", "prefill", "decode", "stream")))
+
+
+# ---------------------------------------------------------------- scenario: the device lost
+
+def device_loss_env(arm: Path) -> dict[str, str]:
+    """A worker's environment for TANDEM_FAULT_DEVICE_LOST: its device is lost once `arm` exists."""
+    from worker.faults import ENV_DEVICE_LOST
+
+    return {ENV_DEVICE_LOST: f"@{arm}"}
+
+
+def lost_device(r: Rig, arm: Path, n_streams: int = 16, max_tokens: int = 400) -> FaultResult:
+    """A decode worker's device lost mid-stream (worker/device_fault.py; the worker "dl", started
+    with device_loss_env(arm)): the worker leaves with DEVICE_LOST_EXIT at its next step instead
+    of failing every request it holds, and its streams resume on the other decode worker, token
+    for token, as after a kill -9."""
+    from worker.device_fault import DEVICE_LOST_EXIT
+    from worker.faults import ENV_DEVICE_LOST
+
+    result = FaultResult("device-lost-decode", "a decode worker's device lost mid-stream (a sticky CUDA error)",
+                         requests=n_streams)
+    victim = r.workers["dl"]
+    gw = r.gateway(["p0"], ["d0", "dl"])
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} Lost {i}." for i in range(n_streams)]
+    try:
+        ref = run_client(reference_tokens(gw.target, prompts, max_tokens))
+        outs = run_client(_streams_with_fault(gw.target, prompts, max_tokens, 2, arm.touch))
+        score(result, prompts, outs, ref)
+        try:
+            code = victim.proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            code = None
+        result.extra["exit_code"] = code
+        if code != DEVICE_LOST_EXIT:
+            result.failures += 1
+        log = victim.log_tail(1 << 20)
+        result.extra["logged_why"] = "the device is lost" in log and ENV_DEVICE_LOST in log
+        result.notes.append(f"the worker exited with code {code}; retries {retries(gw)}")
+        settle(gw, [r.workers[x] for x in ("p0", "d0")], result)  # the victim's log holds its CRITICAL line
     finally:
         gw.stop()
     return result
@@ -793,7 +847,7 @@ def redis_down(model: Path, work: Path, n: int = 120, max_tokens: int = 16) -> F
 # ---------------------------------------------------------------- main
 
 SCENARIOS = ("lifecycle", "lifecycle_kill", "burst", "sigstop_decode", "sigstop_prefill", "kill_decode",
-             "kill_prefill", "corrupt", "malformed", "redis_down", "kill_weight_loader")
+             "kill_prefill", "corrupt", "malformed", "redis_down", "kill_weight_loader", "device_lost")
 
 
 def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: int, with_defaults: bool) -> list[FaultResult]:
@@ -808,6 +862,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
              "p_bad": ("prefill", worker_flags(), {CORRUPT_ENV: "1"}),
              "d0": ("decode", worker_flags(640, 64), overlap), "d1": ("decode", worker_flags(640, 64), overlap),
              "dv": ("decode", worker_flags(640, 64), overlap)}
+    if "device_lost" in only:
+        specs["dl"] = ("decode", worker_flags(640, 64), {**overlap, **device_loss_env(work / "lose-dl")})
     results: list[FaultResult] = []
     if "redis_down" in only:
         results.append(redis_down(model, work, n(120)))
@@ -833,6 +889,8 @@ def run_all(model: Path, work: Path, only: Sequence[str], scale: float, seed: in
                 results.append(malformed(r, n(900)))
             elif name == "kill_prefill":
                 results.append(killed_worker(r, "prefill", n(16)))
+            elif name == "device_lost":
+                results.append(lost_device(r, work / "lose-dl", n(16)))
         # The kills go last: the victims stay dead.
         if "kill_decode" in only:
             results.append(killed_worker(r, "decode", n(16)))

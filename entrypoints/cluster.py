@@ -374,15 +374,19 @@ class Cluster:
                                    f"{pending[0].log_tail()}")
             time.sleep(POLL_S)
 
-    def watch(self, should_stop: Callable[[], bool], interval: float = 0.5, backoff: float = 0.5) -> None:
+    def watch(self, should_stop: Callable[[], bool], interval: float = 0.5, backoff: float = 0.5,
+              on_exit: Callable[[ClusterProcess, int | None], None] | None = None) -> None:
         """Restart a process that exits (after `backoff` s, doubling to 10 s) until `should_stop()`;
         ClusterError, with the cause and the process's log tail, once a process has exited more
-        than MAX_RESTARTS times in RESTART_WINDOW_S."""
+        than MAX_RESTARTS times in RESTART_WINDOW_S. `on_exit(process, code)` hears of each exit
+        first (it may stop other processes, which are then restarted in turn)."""
         while not should_stop():
             for p in self.processes:
                 if should_stop() or p.alive():
                     continue
                 code = p.proc.returncode if p.proc is not None else None
+                if on_exit is not None:
+                    on_exit(p, code)
                 now = time.monotonic()
                 p.restarts = [t for t in p.restarts if now - t < RESTART_WINDOW_S] + [now]
                 if len(p.restarts) > MAX_RESTARTS:

@@ -39,7 +39,7 @@ from pathlib import Path
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
-from entrypoints.mps import MpsDaemon, MpsError, banner_row, start_daemons, stop_daemons
+from entrypoints.mps import MpsDaemon, MpsError, banner_row, restart_fault_sharers, start_daemons, stop_daemons
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
                                    physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
@@ -612,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.exit_after_demo:
                 return 0
         try:
-            cluster.watch(lambda: stopping, backoff=a.restart_backoff)
+            cluster.watch(lambda: stopping, backoff=a.restart_backoff,
+                          on_exit=restart_fault_sharers(cluster.processes, placement, mps) if mps else None)
         except ClusterError as exc:
             print(f"tandem up: stopping the cluster: {exc}", file=sys.stderr, flush=True)
             return 1

@@ -27,11 +27,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from entrypoints.cluster import ClusterProcess
 from entrypoints.nvidia_smi import uuid
 from entrypoints.placement import Placement, physical_gpus
+from worker.device_fault import DEVICE_LOST_EXIT
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,36 @@ def banner_row(daemon: MpsDaemon, turn_max_batch: int | None) -> str:
     how = ("side by side" if turn_max_batch is None else
            f"in turns while the decode worker runs at most {turn_max_batch} sequences, side by side above")
     return f"  MPS on GPU {daemon.physical_gpu} ({daemon.uuid}): its prefill and decode workers run {how}"
+
+
+def fault_sharers(placement: Placement, daemons: dict[int, MpsDaemon], name: str) -> list[str]:
+    """The other workers that are clients of an MPS daemon worker `name` is a client of. A fatal
+    GPU fault of one MPS client is reported to every client of its server, which takes no new
+    client until they have all exited: when `name` leaves with its device lost
+    (worker.device_fault), these must be restarted too."""
+    gpus = set(placement.worker(name).gpus) & set(daemons)
+    return [w.name for w in placement.workers if w.name != name and gpus & set(w.gpus)]
+
+
+def restart_fault_sharers(processes: Iterable[ClusterProcess], placement: Placement,
+                          daemons: dict[int, MpsDaemon]) -> Callable[[ClusterProcess, int | None], None]:
+    """Cluster.watch's `on_exit` under --mps: a worker that left with its device lost
+    (DEVICE_LOST_EXIT) takes the other clients of its MPS daemons down with it (SIGKILL, as a
+    crash: the gateway resumes their streams elsewhere), so that the server recovers and the
+    watch restarts them all."""
+    by_name = {p.name: p for p in processes}
+
+    def on_exit(process: ClusterProcess, code: int | None) -> None:
+        if code != DEVICE_LOST_EXIT or process.name not in by_name:
+            return
+        for name in fault_sharers(placement, daemons, process.name):
+            other = by_name.get(name)
+            if other is not None and other.alive():
+                logger.warning("%s lost its device under MPS, whose server reports that to every client on the "
+                               "GPU: restarting %s too", process.name, name)
+                other.kill()
+
+    return on_exit
 
 
 def stop_daemons(daemons: dict[int, MpsDaemon]) -> None:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from entrypoints.mps import MpsDaemon, MpsError, banner_row, check_placement, start_daemons, stop_daemons
+from entrypoints.cluster import Cluster, ClusterProcess
+from entrypoints.mps import (MpsDaemon, MpsError, banner_row, check_placement, fault_sharers, restart_fault_sharers,
+                             start_daemons, stop_daemons)
 from entrypoints.placement import Placement, WorkerPlacement, place
 from worker.gpu_turn import MPS_MAX_BATCH
 
@@ -186,3 +188,46 @@ def test_mps_flag_errors_name_the_flag(capsys) -> None:
     assert "--mps" in capsys.readouterr().err
     assert main(["--mps", "--gpus", "", "--no-agent"]) == 2  # on the CPU: nothing shares a GPU
     assert "--mps: no GPU here hosts both a prefill and a decode worker" in capsys.readouterr().err
+
+
+def _process(name: str, role: str, script: str) -> ClusterProcess:
+    p = ClusterProcess(name, role, [])
+    p.proc = subprocess.Popen([sys.executable, "-c", script])
+    return p
+
+
+def test_the_gpu_partners_of_a_worker_that_lost_its_device_under_mps_restart_too(tmp_path: Path) -> None:
+    """An MPS server reports one client's fatal fault to every client on its GPU and takes no new
+    one until they have all exited: the watch's on_exit kills the others (they are then restarted
+    in turn); a worker exiting for another reason, or off the MPS GPUs, leaves them alone."""
+    from worker.device_fault import DEVICE_LOST_EXIT
+
+    placement = place([0, 1], prefill=1, decode=2)  # prefill-0 and decode-0 on GPU 0, decode-1 on GPU 1
+    by_gpu = {w.name: w.gpus for w in placement.workers}
+    assert by_gpu == {"prefill-0": (0,), "decode-0": (0,), "decode-1": (1,)}, by_gpu
+    daemons = {0: MpsDaemon("0", UUID, tmp_path)}
+    assert fault_sharers(placement, daemons, "prefill-0") == ["decode-0"]
+    assert fault_sharers(placement, daemons, "decode-1") == []
+    assert fault_sharers(placement, {}, "prefill-0") == []
+
+    for code, killed in ((DEVICE_LOST_EXIT, True), (1, False)):
+        sleeper = "import time; time.sleep(60)"
+        procs = [_process("prefill-0", "prefill", f"raise SystemExit({code})"),
+                 _process("decode-0", "decode", sleeper), _process("decode-1", "decode", sleeper)]
+        procs[0].proc.wait(30)
+        heard: list[tuple[str, int | None]] = []
+        on_exit = restart_fault_sharers(procs, placement, daemons)
+
+        def hear(process: ClusterProcess, exit_code: int | None) -> None:
+            heard.append((process.name, exit_code))
+            on_exit(process, exit_code)
+
+        try:
+            # should_stop turns true once the exit was heard: nothing is restarted here
+            Cluster(procs).watch(lambda: bool(heard), interval=0.05, on_exit=hear)
+            assert heard == [("prefill-0", code)]
+            assert procs[1].alive() is not killed, code  # decode-0 shares GPU 0's daemon
+            assert procs[2].alive(), code  # decode-1 is on another GPU
+        finally:
+            for p in procs:
+                p.kill()

@@ -13,7 +13,9 @@ counts (TANDEM_FAULT_SCALE=1 runs the full counts: 500 requests, a 3,000-call bu
   prefill worker: its prefills migrate;
 - malformed protobuf (bad UTF-8, truncated) answers INVALID_ARGUMENT;
 - workers sharing one copy of the weights: SIGKILL of the decode worker that loaded them
-  mid-stream leaves the others' copy, and every stream keeps the fault-free tokens.
+  mid-stream leaves the others' copy, and every stream keeps the fault-free tokens;
+- a decode worker's device lost mid-stream (worker/device_fault.py): the worker exits with
+  DEVICE_LOST_EXIT, saying why, and its streams resume on the other with the fault-free tokens.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.faults import (FaultResult, Rig, burst, frozen_worker, killed_weight_loader, lifecycle, malformed,
-                          start_rig, worker_flags)
+from bench.faults import (FaultResult, Rig, burst, device_loss_env, frozen_worker, killed_weight_loader, lifecycle,
+                          lost_device, malformed, start_rig, worker_flags)
 from engine.engine import OVERLAP_ENV
 
 SCALE = float(os.environ.get("TANDEM_FAULT_SCALE", "0"))  # 0: the CI counts below
@@ -39,7 +41,9 @@ def rig(tiny_models: dict[str, Path], tmp_path_factory) -> Rig:
     specs = {"p0": ("prefill", worker_flags()), "p1": ("prefill", worker_flags()),
              "d0": ("decode", worker_flags(), overlap), "d1": ("decode", worker_flags(), overlap),
              "dv": ("decode", worker_flags(), overlap)}
-    r = start_rig(tiny_models["llama"], tmp_path_factory.mktemp("faults"), specs)
+    work = tmp_path_factory.mktemp("faults")
+    specs["dl"] = ("decode", worker_flags(), {**overlap, **device_loss_env(work / "lose-dl")})
+    r = start_rig(tiny_models["llama"], work, specs)
     yield r
     r.stop()
 
@@ -86,6 +90,15 @@ def test_malformed_protobuf_is_invalid_argument(rig: Rig) -> None:
     result = malformed(rig, count(40, 900))
     clean(result)
     assert result.outcomes["INVALID_ARGUMENT"] >= 30 * result.requests // 40
+
+
+def test_a_decode_worker_whose_device_is_lost_exits_and_its_streams_resume(rig: Rig) -> None:
+    from worker.device_fault import DEVICE_LOST_EXIT
+
+    result = lost_device(rig, rig.work / "lose-dl", count(8, 16), max_tokens=200)
+    clean(result)
+    assert result.extra["exit_code"] == DEVICE_LOST_EXIT, result.row()
+    assert result.extra["logged_why"], result.row()
 
 
 def test_decode_worker_killed_during_random_aborts(rig: Rig) -> None:

@@ -143,6 +143,39 @@ def test_resumed_request_counts_earlier_output(loop, offline):
     assert rest == full[4:]
 
 
+def test_a_lost_device_goes_to_its_handler_and_a_failed_step_to_its_requests(model_dir, offline):
+    """worker.device_fault: a step whose device is lost (injected: the CPU has no sticky errors)
+    goes to on_device_lost, its requests untouched (a worker exits there and they resume
+    elsewhere); a step that fails alone fails its requests, the handler unheard."""
+    from worker.faults import InjectedDeviceLoss
+
+    faults: list[BaseException] = []
+    lost: list[str] = []
+
+    def before_step() -> None:
+        if faults:
+            raise faults.pop()
+
+    engine = Engine(EngineConfig(str(model_dir), num_kv_blocks=48))
+    lp = EngineLoop(engine, name="test-lost", before_step=before_step, on_device_lost=lambda why, exc: lost.append(why))
+    lp.start()
+    try:
+        faults.append(InjectedDeviceLoss("injected: the device is gone"))
+        q = collect(lp, "lost-1", [1, 2, 3, 4], GREEDY)
+        outs = drain(q)
+        assert lost == ["injected: the device is gone"]
+        ref = offline.generate([[1, 2, 3, 4]], GREEDY)[0]
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids  # no output lost or failed
+
+        faults.append(RuntimeError("a step's own error"))
+        q = collect(lp, "failed-1", [5, 6, 7], GREEDY)
+        item = q.get(timeout=WAIT_S)
+        assert isinstance(item, RuntimeError) and "own error" in str(item)
+        assert lost == ["injected: the device is gone"]
+    finally:
+        lp.stop()
+
+
 def test_stats_snapshot_and_stop(model_dir):
     engine = Engine(EngineConfig(str(model_dir), num_kv_blocks=32))
     lp = EngineLoop(engine, batch_window_s=0.002)

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from engine.engine import Engine
 from engine.outputs import FinishReason, StepOutput, StepPlan
 from tandem.native import set_thread_name
+from worker.device_fault import device_lost
 from worker.events import KvEventHub
 from worker.gpu_turn import GpuTurn
 from worker.step_profiler import StepProfiler
@@ -76,6 +77,11 @@ class EngineLoop:
     turn: the worker's side of a GPU shared with other workers (`worker.gpu_turn`): called
       around each step; `on_turn_wait` gets the seconds a step waited for its turn (when > 0).
     profiler: `worker.step_profiler.StepProfiler`, called around each step (after the turn).
+    before_step: called on the engine thread right before each step's forward is queued, inside
+      the step's error handling (worker.device_fault's injection).
+    on_device_lost: where set, a failed step whose device no longer works
+      (`worker.device_fault.device_lost`) goes to it with the reason and the error instead of
+      failing the step's requests (a worker exits: its requests resume elsewhere).
     """
 
     def __init__(
@@ -90,6 +96,8 @@ class EngineLoop:
         turn: GpuTurn | None = None,
         on_turn_wait: Callable[[float], None] | None = None,
         profiler: StepProfiler | None = None,
+        before_step: Callable[[], None] | None = None,
+        on_device_lost: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         if not batch_window_s >= 0:
             raise ValueError(f"batch_window_s: must be >= 0, got {batch_window_s}")
@@ -101,6 +109,8 @@ class EngineLoop:
         self.turn = turn or GpuTurn()
         self._on_turn_wait = on_turn_wait
         self.profiler = profiler
+        self._before_step = before_step
+        self._on_device_lost = on_device_lost
         self.events = KvEventHub()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
@@ -314,8 +324,14 @@ class EngineLoop:
         try:
             reserving = self.reserves_arriving > 0 or self.engine.holds_any()
             hold = self._hold if self.turn.holds(reserving, self.engine.num_running()) else None
+            if self._before_step is not None:
+                self._before_step()
             outputs = self.engine.step(on_layer=self.on_layer, hold=hold, while_running=self.while_running)
         except Exception as exc:
+            lost = device_lost(self.engine.device, exc) if self._on_device_lost is not None else None
+            if lost is not None:  # every later step would fail too: the process gives way (worker.device_fault)
+                self._on_device_lost(lost, exc)
+                return
             logger.exception("engine step failed; aborting %d requests", len(self._listeners))
             self._fail_all(exc)
             return

@@ -7,6 +7,11 @@ missing or empty file means no delay). Read once at worker start; the delay is s
 engine thread right after the step and counted in that step's duration, so every stream on the
 worker sees it and `tandem_engine_step_seconds` shows it. `{worker_id}` in the value is replaced
 by the worker's id, so one setting for a whole cluster gives each worker its own file.
+
+`TANDEM_FAULT_DEVICE_LOST=@PATH` (`{worker_id}` likewise): once PATH exists, the next engine
+step loses the device (worker/device_fault.py says what the worker then does). On a GPU it runs
+an out-of-bounds index, whose device-side assert is a real sticky CUDA error that the worker's
+real check then finds; on the CPU, which has no such state, the step raises InjectedDeviceLoss.
 """
 from __future__ import annotations
 
@@ -14,10 +19,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 ENV_STEP_DELAY = "TANDEM_FAULT_STEP_DELAY"
+ENV_DEVICE_LOST = "TANDEM_FAULT_DEVICE_LOST"
 _REREAD_S = 0.1
 
 
@@ -57,3 +64,35 @@ class StepDelay:
         if delay > 0:
             time.sleep(delay)
         return delay
+
+
+class InjectedDeviceLoss(RuntimeError):
+    """TANDEM_FAULT_DEVICE_LOST's fault on a device that has no sticky errors (the CPU)."""
+
+
+class DeviceLossInjection:
+    """TANDEM_FAULT_DEVICE_LOST: `before_step()` loses the device once the file exists."""
+
+    def __init__(self, path: Path, device: Any) -> None:
+        self.path, self.device = path, device
+        logger.warning("fault injection on: %s=@%s", ENV_DEVICE_LOST, path)
+
+    @classmethod
+    def from_env(cls, device: Any, worker_id: str | None = "") -> DeviceLossInjection | None:
+        spec = os.environ.get(ENV_DEVICE_LOST, "").strip().replace("{worker_id}", worker_id or "")
+        if not spec:
+            return None
+        if not spec.startswith("@") or len(spec) < 2:
+            raise ValueError(f"{ENV_DEVICE_LOST}: expected @FILE, got {spec!r}")
+        return cls(Path(spec[1:]), device)
+
+    def before_step(self) -> None:
+        if not self.path.exists():
+            return
+        if self.device.type != "cuda":
+            raise InjectedDeviceLoss(f"{ENV_DEVICE_LOST}: {self.path} exists")
+        import torch
+
+        x = torch.zeros(1, device=self.device)
+        x[torch.tensor([1 << 30], device=self.device)] += 1  # out of bounds: the index kernel's device assert
+        torch.cuda.synchronize(self.device)

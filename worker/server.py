@@ -36,7 +36,8 @@ from tandem.heap import freeze_startup_heap
 from tandem.netaddr import advertised_host, host_port
 from worker.config import WorkerConfig
 from worker.engine_loop import EngineLoop
-from worker.faults import StepDelay
+from worker.device_fault import exit_device_lost
+from worker.faults import DeviceLossInjection, StepDelay
 from worker.gpu_turn import GpuTurn, make_turn
 from worker.step_profiler import StepProfiler
 from worker.runtime import WorkerRuntime
@@ -134,9 +135,11 @@ class WorkerServer:
         self.turn = make_turn(cfg.role, cfg.gpu_turn, cfg.gpu_turn_max_wait_ms / 1000, cfg.gpu_turn_hold,
                               cfg.gpu_turn_max_batch)
         self.profiler = StepProfiler.from_env(worker_id)
+        injection = DeviceLossInjection.from_env(self.engine.device, worker_id)  # test-only fault hook
         loop = EngineLoop(self.engine, name=f"engine-{cfg.role}", batch_window_s=cfg.batch_window_s,
                           on_step=self._observe_step, turn=self.turn, on_turn_wait=self._observe_turn_wait,
-                          profiler=self.profiler)
+                          profiler=self.profiler, before_step=injection.before_step if injection else None,
+                          on_device_lost=exit_device_lost)
         runtime = WorkerRuntime(cfg, self.engine, loop, worker_id)
         runtime.bridge = AsyncBridge(asyncio.get_running_loop())
         self.server, self.runtime = server, runtime
