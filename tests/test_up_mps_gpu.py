@@ -1,9 +1,11 @@
 """`tandem up --mps` on a GPU with NVIDIA's MPS tools: tandem up's own daemon, the prefill and
 decode workers its clients (their kernels side by side), the same greedy tokens as without MPS,
 a decode worker killed with SIGKILL restarted under the same daemon, and no daemon left after
-the stop. (tests/test_mps.py checks the plumbing on the CPU with a stand-in daemon.)"""
+the stop; a device lost under MPS restarts the GPU's workers and loses no request.
+(tests/test_mps.py checks the plumbing on the CPU with a stand-in daemon.)"""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -24,6 +26,18 @@ PROMPT = "Once upon a time"
 def _greedy(port: int) -> list[int]:
     with Client(f"127.0.0.1:{port}") as client:
         return client.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True, timeout=60).token_ids
+
+
+def _greedy_within(port: int, seconds: float) -> list[int]:
+    """_greedy, retried until it answers (workers restarting) or `seconds` pass."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            return _greedy(port)
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
 
 
 def _mps_processes() -> list[int]:
@@ -61,3 +75,32 @@ def test_up_with_mps_serves_recovers_and_leaves_no_daemon(tmp_path) -> None:
     while time.time() < deadline and alive(sorted(ours)):
         time.sleep(0.2)
     assert alive(sorted(ours)) == []
+
+
+def test_a_device_lost_under_mps_restarts_the_gpus_workers_and_serves_the_same_tokens(tmp_path, monkeypatch) -> None:
+    """The prefill worker trips a device-side assert (TANDEM_FAULT_DEVICE_LOST, a real sticky CUDA
+    error): it exits with DEVICE_LOST_EXIT, tandem up restarts the decode worker on its MPS daemon
+    with it (worker/device_fault.py, entrypoints/mps.py), and the cluster serves the fault-free
+    tokens again, the request in flight included."""
+    from worker.device_fault import DEVICE_LOST_EXIT
+
+    arm = tmp_path / "lose-prefill-0"
+    monkeypatch.setenv("TANDEM_FAULT_DEVICE_LOST", f"@{tmp_path}/lose-{{worker_id}}")
+    proc, port, log_dir = start_up(tmp_path / "mps", "--dtype", "bfloat16", "--no-agent", "--mps")
+    try:
+        expected = _greedy(port)
+        decode_before = [p for p in processes_with(str(tmp_path / "mps")) if " -m entrypoints decode " in cmdline(p)]
+        arm.touch()
+        in_flight = concurrent.futures.ThreadPoolExecutor(1).submit(_greedy_within, port, 240)
+        log = log_dir / "prefill-0.log"  # its prefill steps, loses the device, and exits
+        deadline = time.time() + 60
+        while time.time() < deadline and "the device is lost" not in log.read_text():
+            time.sleep(0.05)
+        arm.unlink()  # the restarted prefill worker keeps its device
+        assert f"exiting with code {DEVICE_LOST_EXIT}" in log.read_text()
+        assert in_flight.result(300) == expected  # retried by the gateway on the restarted workers
+        assert _greedy_within(port, 60) == expected
+        decode_after = [p for p in processes_with(str(tmp_path / "mps")) if " -m entrypoints decode " in cmdline(p)]
+        assert decode_after and set(decode_after).isdisjoint(decode_before)  # restarted with the prefill worker
+    finally:
+        assert stop(proc) == 0
