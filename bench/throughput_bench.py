@@ -472,7 +472,7 @@ class Clusters:
              "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
              "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
              "disagg_fp8_one_row": ["--quantization", "fp8"],
-             "disagg_mps": ["--mps"], "disagg_fp8_mps": ["--quantization", "fp8", "--mps"],
+             "disagg_no_mps": ["--no-mps"], "disagg_fp8_no_mps": ["--quantization", "fp8", "--no-mps"],
              "disagg_mps_no_turn": ["--mps", "--no-gpu-turn"],
              "disagg_mps_layer_push": ["--mps", "--kv-push", "layer"],
              "disagg_fp8_mps_no_turn": ["--quantization", "fp8", "--mps", "--no-gpu-turn"]}
@@ -720,17 +720,17 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("online_fp8_one_row", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_one_row"),
             "online_fp8 with fused GEMVs at one row only (TANDEM_FUSED_GEMV_ROWS=1): steps of 2+ sequences "
             "through cuBLASLt's FP8 GEMM, against online_fp8's fused ones"),
-    Section("online_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps"),
-            "online with `tandem up --mps` (turns while the decode batch is small, kernels side by side above it; "
-            "TTFT / TPOT against `online`)"),
-    Section("services_mps", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_mps"),
-            "services with `tandem up --mps`"),
-    Section("max_rate_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_mps"),
-            "max_rate with `tandem up --mps`"),
-    Section("online_fp8_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps"),
-            "online_fp8 with `tandem up --mps`"),
-    Section("max_rate_fp8_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps"),
-            "max_rate_fp8 with `tandem up --mps` (BENCHMARKS.md §46: 26 req/s on an H100, 24 in turns)"),
+    Section("online_no_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_no_mps"),
+            "online with `tandem up --no-mps`: turns at every batch, where `online` runs under MPS on a GPU with "
+            "its tools (turns only while the decode batch is small; BENCHMARKS.md §46-47)"),
+    Section("services_no_mps", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_no_mps"),
+            "services with `tandem up --no-mps`"),
+    Section("max_rate_no_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_no_mps"),
+            "max_rate with `tandem up --no-mps`"),
+    Section("online_fp8_no_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_no_mps"),
+            "online_fp8 with `tandem up --no-mps`"),
+    Section("max_rate_fp8_no_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_no_mps"),
+            "max_rate_fp8 with `tandem up --no-mps` (BENCHMARKS.md §46: 24 req/s on an H100, 26 under MPS)"),
     Section("online_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_no_turn"),
             "online with --mps --no-gpu-turn: side by side at every batch (BENCHMARKS.md §45: TTFT P50 +4-5 ms)"),
     Section("online_fp8_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_no_turn"),
@@ -738,7 +738,7 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("max_rate_fp8_mps_no_turn", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_no_turn"),
             "max_rate_fp8 with --mps --no-gpu-turn"),
     Section("online_mps_layer_push", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_layer_push"),
-            "online_mps with --kv-push layer: each layer's KV sent as it is computed (BENCHMARKS.md §46: "
+            "online under --mps with --kv-push layer: each layer's KV sent as it is computed (BENCHMARKS.md §46: "
             "the same TTFT as `auto`'s push after the forward)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
     Section("env", "", 30, 1, "local", run_env, "versions, commit, GPUs (no GPU needed)"),
@@ -855,7 +855,7 @@ RATIOS = {
     "colocated_vs_offline": (("colocated", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_small_prefill_vs_offline": (("services_small_prefill", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_own_weights_vs_offline": (("services_own_weights", "output_tok_s"), ("offline_subset", "output_tok_s")),
-    "services_mps_vs_offline": (("services_mps", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "services_no_mps_vs_offline": (("services_no_mps", "output_tok_s"), ("offline_subset", "output_tok_s")),
 }
 
 
@@ -888,7 +888,7 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
         "services_out_tok_s": g("services", "output_tok_s"), "colocated_out_tok_s": g("colocated", "output_tok_s"),
         "offline_subset_out_tok_s": g("offline_subset", "output_tok_s"),
         "services_vs_offline": None, "colocated_vs_offline": None, "services_small_prefill_vs_offline": None,
-        "services_own_weights_vs_offline": None, "services_mps_vs_offline": None,
+        "services_own_weights_vs_offline": None, "services_no_mps_vs_offline": None,
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),

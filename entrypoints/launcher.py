@@ -39,7 +39,8 @@ from pathlib import Path
 from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
-from entrypoints.mps import MpsDaemon, MpsError, banner_row, restart_fault_sharers, start_daemons, stop_daemons
+from entrypoints.mps import (MpsDaemon, MpsError, auto_unavailable, banner_row, restart_fault_sharers, start_daemons,
+                             stop_daemons, turns_row)
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
                                    physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
@@ -163,6 +164,34 @@ def fp8_gpu_error(a: argparse.Namespace, placement: Placement, model: str) -> st
     return None
 
 
+def turn_max_batch(a: argparse.Namespace, under_mps: bool) -> int | None:
+    """The decode batch up to which a decode worker sharing its GPU takes turns
+    (--gpu-turn-max-batch): MPS_MAX_BATCH under MPS unless given, no bound (None) otherwise."""
+    if a.gpu_turn_max_batch is not None:
+        return a.gpu_turn_max_batch
+    return MPS_MAX_BATCH if under_mps else None
+
+
+def mps_daemons(a: argparse.Namespace, placement: Placement, run_dir: Path,
+                log_dir: Path | None) -> tuple[dict[int, MpsDaemon], list[str]]:
+    """The MPS daemons the cluster's shared GPUs run under (entrypoints.mps), by GPU, and the
+    banner's lines for shared GPUs left without: `--mps` insists (MpsError where it cannot be had),
+    `--no-mps` never starts one, neither starts them where `auto_unavailable` finds nothing
+    against it (and runs in turns, saying why, where it does or a daemon fails to start)."""
+    if a.mps:
+        return start_daemons(placement, run_dir, log_dir), []
+    if a.mps is False:
+        return {}, []
+    why = auto_unavailable(placement, a.tp)
+    if why is None:
+        try:
+            return start_daemons(placement, run_dir, log_dir), []
+        except MpsError as exc:
+            logger.warning("running the workers sharing a GPU in turns, without MPS: %s", exc)
+            why = "its MPS daemon did not start (the warning above says why)"
+    return {}, (turns_row(placement, why) if why and a.gpu_turn else [])
+
+
 def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None,
                    placement: Placement | None = None, ready_dir: Path | None = None,
                    auth_token: str | None = None, mps: dict[int, MpsDaemon] | None = None) -> list[ClusterProcess]:
@@ -234,8 +263,9 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
             if not f.exists():
                 create_turn_file(f)
         decode_flags = ["--gpu-turn-max-wait-ms", f"{a.gpu_turn_max_wait_ms:g}", "--gpu-turn-hold", a.gpu_turn_hold]
-        if a.gpu_turn_max_batch is not None:
-            decode_flags += ["--gpu-turn-max-batch", str(a.gpu_turn_max_batch)]
+        bound = turn_max_batch(a, under_mps=bool(set(placement.worker(name).gpus) & set(mps)))
+        if bound is not None:
+            decode_flags += ["--gpu-turn-max-batch", str(bound)]
         wait = decode_flags if decode else []
         return ["--gpu-turn", ",".join(map(str, files)), *wait]
 
@@ -342,17 +372,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where prefill and decode workers share a GPU, a decode worker waits for the prefill "
                         "worker's step, up to --gpu-turn-max-wait-ms (worker.gpu_turn); --no-gpu-turn lets it step "
                         "meanwhile (the GPU then time-slices between them, or with --mps runs both)")
-    p.add_argument("--mps", action="store_true",
+    p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                    help="run the prefill and decode workers that share a GPU under CUDA MPS: turns while the "
                         f"decode batch is small (--gpu-turn-max-batch {MPS_MAX_BATCH}), kernels side by side above "
                         "it: higher rates within the SLO at the turns' TTFT (entrypoints/mps.py; tandem up starts "
-                        "its own MPS daemon; needs nvidia-cuda-mps-control)")
+                        "its own MPS daemon per GPU). Default: where nvidia-cuda-mps-control is on PATH, --tp is 1 "
+                        "and no MPS daemon of yours is in effect, else turns; --mps: an error where it cannot be had; "
+                        "--no-mps: turns")
     p.add_argument("--gpu-turn-max-wait-ms", type=float, default=MAX_WAIT_S * 1000,
                    help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
     p.add_argument("--gpu-turn-max-batch", type=int, default=None,
                    help="a decode worker takes turns (waits, holds) only while it runs at most this many sequences: "
                         "with --mps, prompts go first at low load and run beside the decode steps under load "
-                        f"(default: {MPS_MAX_BATCH} with --mps, else no bound)")
+                        f"(default: {MPS_MAX_BATCH} under MPS, else no bound)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="when a decode worker sharing a GPU queues a step only once the one before has finished "
                         "and no prefill step holds the GPU: always (prompts go first: lower TTFT for ~0.3 ms "
@@ -429,8 +461,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--share-weights: the workers' weights are shared whole, so it needs --tp 1")
     if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
         p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
-    if a.mps and a.gpu_turn_max_batch is None:
-        a.gpu_turn_max_batch = MPS_MAX_BATCH
     if a.mps and a.tp > 1:
         p.error("--mps: an MPS client runs on one GPU, so it needs --tp 1")
     try:
@@ -549,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     ready_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))  # mode 0700
     try:
-        mps = start_daemons(placement, ready_dir, log_dir) if a.mps else {}
+        mps, no_mps_rows = mps_daemons(a, placement, ready_dir, log_dir)
     except MpsError as exc:
         shutil.rmtree(ready_dir, ignore_errors=True)
         print(f"tandem up: {exc}", file=sys.stderr, flush=True)
@@ -573,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             if stopping:
                 return 0
             rows = worker_rows(cluster, placement, a, model)
-            rows += [banner_row(d, a.gpu_turn_max_batch if a.gpu_turn else None) for d in mps.values()]
+            bound = turn_max_batch(a, under_mps=True) if a.gpu_turn else None
+            rows += [banner_row(d, bound) for d in mps.values()] + no_mps_rows
             # The gateway keeps at most what a decode worker runs on it; the rest wait in its tiers.
             caps = [p.info["max_running"] for p in cluster.processes if p.role in ("decode", "worker")]
             gateway.argv += ["--max-inflight-per-decode", str(min(caps))]

@@ -8,9 +8,13 @@ decode worker runs at most `MPS_MAX_BATCH` sequences (worker.gpu_turn) and runs 
 that. On an H100 (1024/256, BENCHMARKS.md §45–46) that moved the FP8 rate within the SLO from 24
 to 26 req/s with TPOT P50 14% lower at 22–24 req/s, and took TTFT P50 at 2 req/s from 32.1 to
 30.3 ms (bf16), TPOT the same; side by side at every batch (`--no-gpu-turn`) reached the same rate
-but cost 4–5 ms of TTFT P50 at 2 req/s. Opt-in: it needs NVIDIA's daemon per GPU and its tools.
+but cost 4–5 ms of TTFT P50 at 2 req/s. The 512-prompt burst moved as many tokens a second and the
+bf16 rate within the SLO stayed 16 req/s (§47), so `tandem up` runs such GPUs under MPS by
+default where it can (`auto_unavailable`: the tools are there, --tp 1, and no MPS daemon of the
+user's is in effect), and in turns otherwise; `--mps` insists (an error where it cannot),
+`--no-mps` keeps the turns.
 
-`tandem up --mps` starts one MPS control daemon per such GPU (`nvidia-cuda-mps-control -f`) with
+`tandem up` starts one MPS control daemon per such GPU (`nvidia-cuda-mps-control -f`) with
 its own pipe and log directories in tandem up's private run directory, so it needs no system-wide
 MPS and leaves any other alone. The daemon and the workers it serves name the GPU by UUID: an MPS
 server renumbers the GPUs it sees, a UUID stays what it is (NVIDIA's advice). The daemon runs
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+# Where a system-wide daemon listens when its pipe directory is not set: a CUDA process started
+# there becomes its client without being told.
+SYSTEM_PIPE_DIR = Path("/tmp/nvidia-mps")
 _PARENT_ENV = "TANDEM_MPS_PARENT_PID"
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
@@ -151,6 +158,27 @@ class MpsDaemon:
         return f" ({tail})" if tail else ""
 
 
+def auto_unavailable(placement: Placement, tp: int = 1) -> str | None:
+    """Why `tandem up` given neither --mps nor --no-mps runs its GPUs without MPS, or None where
+    it starts its own daemons (start_daemons). "" where no GPU hosts both a prefill and a decode
+    worker (nothing to say: MPS has nothing to do there); otherwise a reason for the banner."""
+    if not placement.prefill_decode_gpus:
+        return ""
+    if tp > 1:
+        return "--tp > 1 (an MPS client runs on one GPU)"
+    try:
+        check_placement(placement)
+    except MpsError as exc:
+        return str(exc).removeprefix("--mps: ")
+    if shutil.which(CONTROL) is None:
+        return f"{CONTROL} is not on PATH"
+    if os.environ.get(PIPE_ENV):
+        return f"${PIPE_ENV} names an MPS daemon of yours"
+    if (SYSTEM_PIPE_DIR / "control").exists():
+        return f"a system-wide MPS daemon runs ({SYSTEM_PIPE_DIR})"
+    return None
+
+
 def start_daemons(placement: Placement, run_dir: Path, log_dir: Path | None = None) -> dict[int, MpsDaemon]:
     """A started daemon for each GPU of check_placement(placement), by the GPU as tandem up sees
     it; MpsError (the daemons started so far stopped) where one cannot be had."""
@@ -181,6 +209,13 @@ def banner_row(daemon: MpsDaemon, turn_max_batch: int | None) -> str:
     how = ("side by side" if turn_max_batch is None else
            f"in turns while the decode worker runs at most {turn_max_batch} sequences, side by side above")
     return f"  MPS on GPU {daemon.physical_gpu} ({daemon.uuid}): its prefill and decode workers run {how}"
+
+
+def turns_row(placement: Placement, why: str) -> list[str]:
+    """tandem up's banner lines for the GPUs a prefill and a decode worker share without MPS
+    (`why`: auto_unavailable's reason, or why a daemon did not start)."""
+    return [f"  GPU {physical_gpus((gpu,))}: its prefill and decode workers take turns (no MPS: {why})"
+            for gpu in placement.prefill_decode_gpus]
 
 
 def fault_sharers(placement: Placement, daemons: dict[int, MpsDaemon], name: str) -> list[str]:

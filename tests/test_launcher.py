@@ -209,7 +209,7 @@ def test_kv_push_goes_to_the_prefill_workers() -> None:
 def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     """tandem up makes one turn file per prefill worker that shares its GPU, in its run
     directory: the prefill worker marks it, the decode worker waits on it (with the bound it was
-    given; under --mps only while its batch is at most MPS_MAX_BATCH, unless told otherwise); none
+    given; under MPS only while its batch is at most MPS_MAX_BATCH, unless told otherwise); none
     with --no-gpu-turn, on separate GPUs, or on the CPU."""
     from entrypoints.launcher import build_children, parse_args, placement_for
     from worker.gpu_turn import MAX_WAIT_S, MPS_MAX_BATCH
@@ -234,18 +234,21 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     for argv, visible in ((["--no-gpu-turn"], 1), (["--mps", "--no-gpu-turn"], 1), ([], 2), ([], 0)):
         assert all(v == [] for v in turns(*argv, visible=visible).values()), (argv, visible)
 
-    def max_batch(*argv: str) -> str | None:
+    def max_batch(*argv: str, under_mps: bool = False) -> str | None:
+        from entrypoints.mps import MpsDaemon
+
         a = parse_args(list(argv))
+        mps = {0: MpsDaemon("0", "GPU-0", tmp_path / "mps")} if under_mps else None
         decode = next(c for c in build_children(a, "/models/m", placement=placement_for(a, visible=1),
-                                                ready_dir=tmp_path) if c.role == "decode")
+                                                ready_dir=tmp_path, mps=mps) if c.role == "decode")
         assert decode.argv[decode.argv.index("--gpu-turn") + 1] == turn
         i = decode.argv.index("--gpu-turn-max-batch") if "--gpu-turn-max-batch" in decode.argv else None
         return None if i is None else decode.argv[i + 1]
 
     assert max_batch() is None  # turns at every batch without MPS
     assert max_batch("--gpu-turn-max-batch", "8") == "8"
-    assert max_batch("--mps") == str(MPS_MAX_BATCH)  # under MPS: turns at small batches, side by side above
-    assert max_batch("--mps", "--gpu-turn-max-batch", "4") == "4"
+    assert max_batch(under_mps=True) == str(MPS_MAX_BATCH)  # under MPS: turns at small batches, side by side above
+    assert max_batch("--gpu-turn-max-batch", "4", under_mps=True) == "4"
     for bad in ("0", "-1"):
         with pytest.raises(SystemExit):
             parse_args(["--gpu-turn-max-batch", bad])

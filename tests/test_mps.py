@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from entrypoints.cluster import Cluster, ClusterProcess
-from entrypoints.mps import (MpsDaemon, MpsError, banner_row, check_placement, fault_sharers, restart_fault_sharers,
-                             start_daemons, stop_daemons)
+from entrypoints.mps import (MpsDaemon, MpsError, auto_unavailable, banner_row, check_placement, fault_sharers,
+                             restart_fault_sharers, start_daemons, stop_daemons)
 from entrypoints.placement import Placement, WorkerPlacement, place
 from worker.gpu_turn import MPS_MAX_BATCH
 
@@ -172,6 +172,69 @@ def test_tandem_up_hands_the_daemon_to_the_workers_on_its_gpu(nvidia_tools: Path
     decode = children["decode-0"].argv  # turns only at small batches, side by side above
     assert decode[decode.index("--gpu-turn-max-batch") + 1] == str(MPS_MAX_BATCH)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in children["gateway"].env
+
+
+@pytest.fixture
+def no_mps_of_the_users(tmp_path: Path, monkeypatch) -> Path:
+    """Neither $CUDA_MPS_PIPE_DIRECTORY nor a system-wide daemon (its pipe directory moved here)."""
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    system = tmp_path / "system-mps"
+    monkeypatch.setattr("entrypoints.mps.SYSTEM_PIPE_DIR", system)
+    return system
+
+
+def test_without_a_flag_tandem_up_runs_a_shared_gpu_under_mps_where_it_can(nvidia_tools: Path, tmp_path: Path,
+                                                                           no_mps_of_the_users: Path,
+                                                                           monkeypatch, caplog) -> None:
+    """Neither --mps nor --no-mps: tandem up's own daemon where a GPU hosts both roles, the tools
+    are on PATH, --tp is 1 and no MPS of the user's is in effect; turns otherwise, the banner
+    saying why. --no-mps never starts one; --mps insists."""
+    from entrypoints.launcher import mps_daemons, parse_args
+
+    runs = iter(range(100))
+
+    def run(*argv: str, placement: Placement | None = None) -> tuple[list[int], list[str]]:
+        run_dir = tmp_path / f"run{next(runs)}"  # a fresh run directory, as each tandem up has
+        daemons, rows = mps_daemons(parse_args(list(argv)), placement or place([0]), run_dir, None)
+        stop_daemons(daemons)
+        return list(daemons), rows
+
+    assert auto_unavailable(place([0])) is None
+    assert run() == ([0], [])
+    assert run("--no-mps") == ([], [])
+    for placement in (place([0, 1]), place([0], colocated=True), place([])):  # nothing shares a GPU: nothing to say
+        assert auto_unavailable(placement) == ""
+        assert run(placement=placement) == ([], [])
+    assert auto_unavailable(place([0]), tp=2) == "--tp > 1 (an MPS client runs on one GPU)"
+
+    # An MPS of the user's: a pipe directory in the environment, or a system-wide daemon's.
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "theirs"))
+    assert run() == ([], ["  GPU 0: its prefill and decode workers take turns "
+                          "(no MPS: $CUDA_MPS_PIPE_DIRECTORY names an MPS daemon of yours)"])
+    assert run("--mps")[0] == [0]  # asked for: tandem up's own, as before
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    no_mps_of_the_users.mkdir()
+    (no_mps_of_the_users / "control").touch()
+    assert "a system-wide MPS daemon runs" in run()[1][0]
+    (no_mps_of_the_users / "control").unlink()
+
+    # A daemon that does not come up: turns, with a warning saying why; an error under --mps.
+    control = nvidia_tools / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 3\n")
+    with caplog.at_level(logging.WARNING, logger="tandem.up"):
+        daemons, rows = run()
+    assert daemons == [] and "its MPS daemon did not start" in rows[0]
+    assert "exited with code 3" in caplog.text
+    with pytest.raises(MpsError, match="exited with code 3"):
+        run("--mps")
+
+    # No tools: turns, the banner naming the tool (none with --no-gpu-turn: no turns to name).
+    control.unlink()
+    assert run()[1] == ["  GPU 0: its prefill and decode workers take turns "
+                        "(no MPS: nvidia-cuda-mps-control is not on PATH)"]
+    assert run("--no-gpu-turn") == ([], [])
+    with pytest.raises(MpsError, match="nvidia-cuda-mps-control is not on PATH"):
+        run("--mps")
 
 
 def test_the_banner_says_how_the_workers_share_the_gpu(tmp_path: Path) -> None:

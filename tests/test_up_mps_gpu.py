@@ -1,5 +1,6 @@
-"""`tandem up --mps` on a GPU with NVIDIA's MPS tools: tandem up's own daemon, the prefill and
-decode workers its clients (their kernels side by side), the same greedy tokens as without MPS,
+"""`tandem up` on a GPU with NVIDIA's MPS tools: by default tandem up's own daemon, the prefill
+and decode workers its clients (their kernels side by side), the same greedy tokens as with
+`--no-mps` (turns, no daemon),
 a decode worker killed with SIGKILL restarted under the same daemon, and no daemon left after
 the stop; a device lost under MPS restarts the GPU's workers and loses no request.
 (tests/test_mps.py checks the plumbing on the CPU with a stand-in daemon.)"""
@@ -46,12 +47,15 @@ def _mps_processes() -> list[int]:
 
 def test_up_with_mps_serves_recovers_and_leaves_no_daemon(tmp_path) -> None:
     before = set(_mps_processes())
-    plain, port, _ = start_up(tmp_path / "plain", "--dtype", "bfloat16", "--no-agent")
+    plain, port, _ = start_up(tmp_path / "plain", "--dtype", "bfloat16", "--no-agent", "--no-mps")
     try:
+        assert "MPS on GPU" not in plain.printed and set(_mps_processes()) == before
         expected = _greedy(port)
     finally:
         assert stop(plain) == 0
-    proc, port, log_dir = start_up(tmp_path / "mps", "--dtype", "bfloat16", "--no-agent", "--mps")
+    if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or os.path.exists("/tmp/nvidia-mps/control"):
+        pytest.skip("an MPS daemon of the user's is in effect: tandem up leaves MPS off by default")
+    proc, port, log_dir = start_up(tmp_path / "mps", "--dtype", "bfloat16", "--no-agent")  # MPS by default
     try:
         assert "MPS on GPU" in proc.printed and "KV transport: cuda_ipc" in proc.printed
         assert _greedy(port) == expected  # the same kernels, side by side or not

@@ -33,8 +33,8 @@ decode worker lets the prompt go first:
 - `--gpu-turn-max-batch N`: the decode worker waits and holds only while it runs at most N
   sequences. A small batch loses little by letting the prompt go first; a large one (the GPU
   under load) loses the waits on every step (3-4 ms a step at 22-26 req/s on an H100, BENCHMARKS
-  §44-45), and under MPS (`tandem up --mps`) its steps can run beside the prompt's forward
-  instead. Default: no bound; `tandem up --mps` passes MPS_MAX_BATCH.
+  §44-45), and under MPS (entrypoints/mps.py) its steps can run beside the prompt's forward
+  instead. Default: no bound; `tandem up` passes MPS_MAX_BATCH to a decode worker under MPS.
 
 A turn file is 8 bytes, made by `tandem up` in its private run directory, one per prefill
 worker; nothing else is shared and either side may restart at any time.
