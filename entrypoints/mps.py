@@ -1,15 +1,16 @@
-"""CUDA MPS on the GPUs that a prefill and a decode worker share (`tandem up --mps`).
+"""CUDA MPS on the GPUs that a prefill and a decode worker share (`tandem up`'s default where it
+can be had; `--mps`, `--no-mps`).
 
 Two processes on one GPU time-slice: their kernels never run side by side, so by default the
 decode worker waits out each prompt's forward (worker.gpu_turn: the prompt goes first). Under MPS
 (NVIDIA's Multi-Process Service) the two processes' kernels share the GPU's SMs at once: a decode
-step can run beside a prompt's forward instead of after it. `--mps` keeps the turns while the
+step can run beside a prompt's forward instead of after it. MPS keeps the turns while the
 decode worker runs at most `MPS_MAX_BATCH` sequences (worker.gpu_turn) and runs side by side above
-that. On an H100 (1024/256, BENCHMARKS.md §45–46) that moved the FP8 rate within the SLO from 24
+that. On an H100 (1024/256, BENCHMARKS.md §45–47) that moved the FP8 rate within the SLO from 24
 to 26 req/s with TPOT P50 14% lower at 22–24 req/s, and took TTFT P50 at 2 req/s from 32.1 to
 30.3 ms (bf16), TPOT the same; side by side at every batch (`--no-gpu-turn`) reached the same rate
 but cost 4–5 ms of TTFT P50 at 2 req/s. The 512-prompt burst moved as many tokens a second and the
-bf16 rate within the SLO stayed 16 req/s (§47), so `tandem up` runs such GPUs under MPS by
+bf16 rate within the SLO rose from 16 to 18 req/s (§47), so `tandem up` runs such GPUs under MPS by
 default where it can (`auto_unavailable`: the tools are there, --tp 1, and no MPS daemon of the
 user's is in effect), and in turns otherwise; `--mps` insists (an error where it cannot),
 `--no-mps` keeps the turns.
