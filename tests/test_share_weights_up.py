@@ -59,7 +59,7 @@ def shared_log_line(path) -> str:
 
 
 def test_up_shares_the_weights_and_a_killed_loader_is_replaced_from_the_survivor(tmp_path) -> None:
-    proc, port, log_dir = start_up(tmp_path, "--share-weights")
+    proc, port, log_dir = start_up(tmp_path, "--share-weights", "--gpus", "")  # the CPU path, on a GPU box too
     try:
         assert "prefill-0  CPU, weights shared:" in proc.printed and "decode-0   CPU, weights shared:" in proc.printed
         logs = {name: shared_log_line(log_dir / f"{name}.log") for name in ("prefill-0", "decode-0")}
