@@ -40,7 +40,7 @@ from engine.config import MAX_PREFILL_GRAPH_TOKENS
 from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, ClusterProcess, free_port, keep_off,
                                  port_in_use)
 from entrypoints.mps import (MpsDaemon, MpsError, auto_unavailable, banner_row, restart_fault_sharers, start_daemons,
-                             stop_daemons, turns_row)
+                             stop_daemons, turns_rows)
 from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
                                    physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
@@ -189,7 +189,7 @@ def mps_daemons(a: argparse.Namespace, placement: Placement, run_dir: Path,
         except MpsError as exc:
             logger.warning("running the workers sharing a GPU in turns, without MPS: %s", exc)
             why = "its MPS daemon did not start (the warning above says why)"
-    return {}, (turns_row(placement, why) if why and a.gpu_turn else [])
+    return {}, (turns_rows(placement, why) if why and a.gpu_turn else [])
 
 
 def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = None,
@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-turn", action=argparse.BooleanOptionalAction, default=True, dest="gpu_turn",
                    help="where prefill and decode workers share a GPU, a decode worker waits for the prefill "
                         "worker's step, up to --gpu-turn-max-wait-ms (worker.gpu_turn); --no-gpu-turn lets it step "
-                        "meanwhile (the GPU then time-slices between them, or with --mps runs both)")
+                        "meanwhile (the GPU then time-slices between them, or under MPS runs both)")
     p.add_argument("--mps", action=argparse.BooleanOptionalAction, default=None,
                    help="run the prefill and decode workers that share a GPU under CUDA MPS: turns while the "
                         f"decode batch is small (--gpu-turn-max-batch {MPS_MAX_BATCH}), kernels side by side above "
@@ -383,7 +383,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the longest a decode worker's step waits for a prefill worker's step on their GPU")
     p.add_argument("--gpu-turn-max-batch", type=int, default=None,
                    help="a decode worker takes turns (waits, holds) only while it runs at most this many sequences: "
-                        "with --mps, prompts go first at low load and run beside the decode steps under load "
+                        "under MPS, prompts go first at low load and run beside the decode steps under load "
                         f"(default: {MPS_MAX_BATCH} under MPS, else no bound)")
     p.add_argument("--gpu-turn-hold", choices=HOLD_MODES, default=DEFAULT_HOLD,
                    help="when a decode worker sharing a GPU queues a step only once the one before has finished "

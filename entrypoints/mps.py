@@ -212,7 +212,7 @@ def banner_row(daemon: MpsDaemon, turn_max_batch: int | None) -> str:
     return f"  MPS on GPU {daemon.physical_gpu} ({daemon.uuid}): its prefill and decode workers run {how}"
 
 
-def turns_row(placement: Placement, why: str) -> list[str]:
+def turns_rows(placement: Placement, why: str) -> list[str]:
     """tandem up's banner lines for the GPUs a prefill and a decode worker share without MPS
     (`why`: auto_unavailable's reason, or why a daemon did not start)."""
     return [f"  GPU {physical_gpus((gpu,))}: its prefill and decode workers take turns (no MPS: {why})"
