@@ -188,7 +188,7 @@ def mps_daemons(a: argparse.Namespace, placement: Placement, run_dir: Path,
             return start_daemons(placement, run_dir, log_dir), []
         except MpsError as exc:
             logger.warning("running the workers sharing a GPU in turns, without MPS: %s", exc)
-            why = "its MPS daemon did not start (the warning above says why)"
+            why = "it did not start; the warning above says why"
     return {}, (turns_rows(placement, why) if why and a.gpu_turn else [])
 
 

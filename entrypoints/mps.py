@@ -51,6 +51,25 @@ SYSTEM_PIPE_DIR = Path("/tmp/nvidia-mps")
 _PARENT_ENV = "TANDEM_MPS_PARENT_PID"
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 30.0
+
+# A CUDA client in miniature (the driver API through ctypes: no torch, ~0.3 s): it creates a
+# context on its one visible GPU, which under MPS makes the daemon start its server and connects
+# to it; exit status 0, or the failing call and CUDA's name for the error on stderr. A daemon
+# can answer its control pipe while its server cannot start (a GPU or driver without MPS, another
+# user's server on the GPU): the workers would then fail at their first CUDA call.
+_PROBE_SOURCE = """
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, ctx, name = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_char_p()
+for step, call in (("cuInit", lambda: cuda.cuInit(0)), ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
+                   ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
+    rc = call()
+    if rc:
+        cuda.cuGetErrorName(rc, ctypes.byref(name))
+        sys.exit(f"{step}: {name.value.decode() if name.value else rc}")
+"""
+PROBE_ARGV = (sys.executable, "-c", _PROBE_SOURCE)
 
 
 class MpsError(RuntimeError):
@@ -134,6 +153,21 @@ class MpsDaemon:
     def answers(self) -> bool:
         return self.ask("get_server_list") is not None
 
+    def client_fails(self, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+        """Why a CUDA client cannot start under this (started) daemon, or None where one can
+        (PROBE_ARGV, run with the workers' environment)."""
+        try:
+            done = subprocess.run(PROBE_ARGV, capture_output=True, text=True, timeout=timeout_s,
+                                  env={**os.environ, **self.client_env()}, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"a CUDA client did not start within {timeout_s:g} s"
+        except OSError as exc:
+            return f"a CUDA client could not be run ({exc})"
+        if done.returncode == 0:
+            return None
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        return f"a CUDA client failed under it ({tail[0]})"
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the daemon to quit (it stops its server, whose clients should be gone by now);
         terminate it if it has not exited within `timeout_s`."""
@@ -182,7 +216,8 @@ def auto_unavailable(placement: Placement, tp: int = 1) -> str | None:
 
 def start_daemons(placement: Placement, run_dir: Path, log_dir: Path | None = None) -> dict[int, MpsDaemon]:
     """A started daemon for each GPU of check_placement(placement), by the GPU as tandem up sees
-    it; MpsError (the daemons started so far stopped) where one cannot be had."""
+    it, each with a CUDA client seen to start under it (MpsDaemon.client_fails); MpsError (the
+    daemons started so far stopped) where one cannot be had."""
     gpus = check_placement(placement)
     control = shutil.which(CONTROL)
     if control is None:
@@ -198,6 +233,9 @@ def start_daemons(placement: Placement, run_dir: Path, log_dir: Path | None = No
             daemon = MpsDaemon(physical, gpu_uuid, run_dir / f"mps-gpu{gpu}", control)
             daemon.start(log_dir / f"mps-gpu{gpu}.log" if log_dir else None)
             daemons[gpu] = daemon
+            why = daemon.client_fails()
+            if why is not None:
+                raise MpsError(f"--mps: GPU {physical}'s MPS daemon started, but {why}; start without --mps")
     except BaseException:
         stop_daemons(daemons)
         raise

@@ -54,9 +54,22 @@ FAKE_CONTROL = textwrap.dedent('''\
 ''')
 
 
+# A CUDA client's contract under MPS (entrypoints.mps.PROBE_ARGV): it starts where a daemon runs
+# on its pipe directory and it sees one GPU, by UUID; FAKE_CLIENT_ERROR set: the driver refuses.
+FAKE_CLIENT = textwrap.dedent('''\
+    import json, os, sys
+    if os.environ.get("FAKE_CLIENT_ERROR"):
+        sys.exit("cuDevicePrimaryCtxRetain: " + os.environ["FAKE_CLIENT_ERROR"])
+    state = os.path.join(os.environ["CUDA_MPS_PIPE_DIRECTORY"], "daemon.json")
+    if not os.path.exists(state) or json.load(open(state))["visible"] != os.environ.get("CUDA_VISIBLE_DEVICES"):
+        sys.exit("cuInit: CUDA_ERROR_MPS_CONNECTION_FAILED")
+''')
+
+
 @pytest.fixture
 def nvidia_tools(tmp_path: Path, monkeypatch) -> Path:
-    """A stand-in nvidia-cuda-mps-control and an nvidia-smi that answers the UUID query, on PATH."""
+    """A stand-in nvidia-cuda-mps-control and an nvidia-smi that answers the UUID query, on PATH,
+    and a stand-in CUDA client for the check that one starts under a daemon."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     control = bin_dir / "nvidia-cuda-mps-control"
@@ -66,6 +79,7 @@ def nvidia_tools(tmp_path: Path, monkeypatch) -> Path:
     for exe in (control, smi):
         exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("entrypoints.mps.PROBE_ARGV", (sys.executable, "-c", FAKE_CLIENT))
     return bin_dir
 
 
@@ -124,9 +138,10 @@ def test_the_daemon_does_not_outlive_tandem_up(nvidia_tools: Path, tmp_path: Pat
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
         from pathlib import Path
-        from entrypoints.mps import start_daemons
+        import entrypoints.mps
         from entrypoints.placement import Placement, WorkerPlacement, place
-        start_daemons(place([0]), Path({str(tmp_path / "run")!r}))
+        entrypoints.mps.PROBE_ARGV = (sys.executable, "-c", {FAKE_CLIENT!r})
+        entrypoints.mps.start_daemons(place([0]), Path({str(tmp_path / "run")!r}))
         print("started", flush=True)
         time.sleep(60)
         ''')
@@ -146,6 +161,17 @@ def test_without_the_mps_tools_tandem_up_says_so(nvidia_tools: Path, tmp_path: P
     monkeypatch.setenv("PATH", str(nvidia_tools))
     with pytest.raises(MpsError, match="--mps: nvidia-cuda-mps-control is not on PATH"):
         start_daemons(place([0]), tmp_path / "run")
+
+
+def test_a_daemon_whose_clients_cannot_start_is_an_error_naming_mps(nvidia_tools: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """The daemon answers, but the driver refuses a CUDA client under it (no MPS on that GPU, or
+    another user's server there): an error before any worker starts, the daemon stopped."""
+    monkeypatch.setenv("FAKE_CLIENT_ERROR", "CUDA_ERROR_MPS_SERVER_NOT_READY")
+    with pytest.raises(MpsError, match=r"--mps: GPU 0's MPS daemon started, but a CUDA client failed under it "
+                                       r"\(cuDevicePrimaryCtxRetain: CUDA_ERROR_MPS_SERVER_NOT_READY\)"):
+        start_daemons(place([0]), tmp_path / "run")
+    assert not (tmp_path / "run" / "mps-gpu0" / "pipe" / "daemon.json").exists()  # it quit
 
 
 def test_a_daemon_that_does_not_come_up_is_an_error_naming_mps(nvidia_tools: Path, tmp_path: Path) -> None:
@@ -218,12 +244,21 @@ def test_without_a_flag_tandem_up_runs_a_shared_gpu_under_mps_where_it_can(nvidi
     assert "a system-wide MPS daemon runs" in run()[1][0]
     (no_mps_of_the_users / "control").unlink()
 
+    # A daemon whose clients cannot start: turns, the warning naming CUDA's error.
+    monkeypatch.setenv("FAKE_CLIENT_ERROR", "CUDA_ERROR_NOT_SUPPORTED")
+    with caplog.at_level(logging.WARNING, logger="tandem.up"):
+        assert run() == ([], ["  GPU 0: its prefill and decode workers take turns "
+                              "(no MPS: it did not start; the warning above says why)"])
+    assert "CUDA_ERROR_NOT_SUPPORTED" in caplog.text
+    monkeypatch.delenv("FAKE_CLIENT_ERROR")
+    caplog.clear()
+
     # A daemon that does not come up: turns, with a warning saying why; an error under --mps.
     control = nvidia_tools / "nvidia-cuda-mps-control"
     control.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 3\n")
     with caplog.at_level(logging.WARNING, logger="tandem.up"):
         daemons, rows = run()
-    assert daemons == [] and "its MPS daemon did not start" in rows[0]
+    assert daemons == [] and "it did not start" in rows[0]
     assert "exited with code 3" in caplog.text
     with pytest.raises(MpsError, match="exited with code 3"):
         run("--mps")
