@@ -28,6 +28,11 @@ ENV_DEVICE_LOST = "TANDEM_FAULT_DEVICE_LOST"
 _REREAD_S = 0.1
 
 
+def _env_spec(name: str, worker_id: str | None) -> str:
+    """The fault variable `name`'s value for this worker ({worker_id} filled in); "" when unset."""
+    return os.environ.get(name, "").strip().replace("{worker_id}", worker_id or "")
+
+
 class StepDelay:
     """`after_step()` sleeps the configured delay and returns it (engine thread only)."""
 
@@ -46,7 +51,7 @@ class StepDelay:
 
     @classmethod
     def from_env(cls, worker_id: str | None = "") -> StepDelay | None:
-        spec = os.environ.get(ENV_STEP_DELAY, "").strip().replace("{worker_id}", worker_id or "")
+        spec = _env_spec(ENV_STEP_DELAY, worker_id)
         return cls(spec) if spec else None
 
     def current(self) -> float:
@@ -79,7 +84,7 @@ class DeviceLossInjection:
 
     @classmethod
     def from_env(cls, device: Any, worker_id: str | None = "") -> DeviceLossInjection | None:
-        spec = os.environ.get(ENV_DEVICE_LOST, "").strip().replace("{worker_id}", worker_id or "")
+        spec = _env_spec(ENV_DEVICE_LOST, worker_id)
         if not spec:
             return None
         if not spec.startswith("@") or len(spec) < 2:
