@@ -92,6 +92,9 @@ class Rig:
     work: Path
     workers: dict[str, WorkerProcess]
 
+    def __post_init__(self) -> None:
+        _ERRORS.records.clear()  # logged in this process before the rig: no scenario's (other tests')
+
     def gateway(self, prefill: Sequence[str], decode: Sequence[str], *, tiers: dict | None = None,
                 liveness: LivenessConfig | None = None, max_inflight_per_decode: int = 32,
                 index_url: str | None = None) -> GatewayThread:

@@ -295,16 +295,11 @@ def _process(name: str, role: str, script: str) -> ClusterProcess:
     return p
 
 
-def test_the_gpu_partners_of_a_worker_that_lost_its_device_under_mps_restart_too(tmp_path: Path,
-                                                                                 monkeypatch) -> None:
+def test_the_gpu_partners_of_a_worker_that_lost_its_device_under_mps_restart_too(tmp_path: Path) -> None:
     """An MPS server reports one client's fatal fault to every client on its GPU and takes no new
     one until they have all exited: the watch's on_exit kills the others (they are then restarted
     in turn); a worker exiting for another reason, or off the MPS GPUs, leaves them alone."""
     from worker.device_fault import DEVICE_LOST_EXIT
-
-    # The watch logs each exit as an ERROR; here they are the test's doing, and tests that count
-    # the ERRORs logged in this process (tests/test_reliability.py) must not hear them.
-    monkeypatch.setattr(logging.getLogger("entrypoints.cluster"), "propagate", False)
 
     placement = place([0, 1], prefill=1, decode=2)  # prefill-0 and decode-0 on GPU 0, decode-1 on GPU 1
     by_gpu = {w.name: w.gpus for w in placement.workers}
