@@ -468,6 +468,7 @@ class Clusters:
 
     MODES = {"disagg": [], "colocated": ["--colocated"],
              "disagg_small_prefill": ["--prefill-memory-ratio", "0.25", "--max-model-len", "8192"],
+             "disagg_whole_prefill_context": ["--prefill-max-model-len", "131072"],
              "disagg_hold_reserving": ["--gpu-turn-hold", "reserving"],
              "disagg_own_weights": ["--no-share-weights"], "disagg_gil_100us": [],
              "disagg_fp8": ["--quantization", "fp8"], "colocated_fp8": ["--colocated", "--quantization", "fp8"],
@@ -746,6 +747,10 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("services_small_prefill", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_small_prefill"),
             "`tandem up --prefill-memory-ratio 0.25 --max-model-len 8192`: decode gets 72% of the GPU, prefill 18% "
             "(too little KV for one 131,072-token request, hence the shorter limit)"),
+    Section("services_whole_prefill_context", "", 130, 90, "cluster",
+            lambda c: run_services(c, "disagg_whole_prefill_context"),
+            "`tandem up --prefill-max-model-len 131072`: the prefill worker holds one request of the model's whole "
+            "context, as before the default capped it at 32,768 (BENCHMARKS.md §48)"),
     # Experiments beside the table's rows (BENCHMARKS.md §15-17), each against its row in the same run:
     # Group S (BENCHMARKS.md §28): batch 1 and 4 with each small-batch change against decode_b1 / decode_b4.
     Section("gpu_parity", "S", 120, 50, "child", run_gpu_parity,
@@ -856,6 +861,8 @@ RATIOS = {
     "services_small_prefill_vs_offline": (("services_small_prefill", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_own_weights_vs_offline": (("services_own_weights", "output_tok_s"), ("offline_subset", "output_tok_s")),
     "services_no_mps_vs_offline": (("services_no_mps", "output_tok_s"), ("offline_subset", "output_tok_s")),
+    "services_whole_prefill_context_vs_offline": (("services_whole_prefill_context", "output_tok_s"),
+                                                  ("offline_subset", "output_tok_s")),
 }
 
 
@@ -889,6 +896,7 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
         "offline_subset_out_tok_s": g("offline_subset", "output_tok_s"),
         "services_vs_offline": None, "colocated_vs_offline": None, "services_small_prefill_vs_offline": None,
         "services_own_weights_vs_offline": None, "services_no_mps_vs_offline": None,
+        "services_whole_prefill_context_vs_offline": None,
         "online_ttft_p50_ms": _round(g("online", "ttft_p50_ms")),
         "online_tpot_p50_ms": _round(g("online", "tpot_p50_ms")),
         "online_colocated_ttft_p50_ms": _round(g("online_colocated", "ttft_p50_ms")),

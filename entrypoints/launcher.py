@@ -41,8 +41,8 @@ from entrypoints.cluster import (HEALTH_TIMEOUT_S, Cluster, ClusterError, Cluste
                                  port_in_use)
 from entrypoints.mps import (MpsDaemon, MpsError, auto_unavailable, banner_row, restart_fault_sharers, start_daemons,
                              stop_daemons, turns_rows)
-from entrypoints.placement import (PREFILL_MEMORY_RATIO, Placement, PlacementError, WorkerPlacement, parse_gpus,
-                                   physical_gpus, place, visible_gpu_count)
+from entrypoints.placement import (PREFILL_MEMORY_RATIO, SHARED_PREFILL_MAX_MODEL_LEN, Placement, PlacementError,
+                                   WorkerPlacement, parse_gpus, physical_gpus, place, visible_gpu_count)
 from entrypoints.supervisor import SupervisorSocket, agent_process
 from tandem.security import API_KEY_ENV, generate_token, load_api_key, load_token, write_token_file
 from worker.config import KV_PUSH_MODES, PREFILL_GRAPH_TOKENS, HelpFormatter
@@ -64,8 +64,39 @@ def placement_for(a: argparse.Namespace, visible: int | None = None, model: str 
         return placement
     from entrypoints.memory_split import shared_gpu_ratio
 
-    ratio = shared_gpu_ratio(placement, model, physical_gpus, max_model_len=a.max_model_len, **_sizing(a, placement))
+    ratio = shared_gpu_ratio(placement, model, physical_gpus, max_model_len=shared_prefill_max_model_len(a, model),
+                             **_sizing(a, placement))
     return placement if ratio is None else _placed(a, visible, ratio)
+
+
+def shared_prefill_max_model_len(a: argparse.Namespace, model: str) -> int:
+    """The context of a prefill worker sharing a GPU with a decode worker: --prefill-max-model-len,
+    else the cluster's (--max-model-len, else the model's) capped at SHARED_PREFILL_MAX_MODEL_LEN.
+    A prompt longer than every prefill worker's context is prefilled by its decode worker
+    (gateway.placement LONG_PROMPT), so the prefill worker's memory share need not hold one
+    request of the model's whole context."""
+    if a.prefill_max_model_len is not None:
+        return a.prefill_max_model_len
+    context = a.max_model_len or _model_context(model) or SHARED_PREFILL_MAX_MODEL_LEN
+    return min(context, SHARED_PREFILL_MAX_MODEL_LEN)
+
+
+def prefill_max_model_len(a: argparse.Namespace, placement: Placement, name: str, model: str) -> int | None:
+    """The --max-model-len of prefill worker `name` where it differs from the cluster's:
+    --prefill-max-model-len for every prefill worker, else shared_prefill_max_model_len for one
+    sharing a GPU with a decode worker; None: the cluster's."""
+    if a.prefill_max_model_len is None and not placement.gpu_partners(name):
+        return None
+    own = shared_prefill_max_model_len(a, model)
+    return None if own == (a.max_model_len or _model_context(model)) else own
+
+
+def _model_context(model: str) -> int | None:
+    """`model`'s max_position_embeddings; None where its config cannot be read."""
+    try:
+        return int(model_config(model)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None = None) -> int | None:
@@ -77,7 +108,8 @@ def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None 
     from entrypoints.memory_split import fitting_max_model_len
 
     placement = _placed(a, visible, a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
-    return fitting_max_model_len(placement, model, physical_gpus, **_sizing(a, placement))
+    return fitting_max_model_len(placement, model, physical_gpus, prefill_max_model_len=a.prefill_max_model_len
+                                 or SHARED_PREFILL_MAX_MODEL_LEN, **_sizing(a, placement))
 
 
 def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placement:
@@ -208,7 +240,7 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
     if a.redis_url:
         common += ["--redis-url", a.redis_url]
     for flag, value in (("--num-kv-blocks", a.num_kv_blocks), ("--max-running", a.max_running),
-                        ("--max-batched-tokens", a.max_batched_tokens), ("--max-model-len", a.max_model_len),
+                        ("--max-batched-tokens", a.max_batched_tokens),
                         ("--block-size", a.block_size), ("--swap-space-gb", a.swap_space_gb),
                         ("--prefill-graph-tokens", a.prefill_graph_tokens)):
         if value is not None:
@@ -269,21 +301,28 @@ def build_children(a: argparse.Namespace, model: str, log_dir: Path | None = Non
         wait = decode_flags if decode else []
         return ["--gpu-turn", ",".join(map(str, files)), *wait]
 
+    def context(name: str) -> list[str]:
+        """--max-model-len of worker `name`: a prefill worker's own (prefill_max_model_len) or the cluster's."""
+        own = prefill_max_model_len(a, placement, name, model) if placement.worker(name).role == "prefill" else None
+        value = own or a.max_model_len
+        return [] if value is None else ["--max-model-len", str(value)]
+
     for w in placement.workers:
         port = free_port()
         share = shared.get(w.name, [])
         if w.role == "both":
             argv = ["--role", "both", "--port", str(port), "--worker-id", w.name.replace("worker-", "both-"), *common,
-                    *share]
+                    *context(w.name), *share]
             children.append(child(w.name, "worker", argv, port))
         elif w.role == "prefill":
             children.append(child(w.name, "prefill", ["--port", str(port), "--worker-id", w.name,
                                                       "--kv-push", placement.kv_push(w.name, a.kv_push),
-                                                      *turn(w.name), *disagg, *share], port))
+                                                      *turn(w.name), *disagg, *context(w.name), *share], port))
         else:
             kv = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(a.tp))  # one receiver per rank
             children.append(child(w.name, "decode", ["--port", str(port), "--worker-id", w.name,
-                                                     "--kv-address", kv, *turn(w.name), *disagg, *share], port))
+                                                     "--kv-address", kv, *turn(w.name), *disagg, *context(w.name),
+                                                     *share], port))
     gw = ["--model", model, "--host", a.host, "--port", str(a.port), "--load-format", a.load_format]
     for c in children:
         gw += {"prefill": ["--prefill"], "decode": ["--decode"], "worker": ["--worker"]}[c.role] + [c.address]
@@ -400,6 +439,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    dest="max_batched_tokens", help="per-step token budget of each worker (default: 4096)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--prefill-max-model-len", type=int, default=None,
+                   help="every prefill worker's longest prompt: the decode worker prefills longer ones itself "
+                        f"(default: {SHARED_PREFILL_MAX_MODEL_LEN} where a prefill worker shares a GPU with a decode "
+                        "worker and the context is longer, so its memory share holds that, not one request of the "
+                        "model's whole context; elsewhere --max-model-len)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: twice the KV tokens")
     p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
                    help="fp8: every worker quantizes the weights to e4m3 at load (per-channel scales; half the "
@@ -461,6 +505,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--share-weights: the workers' weights are shared whole, so it needs --tp 1")
     if a.prefill_graph_tokens is not None and not 0 <= a.prefill_graph_tokens <= MAX_PREFILL_GRAPH_TOKENS:
         p.error(f"--prefill-graph-tokens must be in [0, {MAX_PREFILL_GRAPH_TOKENS}], got {a.prefill_graph_tokens}")
+    for flag in ("max_model_len", "prefill_max_model_len"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
+    if a.prefill_max_model_len and a.max_model_len and a.prefill_max_model_len > a.max_model_len:
+        p.error(f"--prefill-max-model-len {a.prefill_max_model_len}: must be at most --max-model-len {a.max_model_len}")
     if a.mps and a.tp > 1:
         p.error("--mps: an MPS client runs on one GPU, so it needs --tp 1")
     try:
@@ -520,8 +569,11 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
             where += ", weights shared" + ("" if not w.gpus else " (not in this share)"
                                            if "--shared-weights-uncharged" in p.argv else " (in this share)")
         metrics = f", metrics :{p.info['metrics_port']}" if p.info.get("metrics_port") else ""
+        own = prefill_max_model_len(a, placement, p.name, model) if w.role == "prefill" else None
+        holds = (f"max {min(own, blocks * block)} per prompt; the decode worker prefills longer ones" if own else
+                 f"max {min(max_model_len, blocks * block)} per request")
         rows.append(f"  {p.name:<10} {where}: {blocks} KV blocks = {blocks * block} tokens "
-                    f"(max {min(max_model_len, blocks * block)} per request), max running {running}{metrics}")
+                    f"({holds}), max running {running}{metrics}")
     if placement.kv_transport:
         rows.append(f"  KV transport: {placement.kv_transport}")
     checkpoint = fp8_checkpoint(model)

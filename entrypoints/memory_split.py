@@ -2,17 +2,20 @@
 
 Where `tandem up` puts a prefill and a decode worker on one GPU, the decode worker's KV holds
 every running sequence, so its share decides how many run at once; a prefill worker needs its
-weights, one step's activations and sampler rows, and KV for one request of `--max-model-len`
+weights, one step's activations and sampler rows, and KV for one request of its own context
 plus a step's worth of other prompts (and its prefix cache keeps what that room allows).
+`tandem up` gives such a prefill worker a context of at most SHARED_PREFILL_MAX_MODEL_LEN
+(`--prefill-max-model-len`); the decode worker prefills the rare longer prompt itself.
 `prefill_need_bytes` adds those up the way the worker's own memory plan does
 (`engine.memory`), with the upper estimate of a step's activations and a margin;
 `prefill_memory_ratio` turns the need into the placement's prefill-to-decode ratio on a GPU of a
 given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when it can read the
 GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
 
-On an H200 (139.8 GiB) and Llama-3.1-8B (bf16, 131,072 tokens) the prefill worker needs
-~39.9 GiB (1.6 of them its prefill graphs): 28.7% of the GPU, and the decode worker gets 61.3%
-instead of 60%; with `--max-model-len 32768` the decode worker gets 70%.
+Llama-3.1-8B (bf16, one copy of the weights in the decode worker's share): a prefill worker of
+32,768 tokens needs ~12.9 GiB, and the decode worker gets 73.5% of an 80 GB H100 (80.6% of an
+H200); one of the model's 131,072 tokens would need ~24.9 GiB, leaving the decode worker 58.2%
+(72%).
 """
 from __future__ import annotations
 
@@ -105,15 +108,18 @@ def shared_gpu_ratio(placement: Placement, model: str, physical: Callable[[tuple
 def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[tuple[int, ...]], str], *,
                           dtype: str | None, kv_cache_dtype: str, max_batched_tokens: int,
                           max_running: int | None, tp: int, cluster_share: float, quantization: str | None = None,
-                          prefill_graph_tokens: int = 0, shared_weights: bool = False) -> int | None:
+                          prefill_graph_tokens: int = 0, shared_weights: bool = False,
+                          prefill_max_model_len: int | None = None) -> int | None:
     """For a cluster given no --max-model-len: the model's context halved until, on the first GPU
-    of `placement` hosting both roles, its prefill and decode workers can each hold one request
-    of it (each needs prefill_need_bytes; a decode worker no prefill graphs but
-    DECODE_GRAPH_BYTES of decode graphs) within `cluster_share` of the GPU. None when the model's
+    of `placement` hosting both roles, its decode workers can each hold one request of it and
+    its prefill workers one of it or of `prefill_max_model_len`, the shorter (each needs
+    prefill_need_bytes; a decode worker no prefill graphs but DECODE_GRAPH_BYTES of decode
+    graphs) within `cluster_share` of the GPU. None when the model's
     own context fits, no GPU is shared, its size or the model cannot be read, or not even
     MIN_FITTED_CONTEXT fits (the workers then name the flag to change). With `shared_weights`
     the GPU holds the weights once, in the first decode worker's share. Llama-3.1-8B on an 80 GB
-    H100: 131,072 tokens need ~79 GiB of the 71 that 0.9 of it leaves; 65,536 fit."""
+    H100, each worker with its own weights and the whole context: 131,072 tokens need ~79 GiB of
+    the 71 that 0.9 of it leaves; 65,536 fit."""
     shared = _shared_gpu(placement, model, physical, dtype, quantization)
     if shared is None:
         return None
@@ -127,7 +133,7 @@ def fitting_max_model_len(placement: Placement, model: str, physical: Callable[[
     budget = cluster_share * size * CUDA_VISIBLE_SHARE
     context = mc.max_position_embeddings
     while context >= MIN_FITTED_CONTEXT:
-        prefill = need(context, prefill_graph_tokens, shared_weights)
+        prefill = need(min(context, prefill_max_model_len or context), prefill_graph_tokens, shared_weights)
         decode = need(context, 0, shared_weights) + DECODE_GRAPH_BYTES
         weights_once = weight_bytes(mc, element, tp, fp8) if shared_weights else 0
         if here.count("prefill") * prefill + here.count("decode") * decode + weights_once <= budget:

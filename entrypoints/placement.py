@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 DECODE_WEIGHT = 2.0
 PREFILL_MEMORY_RATIO = 0.5  # a prefill worker's weight against a decode worker's (--prefill-memory-ratio)
+# A prefill worker's context where it shares a GPU with a decode worker (--prefill-max-model-len):
+# its KV reserve for one longest prompt is then a few GiB, not the model's whole context (16 GiB
+# for Llama-3.1-8B), and the decode worker prefills the rare longer prompt itself.
+SHARED_PREFILL_MAX_MODEL_LEN = 32768
 MIN_PREFILL_MEMORY_RATIO, MAX_PREFILL_MEMORY_RATIO = 0.05, 20.0
 KV_TRANSPORTS = ("auto", "zmq", "nccl", "cuda_ipc")
 

@@ -35,6 +35,7 @@ class WorkerStatsView:
     kv_bytes_received: int = 0  # ... or took in (decode), since it started
     metrics_port: int = 0  # its Prometheus port on its host; 0: none
     max_running: int = 0  # sequences its engine runs at once (after any lowering); 0: not known
+    max_model_len: int = 0  # the longest prompt + output its engine takes; 0: not known
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def stats_from_proto(msg: wpb.WorkerStats) -> WorkerStatsView:
         queued_prefill_tokens=msg.queued_prefill_tokens, prefix_query_tokens=msg.prefix_query_tokens,
         prefix_hit_tokens=msg.prefix_hit_tokens, preemptions=msg.preemptions, draining=msg.draining,
         kv_bytes_sent=msg.kv_bytes_sent, kv_bytes_received=msg.kv_bytes_received, metrics_port=msg.metrics_port,
-        max_running=msg.max_running,
+        max_running=msg.max_running, max_model_len=msg.max_model_len,
     )
 
 

@@ -12,8 +12,10 @@ Contract (one `Placer` per gateway; every call from the gateway's event loop):
    (they prefill), as the prefill routing below does.
 3. Each attempt (`request.RequestRunner`): `place(needs, d, num_tokens)` says where the prompt
    is computed: on `d` (COLOCATED: a role-both worker; LOCAL: a decode worker prefills a short
-   or mostly cached prompt itself, or no prefill worker is up), or REMOTE, on a prefill worker
-   that `route_prefill(needs, placement, tokens, resumed)` picks once `d` has reserved the KV
+   or mostly cached prompt itself, or no prefill worker is up; LONG_PROMPT: it is longer than
+   every prefill worker's context, as where `tandem up` gives a prefill worker sharing a GPU a
+   shorter one), or REMOTE, on a prefill worker that takes it, which
+   `route_prefill(needs, placement, tokens, resumed)` picks once `d` has reserved the KV
    blocks (routing before the reservation would count a prefill that `d` may still refuse).
 4. `release(needs)`: the prompt is computed, or the attempt ended in any way. The runner calls
    it as soon as the prefill is over and again in every attempt's `finally`; it is idempotent.
@@ -51,8 +53,9 @@ logger = logging.getLogger(__name__)
 # is the router's (routing.REASONS).
 COLOCATED = "colocated"  # a role-both worker prefills and decodes
 LOCAL = "local"  # a decode worker prefills the prompt itself
+LONG_PROMPT = "long_prompt"  # ... because no prefill worker's context takes it
 REMOTE = "remote"  # a prefill worker, to be routed once the decode worker reserved the blocks
-REASONS = tuple(dict.fromkeys((COLOCATED, LOCAL, REMOTE, *ROUTING_REASONS)))
+REASONS = tuple(dict.fromkeys((COLOCATED, LOCAL, LONG_PROMPT, REMOTE, *ROUTING_REASONS)))
 
 
 @dataclass(eq=False)
@@ -70,8 +73,9 @@ class PlacementNeeds:
 @dataclass(frozen=True)
 class Placement:
     """One attempt's placement: `decode` decodes; the prompt is computed on `decode` (reason
-    COLOCATED or LOCAL) or on `prefill` (REMOTE until routed, then the routing reason).
-    `candidates`: the prefill workers up when a REMOTE placement was made."""
+    COLOCATED, LOCAL or LONG_PROMPT) or on `prefill` (REMOTE until routed, then the routing
+    reason). `candidates`: the prefill workers up that take the prompt when a REMOTE placement
+    was made."""
 
     decode: WorkerHandle
     reason: str
@@ -80,7 +84,7 @@ class Placement:
 
     @property
     def local(self) -> bool:
-        return self.reason in (COLOCATED, LOCAL)
+        return self.reason in (COLOCATED, LOCAL, LONG_PROMPT)
 
     @property
     def computes_prompt(self) -> WorkerHandle:
@@ -165,13 +169,19 @@ class Placer:
         """Where this attempt computes its `num_tokens` tokens (prompt plus output delivered)."""
         if d.role == Role.BOTH:
             return Placement(d, COLOCATED)
-        prefill = [h for h in self.registry.prefill_workers() if h.routable]
+        up = [h for h in self.registry.prefill_workers() if h.routable]
+        prefill = [h for h in up if takes_prompt(h, num_tokens)]
         prefill = [h for h in prefill if h.trusted] or prefill
+        if up and not prefill:
+            return self._on_decode_worker(needs, d, LONG_PROMPT)
         if not prefill or self._prefill_locally(needs, d, num_tokens):
-            self.metrics.routing.labels(LOCAL).inc()
-            self.router.remember(d.name, needs.hashes)
-            return Placement(d, LOCAL)
+            return self._on_decode_worker(needs, d, LOCAL)
         return Placement(d, REMOTE, candidates=tuple(prefill))
+
+    def _on_decode_worker(self, needs: PlacementNeeds, d: WorkerHandle, reason: str) -> Placement:
+        self.metrics.routing.labels(reason).inc()
+        self.router.remember(d.name, needs.hashes)
+        return Placement(d, reason)
 
     async def route_prefill(self, needs: PlacementNeeds, placement: Placement, tokens: Sequence[int],
                             resumed: bool) -> Placement:
@@ -214,6 +224,13 @@ class Placer:
         """`worker` failed this request: later decode and prefill placements avoid it (unless
         it is the only candidate)."""
         needs.avoid.add(worker.name)
+
+
+def takes_prompt(h: WorkerHandle, num_tokens: int) -> bool:
+    """Whether `h`'s engine takes a prompt of `num_tokens` (tandem.rules.check_prompt_ids: one
+    output token must fit in its context, WorkerStats.max_model_len); True until it says."""
+    context = h.stats.max_model_len if h.stats is not None else 0
+    return not context or num_tokens < context
 
 
 def expected_free_blocks(h: WorkerHandle) -> int:

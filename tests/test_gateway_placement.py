@@ -4,13 +4,14 @@ recorded under the request id and released by one idempotent call."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
 from gateway.adapters import WorkerStatsView
 from gateway.config import WorkerPoolConfig
 from gateway.metrics import GatewayMetrics
-from gateway.placement import COLOCATED, LOCAL, REMOTE, PlacementNeeds, Placer
+from gateway.placement import COLOCATED, LOCAL, LONG_PROMPT, REMOTE, PlacementNeeds, Placer
 from gateway.routing import CacheAwareRouter, RoutingConfig
 from gateway.workers import WorkerHandle, WorkerRegistry
 
@@ -69,6 +70,34 @@ def test_local_and_colocated_placements_compute_the_prompt_on_the_decode_worker(
         assert placer.place(needs, w["d0"], 9).reason == REMOTE
         w["p0"].up = False  # no prefill worker up: the decode worker prefills itself
         assert placer.place(needs, w["d0"], 9).reason == LOCAL
+
+    asyncio.run(body())
+
+
+def test_a_prompt_no_prefill_worker_takes_is_prefilled_by_the_decode_worker() -> None:
+    """A prefill worker's context (WorkerStats.max_model_len) bounds the prompts routed to it: a
+    longer one goes to a prefill worker that takes it, else to the decode worker (LONG_PROMPT);
+    a worker that has not said its context takes any."""
+    async def body() -> None:
+        placer, w = _cluster({"p0": "prefill", "p1": "prefill", "d0": "decode"})
+        w["p0"].stats = dataclasses.replace(w["p0"].stats, max_model_len=64)
+        w["p1"].stats = dataclasses.replace(w["p1"].stats, max_model_len=128)
+        w["d0"].stats = dataclasses.replace(w["d0"].stats, max_model_len=512)
+        needs = PlacementNeeds("req-long", prompt_tokens=63, needed_blocks=5)
+        assert {h.name for h in placer.place(needs, w["d0"], 63).candidates} == {"p0", "p1"}  # 63 + 1 fit 64
+        assert [h.name for h in placer.place(needs, w["d0"], 64).candidates] == ["p1"]
+        w["p1"].suspect_since = 1.0  # the only one that takes it: routed there all the same
+        assert [h.name for h in placer.place(needs, w["d0"], 100).candidates] == ["p1"]
+        before = placer.metrics.routing.labels(LONG_PROMPT)._value.get()
+        long = placer.place(needs, w["d0"], 128)
+        assert long.reason == LONG_PROMPT and long.local and long.computes_prompt is w["d0"]
+        assert placer.metrics.routing.labels(LONG_PROMPT)._value.get() == before + 1
+        w["p1"].stats = dataclasses.replace(w["p1"].stats, max_model_len=0)  # not known: takes any
+        assert placer.place(needs, w["d0"], 400).reason == REMOTE
+        w["p1"].up = False
+        assert placer.place(needs, w["d0"], 400).reason == LONG_PROMPT
+        w["p0"].up = False  # no prefill worker up at all: the plain local placement
+        assert placer.place(needs, w["d0"], 400).reason == LOCAL
 
     asyncio.run(body())
 

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.memory import NON_TORCH_BYTES
 from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, prefill_memory_ratio, prefill_need_bytes
 from entrypoints.nvidia_smi import parse_compute_cap, parse_memory_mib
-from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, place
+from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, SHARED_PREFILL_MAX_MODEL_LEN, place
 from worker.config import PREFILL_GRAPH_TOKENS
 
 GiB = 1 << 30
@@ -108,7 +108,9 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
     monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    own = placement_for(parse_args(["--no-share-weights"]), visible=1, model=str(model_dir))
+    # A prefill worker of the model's whole context, with weights of its own.
+    whole = ["--no-share-weights", "--prefill-max-model-len", "131072"]
+    own = placement_for(parse_args(whole), visible=1, model=str(model_dir))
     assert "-i 3" in nvidia_smi.read_text()  # the physical GPU, as the workers will see it
     pre, dec = own.worker("prefill-0").memory_fraction, own.worker("decode-0").memory_fraction
     need = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS)  # the worker's default graphs
@@ -116,13 +118,26 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
     assert pre + dec == pytest.approx(0.9, abs=2e-4) and 0.6 < dec < 0.7  # §11: 60% with the fixed ratio
     # By default the two share one copy of the weights, charged to the decode worker: the prefill
     # worker's share holds none of them.
-    one = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    one = placement_for(parse_args(whole[1:]), visible=1, model=str(model_dir))
     pre_one = one.worker("prefill-0").memory_fraction
     need_one = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS, shared_weights=True)
     assert pre_one * (H200_MIB << 20) * CUDA_VISIBLE_SHARE == pytest.approx(need_one, abs=(H200_MIB << 20) * 5e-5)
     assert pre_one + one.worker("decode-0").memory_fraction == pytest.approx(0.9, abs=2e-4) and pre_one < pre - 0.1
+    # By default a prefill worker sharing the GPU takes prompts of up to SHARED_PREFILL_MAX_MODEL_LEN
+    # tokens (the decode worker prefills longer ones): its share holds KV for that, not 131,072.
+    default = placement_for(parse_args([]), visible=1, model=str(model_dir))
+    need_default = _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS, shared_weights=True,
+                         max_model_len=SHARED_PREFILL_MAX_MODEL_LEN)
+    assert default.worker("prefill-0").memory_fraction * (H200_MIB << 20) * CUDA_VISIBLE_SHARE \
+        == pytest.approx(need_default, abs=(H200_MIB << 20) * 5e-5)
+    assert default.worker("decode-0").memory_fraction > one.worker("decode-0").memory_fraction + 0.05
+    mine = placement_for(parse_args(["--prefill-max-model-len", "8192"]), visible=1, model=str(model_dir))
+    assert mine.worker("decode-0").memory_fraction > default.worker("decode-0").memory_fraction
     short = placement_for(parse_args(["--max-model-len", "8192", "--no-share-weights"]), visible=1, model=str(model_dir))
     assert short.worker("decode-0").memory_fraction > dec + 0.05
+    assert short.worker("decode-0").memory_fraction == pytest.approx(  # 8,192 is below the cap: the cluster's
+        placement_for(parse_args(["--max-model-len", "8192", "--prefill-max-model-len", "8192", "--no-share-weights"]),
+                      visible=1, model=str(model_dir)).worker("decode-0").memory_fraction)
     fixed = placement_for(parse_args(["--prefill-memory-ratio", "0.5"]), visible=1, model=str(model_dir))
     assert fixed.worker("decode-0").memory_fraction == pytest.approx(0.6)
     apart = placement_for(parse_args([]), visible=2, model=str(model_dir))  # nothing shared: nothing to derive
@@ -154,10 +169,11 @@ H100_MIB = 81559
 
 def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_dir: Path, tmp_path: Path,
                                                                           monkeypatch) -> None:
-    """Given no --max-model-len and --no-share-weights, `tandem up` on one 80 GB H100 halves
-    Llama-3.1-8B's 131,072-token context until a prefill and a decode worker sharing the GPU can
-    each hold a request of it (65,536), and the placement then gives the decode worker room for
-    one; with one copy of the weights (the default), on an H200, with --max-model-len, or with
+    """Given no --max-model-len, --no-share-weights and a prefill worker of the whole context,
+    `tandem up` on one 80 GB H100 halves Llama-3.1-8B's 131,072-token context until a prefill and
+    a decode worker sharing the GPU can each hold a request of it (65,536), and the placement
+    then gives the decode worker room for one; with one copy of the weights (the default), a
+    prefill worker of a shorter context (the default), on an H200, with --max-model-len, or with
     nothing shared, it keeps what it was given."""
     from entrypoints import launcher
     from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
@@ -174,19 +190,23 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
 
     smi(H100_MIB)
     assert fitted_max_model_len(parse_args([]), str(model_dir), visible=1) is None  # one copy: it fits
-    a = parse_args(["--no-share-weights"])
+    # A prefill worker of SHARED_PREFILL_MAX_MODEL_LEN (the default) leaves the decode worker room
+    # for one request of the whole context even with two copies.
+    assert fitted_max_model_len(parse_args(["--no-share-weights"]), str(model_dir), visible=1) is None
+    a = parse_args(["--no-share-weights", "--prefill-max-model-len", "131072"])
     assert fitted_max_model_len(a, str(model_dir), visible=1) == 65536
-    a.max_model_len = 65536
+    a.max_model_len = a.prefill_max_model_len = 65536
     decode = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     room = decode * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
     assert room >= _need(max_model_len=65536) + DECODE_GRAPH_BYTES  # one request of it, and its step
     assert room < _need() + DECODE_GRAPH_BYTES  # the whole context would not have fit
     assert fitted_max_model_len(parse_args(["--max-model-len", "131072", "--no-share-weights"]), str(model_dir),
                                 visible=1) is None
-    assert fitted_max_model_len(parse_args(["--no-share-weights"]), str(model_dir), visible=2) is None  # a GPU each
+    whole = ["--no-share-weights", "--prefill-max-model-len", "131072"]
+    assert fitted_max_model_len(parse_args(whole), str(model_dir), visible=2) is None  # a GPU each
     assert fitted_max_model_len(parse_args(["--colocated", "--no-share-weights"]), str(model_dir), visible=1) is None
     smi(H200_MIB)
-    assert fitted_max_model_len(parse_args(["--no-share-weights"]), str(model_dir), visible=1) is None
+    assert fitted_max_model_len(parse_args(whole), str(model_dir), visible=1) is None
 
 
 def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worker_more(model_dir: Path,

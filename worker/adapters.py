@@ -37,6 +37,7 @@ def stats_to_proto(
         free_kv_blocks=snap.available_blocks,
         total_kv_blocks=snap.total_blocks,
         max_running=snap.max_running,
+        max_model_len=snap.max_model_len,
         running=snap.running,
         waiting=snap.waiting + snap.swapped,
         queued_prefill_tokens=snap.queued_prefill_tokens,

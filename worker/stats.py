@@ -24,10 +24,12 @@ class StatsSnapshot:
     `available_blocks == total_blocks` (the leak invariant the tests check).
     held: reserved (decode) or prefilled-and-awaiting-release (prefill) requests.
     max_running: the sequences the engine runs at once (Engine.max_running, after any lowering).
+    max_model_len: the longest prompt + output the engine takes (Engine.max_model_len).
     """
 
     total_blocks: int = 0
     max_running: int = 0
+    max_model_len: int = 0
     free_blocks: int = 0
     evictable_blocks: int = 0
     cached_blocks: int = 0
@@ -64,6 +66,7 @@ def take_snapshot(engine: Engine, steps: int, generated_tokens: int) -> StatsSna
     return StatsSnapshot(
         total_blocks=engine.num_total_blocks,
         max_running=engine.max_running,
+        max_model_len=engine.max_model_len,
         free_blocks=engine.num_free_blocks,
         evictable_blocks=cache.evictable_blocks,
         cached_blocks=cache.cached_blocks,

@@ -184,7 +184,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "running", "waiting", "queued_prefill_tokens", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "kv_bytes_sent", "kv_bytes_received", "draining", "metrics_port", "max_running")
+    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "running", "waiting", "queued_prefill_tokens", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "kv_bytes_sent", "kv_bytes_received", "draining", "metrics_port", "max_running", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class WorkerStats(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     free_kv_blocks: int
@@ -215,7 +216,8 @@ class WorkerStats(_message.Message):
     draining: bool
     metrics_port: int
     max_running: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_port: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., draining: _Optional[bool] = ..., metrics_port: _Optional[int] = ..., max_running: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
