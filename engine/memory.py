@@ -11,7 +11,8 @@
                  prefill_graph_tokens (estimated from the measured per-token activations, plus
                  a fixed amount per captured size)
                − the sampler's buffers for the largest decode batch (probabilities, sorted
-                 copies and indices of vocab-wide rows)
+                 copies and indices of vocab-wide rows): with a derived max_running, the batch
+                 that the rest of the pool derives (`fitted_batch`), not the device's ceiling
                − NON_TORCH_BYTES (CUDA context, cuBLAS and Triton workspaces, KV transfer staging)
 
 It is computed from this process's own allocations and the GPU's total memory, never from the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -207,9 +209,10 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
     of its gpu_memory_fraction once weights (its own allocations, plus `shared_weight_bytes` of
     weights it shares with other processes and is charged for), the largest step's activations (profiled when the
     process runs the model `alone`, else `estimate_step` for its tensor-parallel share), CUDA
-    graphs, the sampler and the rest are counted (`plan_kv`); on the CPU: cpu_kv_cache_gb. With
-    an explicit max_running, no more than max_running max-length requests can use. ValueError
-    naming the flag when one request of max_model_len does not fit."""
+    graphs, the sampler and the rest are counted (`plan_kv`; for a derived max_running, the
+    sampler's rows and the decode graphs' batches it can reach: `fitted_batch`); on the CPU:
+    cpu_kv_cache_gb. With an explicit max_running, no more than max_running max-length requests
+    can use. ValueError naming the flag when one request of max_model_len does not fit."""
     bs = config.block_size
     per_request = -(-max_model_len // bs)
     max_batch = config.max_running or (MAX_RUNNING_CEILING_CUDA if device.type == "cuda" else MAX_RUNNING_CEILING_CPU)
@@ -220,16 +223,24 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
             step = profile_step(model, kv_config, bs, kv_dtype, device, num_tokens, max_model_len, rows)
         else:
             step = estimate_step(model_config, dtype, num_tokens, rows, world_size)
-        graph_batch = min(max_batch, MAX_GRAPH_BATCH)
-        # Buckets up to the cap, the cap, and the timed spares above it (engine/cuda_graphs.py).
-        spares = spare_buckets(graph_batch) if timed_buckets_enabled() else []
-        captured = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares)
-        graphs = captured if alone and config.cuda_graphs else 0
-        prefill_tokens = config.prefill_graph_tokens if alone else 0
-        plan = plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
-                       num_tokens=num_tokens, max_batch=max_batch, graph_batches=graphs,
-                       graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size,
-                       prefill_graph_tokens=prefill_tokens, shared_weight_bytes=shared_weight_bytes)
+
+        def planned(batch: int) -> MemoryPlan:
+            """The budget with sampler rows and decode graphs for batches of up to `batch`."""
+            graph_batch = min(batch, MAX_GRAPH_BATCH)
+            # Buckets up to the cap, the cap, and the timed spares above it (engine/cuda_graphs.py).
+            spares = spare_buckets(graph_batch) if timed_buckets_enabled() else []
+            captured = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares)
+            return plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
+                           num_tokens=num_tokens, max_batch=batch,
+                           graph_batches=captured if alone and config.cuda_graphs else 0,
+                           graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size,
+                           prefill_graph_tokens=config.prefill_graph_tokens if alone else 0,
+                           shared_weight_bytes=shared_weight_bytes)
+
+        if config.max_running is None:
+            max_batch = fitted_batch(lambda batch: max(0, planned(batch).kv) // block_bytes * bs, max_model_len,
+                                     max_batch)
+        plan = planned(max_batch)
         blocks = max(0, plan.kv) // block_bytes
         logger.info("memory: %s -> %d KV blocks of %d tokens", plan.describe(), blocks, bs)
         if blocks < per_request:
@@ -244,6 +255,24 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
     if config.max_running is not None or device.type != "cuda":
         blocks = min(blocks, max_batch * per_request)
     return max(1, blocks)
+
+
+def fitted_batch(pool_tokens: Callable[[int], int], max_model_len: int, ceiling: int) -> int:
+    """The fewest sampler rows and decode-graph batches a derived max_running can be planned
+    with: the smallest batch b <= `ceiling` whose pool (`pool_tokens(b)`, tokens left for KV once
+    b rows are planned) derives no more than b running sequences (derive_max_running). Planning
+    the device's ceiling (512 rows, ~1.5 GiB of Llama-3.1-8B's sampler buffers) for an engine that
+    derives 148 would leave the difference unused; the step's activations stay profiled at the
+    ceiling's rows (an upper bound). The pool shrinks as b grows, so the rule is monotonic and a
+    bisection finds it."""
+    lo, hi = 1, ceiling  # hi always qualifies: no derived max_running exceeds the ceiling
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if derive_max_running(pool_tokens(mid), max_model_len, "cuda") <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def too_small(plan: MemoryPlan, blocks: int, need_blocks: int, block_bytes: int, fraction: float,

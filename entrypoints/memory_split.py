@@ -13,9 +13,9 @@ given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when i
 GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
 
 Llama-3.1-8B (bf16, one copy of the weights in the decode worker's share): a prefill worker of
-32,768 tokens needs ~12.9 GiB, and the decode worker gets 73.5% of an 80 GB H100 (80.6% of an
-H200); one of the model's 131,072 tokens would need ~24.9 GiB, leaving the decode worker 58.2%
-(72%).
+32,768 tokens needs ~11.5 GiB, and the decode worker gets 75.4% of an 80 GB H100 (81.7% of an
+H200); one of the model's 131,072 tokens would need ~23.7 GiB, leaving the decode worker 60%
+(73%).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_cache import KVCache
-from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step,
-                           prefill_graph_bytes, weight_bytes)
+from engine.memory import (MAX_RUNNING_CEILING_CUDA, NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, derive_max_running,
+                           estimate_step, prefill_graph_bytes, weight_bytes)
 from engine.quant.formats import checkpoint_fp8_format
 from entrypoints.nvidia_smi import memory_bytes
 from entrypoints.placement import MAX_PREFILL_MEMORY_RATIO, MIN_PREFILL_MEMORY_RATIO, Placement
@@ -51,16 +51,19 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     `shared_weights`: a decode worker's share holds them, engine/shared_weights.py),
     KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
     activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
-    `max_running` rows, or the device's ceiling before the pool is known), its prefill graphs
+    `max_running` rows, or the device's ceiling before the pool is known; the sampler's rows for
+    the sequences that KV derives, `engine.memory.fitted_batch`), its prefill graphs
     (`prefill_graph_tokens`, as `engine.memory.plan_kv` counts them), what torch does not see,
     and MARGIN_BYTES."""
     context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     kv_dtype = KVCache.storage_dtype(kv_cache_dtype, dtype)
-    kv = (context + max_batched_tokens) * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
+    kv_tokens = context + max_batched_tokens
+    kv = kv_tokens * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
     rows = max_running or MAX_RUNNING_CEILING_CUDA
     activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
     weights = 0 if shared_weights else weight_bytes(mc, dtype, tp, fp8_weights)
-    sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    # The worker plans its sampler for the sequences its pool derives (engine.memory.fitted_batch).
+    sampler = (max_running or derive_max_running(kv_tokens, context, "cuda")) * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
     graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
     return weights + kv + activations + sampler + graphs + NON_TORCH_BYTES + MARGIN_BYTES

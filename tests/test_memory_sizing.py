@@ -43,3 +43,55 @@ def test_engine_that_cannot_hold_one_request_says_so(tiny_models) -> None:
     assert engine.max_running >= 1 and engine.sched_config.max_running == engine.max_running
     pinned = Engine(EngineConfig(model_path=str(tiny_models["llama"]), device="cpu", max_running=3))
     assert pinned.max_running == 3
+
+
+def test_the_planned_batch_is_the_fewest_rows_whose_pool_derives_no_more() -> None:
+    """fitted_batch against a brute-force search, over pools that shrink with the rows planned
+    (each row a sampler row's bytes), on fresh random sizes."""
+    import random
+
+    from engine.memory import derive_max_running, fitted_batch
+
+    rng = random.Random()
+    for _ in range(200):
+        total, per_row = rng.randrange(0, 3_000_000), rng.randrange(0, 4000)
+        context = rng.choice([512, 2048, 8192, 131072])
+        pool = lambda b: max(0, total - b * per_row)  # noqa: E731
+        got = fitted_batch(pool, context, 512)
+        want = next(b for b in range(1, 513) if derive_max_running(pool(b), context, "cuda") <= b)
+        assert got == want, (total, per_row, context)
+        assert derive_max_running(pool(got), context, "cuda") <= got
+
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_a_derived_max_running_plans_its_own_sampler_rows_not_the_ceilings(monkeypatch, fraction) -> None:
+    """derive_num_blocks on a stand-in 80 GB GPU (its total memory and this process's
+    allocations given; the step estimated, as a tensor-parallel rank's is): with max_running
+    derived, the pool gains the sampler rows and graph batches the ceiling would have planned,
+    (fitted_batch, tested above, keeps what it derives within the rows planned)."""
+    import types
+
+    import torch
+
+    from bench.h200_bench import LLAMA31_8B
+    from engine.config import EngineConfig, ModelConfig
+    from engine.kv_cache import KVCache
+    from engine.memory import SAMPLER_BYTES_PER_LOGIT, derive_num_blocks
+
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 15 * GiB)
+    mc = ModelConfig.from_dict(LLAMA31_8B)
+    block_bytes = KVCache.bytes_per_block(mc, 16, torch.bfloat16)
+
+    def blocks(**kw) -> int:
+        cfg = EngineConfig(model_path="unused", gpu_memory_fraction=fraction, **kw)
+        return derive_num_blocks(cfg, None, mc, mc, torch.bfloat16, torch.bfloat16, torch.device("cuda"), False, 1,
+                                 131072, block_bytes)
+
+    derived, ceiling = blocks(), blocks(max_running=MAX_RUNNING_CEILING_CUDA)
+    running = derive_max_running(derived * 16, 131072, "cuda")
+    assert running < MAX_RUNNING_CEILING_CUDA
+    gained = (derived - ceiling) * block_bytes
+    assert gained >= (MAX_RUNNING_CEILING_CUDA - running) * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT - block_bytes

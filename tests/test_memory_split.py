@@ -14,7 +14,7 @@ import torch
 
 from bench.h200_bench import LLAMA31_8B
 from engine.config import ModelConfig
-from engine.memory import NON_TORCH_BYTES
+from engine.memory import NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT
 from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, prefill_memory_ratio, prefill_need_bytes
 from entrypoints.nvidia_smi import parse_compute_cap, parse_memory_mib
 from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, SHARED_PREFILL_MAX_MODEL_LEN, place
@@ -36,9 +36,12 @@ def test_the_need_covers_weights_one_longest_request_and_a_step() -> None:
     assert kv_per_token == 128 << 10
     need = _need()
     floor = weights + (131072 + 4096) * kv_per_token + NON_TORCH_BYTES + MARGIN_BYTES
-    assert floor + 3 * GiB < need < floor + 6 * GiB  # plus a step's activations and 512 sampler rows
-    assert _need(max_model_len=8192) == need - (131072 - 8192) * kv_per_token
-    assert _need(max_running=64) < need - GiB  # fewer sampler rows
+    # Plus a step's activations (with 512 rows' logits, as the worker profiles them) and sampler
+    # rows for the sequences the KV derives (135,168 tokens over 2,048 a sequence: 66).
+    row = mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    assert floor + 66 * row + 2 * GiB < need < floor + 66 * row + 4 * GiB
+    assert _need(max_model_len=8192) == need - (131072 - 8192) * kv_per_token - (66 - 6) * row  # 12,288 tokens: 6
+    assert _need(max_running=64) < need - GiB  # fewer rows in the step's logits
     assert _need(max_model_len=10**7) == need  # capped at the model's context
     assert need - _need(kv_cache_dtype="fp8") == pytest.approx((131072 + 4096) * kv_per_token / 2, rel=0.01)
     assert _need(tp=2) < need / 2 + 3 * GiB  # each rank holds half the weights and half the KV heads
@@ -199,7 +202,8 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
     decode = placement_for(a, visible=1, model=str(model_dir)).worker("decode-0").memory_fraction
     room = decode * (H100_MIB << 20) * CUDA_VISIBLE_SHARE
     assert room >= _need(max_model_len=65536) + DECODE_GRAPH_BYTES  # one request of it, and its step
-    assert room < _need() + DECODE_GRAPH_BYTES  # the whole context would not have fit
+    budget = 0.9 * (H100_MIB << 20) * CUDA_VISIBLE_SHARE  # the whole context would not have fit both
+    assert _need(prefill_graph_tokens=PREFILL_GRAPH_TOKENS) + _need() + DECODE_GRAPH_BYTES > budget
     assert fitted_max_model_len(parse_args(["--max-model-len", "131072", "--no-share-weights"]), str(model_dir),
                                 visible=1) is None
     whole = ["--no-share-weights", "--prefill-max-model-len", "131072"]
