@@ -105,10 +105,17 @@ class Rig:
         if tiers is not None:
             kw["tiers"] = tiers
         gw = GatewayThread(GatewayConfig(model_dir=str(self.model), port=0, workers=pool, **kw))
-        if not gw.wait_ready(WAIT):
-            gw.stop()
-            raise RuntimeError("gateway: no worker became ready")
-        return gw
+        # Ready is one decode (and one prefill) worker up; a scenario's streams are placed over
+        # every listed worker, so wait for each that is alive (a fault aimed at a worker that
+        # was not up yet finds no stream on it).
+        alive = {self.workers[n].address for n in (*prefill, *decode) if self.workers[n].alive()}
+        deadline = time.monotonic() + WAIT
+        while gw.wait_ready(WAIT) and time.monotonic() < deadline:
+            if alive <= gw.call(lambda: {h.address for h in gw.gateway.registry.handles if h.up}):
+                return gw
+            time.sleep(0.05)
+        gw.stop()
+        raise RuntimeError(f"gateway: not every worker became ready: {sorted(alive)}")
 
     def stop(self) -> None:
         for w in self.workers.values():
