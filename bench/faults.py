@@ -109,11 +109,12 @@ class Rig:
         # every listed worker, so wait for each that is alive (a fault aimed at a worker that
         # was not up yet finds no stream on it).
         alive = {self.workers[n].address for n in (*prefill, *decode) if self.workers[n].alive()}
-        deadline = time.monotonic() + WAIT
-        while gw.wait_ready(WAIT) and time.monotonic() < deadline:
-            if alive <= gw.call(lambda: {h.address for h in gw.gateway.registry.handles if h.up}):
-                return gw
-            time.sleep(0.05)
+        if gw.wait_ready(WAIT):
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                if alive <= gw.call(lambda: {h.address for h in gw.gateway.registry.handles if h.up}):
+                    return gw
+                time.sleep(0.05)
         gw.stop()
         raise RuntimeError(f"gateway: not every worker became ready: {sorted(alive)}")
 

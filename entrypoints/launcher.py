@@ -77,8 +77,7 @@ def shared_prefill_max_model_len(a: argparse.Namespace, model: str) -> int:
     request of the model's whole context."""
     if a.prefill_max_model_len is not None:
         return a.prefill_max_model_len
-    context = a.max_model_len or _model_context(model) or SHARED_PREFILL_MAX_MODEL_LEN
-    return min(context, SHARED_PREFILL_MAX_MODEL_LEN)
+    return min(cluster_context(a, model) or SHARED_PREFILL_MAX_MODEL_LEN, SHARED_PREFILL_MAX_MODEL_LEN)
 
 
 def prefill_max_model_len(a: argparse.Namespace, placement: Placement, name: str, model: str) -> int | None:
@@ -88,15 +87,18 @@ def prefill_max_model_len(a: argparse.Namespace, placement: Placement, name: str
     if a.prefill_max_model_len is None and not placement.gpu_partners(name):
         return None
     own = shared_prefill_max_model_len(a, model)
-    return None if own == (a.max_model_len or _model_context(model)) else own
+    return None if own == cluster_context(a, model) else own
 
 
-def _model_context(model: str) -> int | None:
-    """`model`'s max_position_embeddings; None where its config cannot be read."""
+def cluster_context(a: argparse.Namespace, model: str) -> int | None:
+    """The context every decode worker and the gateway take: --max-model-len capped at `model`'s
+    max_position_embeddings (2048 where its config.json names none, as engine.config reads it);
+    --max-model-len alone where the config cannot be read (None without it)."""
     try:
-        return int(model_config(model)["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        longest = int(model_config(model).get("max_position_embeddings", 2048))
+    except (OSError, ValueError, TypeError):
+        return a.max_model_len
+    return min(a.max_model_len or longest, longest)
 
 
 def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None = None) -> int | None:
@@ -108,8 +110,8 @@ def fitted_max_model_len(a: argparse.Namespace, model: str, visible: int | None 
     from entrypoints.memory_split import fitting_max_model_len
 
     placement = _placed(a, visible, a.prefill_memory_ratio or PREFILL_MEMORY_RATIO)
-    return fitting_max_model_len(placement, model, physical_gpus, prefill_max_model_len=a.prefill_max_model_len
-                                 or SHARED_PREFILL_MAX_MODEL_LEN, **_sizing(a, placement))
+    return fitting_max_model_len(placement, model, physical_gpus,
+                                 prefill_max_model_len=shared_prefill_max_model_len(a, model), **_sizing(a, placement))
 
 
 def _placed(a: argparse.Namespace, visible: int | None, ratio: float) -> Placement:
@@ -544,9 +546,7 @@ def worker_rows(cluster: Cluster, placement: Placement, a: argparse.Namespace, m
     metrics port), the KV transport, and what is stored as FP8."""
     from engine.memory import default_max_running
 
-    cfg = model_config(model)
-    longest = int(cfg.get("max_position_embeddings", 2048))
-    max_model_len = min(a.max_model_len or longest, longest)
+    max_model_len = cluster_context(a, model)
     block = a.block_size or 16
     rows = []
     for p in cluster.processes:
