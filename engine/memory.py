@@ -6,13 +6,15 @@
                − weights (what this process has allocated once they are loaded, plus the
                  weights it shares with other processes and is charged for: shared_weights.py)
                − activations of the largest step (measured: a forward of max_batched_tokens
-                 prompt tokens and the logits of the largest decode batch, as vLLM profiles)
+                 prompt tokens and the logits of the largest decode batch, as vLLM profiles;
+                 with a derived max_running, of the rows it can sample: `fitted_batch`)
                − CUDA graphs of the decode batches and of prefill steps up to
                  prefill_graph_tokens (estimated from the measured per-token activations, plus
                  a fixed amount per captured size)
                − the sampler's buffers for the largest decode batch (probabilities, sorted
                  copies and indices of vocab-wide rows): with a derived max_running, the batch
                  that the rest of the pool derives (`fitted_batch`), not the device's ceiling
+                 (which the step is profiled at: `StepActivations` scales its rows down)
                − NON_TORCH_BYTES (CUDA context, cuBLAS and Triton workspaces, KV transfer staging)
 
 It is computed from this process's own allocations and the GPU's total memory, never from the
@@ -120,12 +122,38 @@ def check_weights_fit(config: ModelConfig, dtype: torch.dtype, device: torch.dev
             "give this worker a GPU of its own, or raise --tp")
 
 
+@dataclass(frozen=True)
+class StepActivations:
+    """What the largest step allocates above the weights and its KV blocks, in bytes: the forward
+    of `num_tokens` prompt tokens peaks at `forward` and leaves `held` allocated (its hidden
+    states), on which each row sampled adds `per_row` (its logits, their fp32 copy, the
+    probabilities and a sort's values and indices). `profiled_rows` is the rows the figure was
+    taken at; the graphs' estimates read their per-token activations there (`per_token`)."""
+
+    num_tokens: int
+    forward: int
+    held: int
+    per_row: int
+    profiled_rows: int
+
+    def peak(self, rows: int) -> int:
+        """The step's peak with `rows` rows sampled (at most num_tokens): an engine samples a row
+        for each running sequence a step, so a derived max_running's rows bound it."""
+        return max(self.forward, self.held + min(rows, self.num_tokens) * self.per_row)
+
+    @property
+    def per_token(self) -> float:
+        """Activations a token, at the profiled rows: what the graphs' pools are estimated from."""
+        return self.peak(self.profiled_rows) / max(1, self.num_tokens)
+
+
 @torch.inference_mode()
 def profile_step(model, kv_config: ModelConfig, block_size: int, kv_dtype: torch.dtype, device: torch.device,
-                 num_tokens: int, max_model_len: int, sample_rows: int) -> int:
-    """Peak bytes a step of `num_tokens` prompt tokens allocates above the weights (the model's
-    activations and the logits of `sample_rows` rows), not counting the temporary KV blocks it
-    writes to. Runs one real forward on `device`; leaves nothing allocated."""
+                 num_tokens: int, max_model_len: int, sample_rows: int) -> StepActivations:
+    """A step of `num_tokens` prompt tokens, measured: the forward's peak and what it leaves
+    held, then the logits and sampling of `sample_rows` rows (their bytes a row), not counting
+    the temporary KV blocks it writes to. Runs one real forward on `device`; leaves nothing
+    allocated."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
@@ -148,57 +176,66 @@ def profile_step(model, kv_config: ModelConfig, block_size: int, kv_dtype: torch
         k_scale=cache.k_scale, v_scale=cache.v_scale)
     ids = torch.ones(num_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, torch.tensor(positions, dtype=torch.int64, device=device), cache.layers, meta)
-    rows = min(sample_rows, num_tokens)
+    torch.cuda.synchronize(device)
+    above = base + kv_bytes
+    forward = torch.cuda.max_memory_allocated(device) - above
+    held = torch.cuda.memory_allocated(device) - above
+    torch.cuda.reset_peak_memory_stats(device)
+    rows = max(1, min(sample_rows, num_tokens))
     logits = model.logits(hidden[num_tokens - rows:]).float()
     probs = torch.softmax(logits, dim=-1)
     ordered = probs.sort(dim=-1, descending=True)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base - kv_bytes
+    sampled = torch.cuda.max_memory_allocated(device) - above
     del cache, meta, ids, hidden, logits, probs, ordered, tables
     torch.cuda.empty_cache()
-    return max(0, peak)
+    return StepActivations(num_tokens=num_tokens, forward=max(0, forward), held=max(0, held),
+                           per_row=-(-max(0, sampled - held) // rows), profiled_rows=rows)
 
 
-def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, sample_rows: int, tp: int = 1) -> int:
+def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, sample_rows: int,
+                  tp: int = 1) -> StepActivations:
     """An upper estimate of `profile_step` without running the model (tensor-parallel ranks,
     whose forward needs every rank): the widest intermediate tensors of one layer, a few times
-    over, plus the logits."""
+    over, then the sampled rows on top."""
     elem = torch.empty((), dtype=dtype).element_size()
     width = 4 * config.hidden_size + (2 * config.intermediate_size + config.q_size + 2 * config.kv_size) // tp
     # Sampling rows: the logits, their fp32 copy, the probabilities, and a sort's values and int64
     # indices (what profile_step runs). Llama-3.1-8B, 4,096 tokens, 512 rows: 2.9 GiB against
-    # 2.5 profiled on an H200.
-    return 4 * num_tokens * width * elem + sample_rows * config.vocab_size * (elem + 4 + 4 + 4 + 8)
+    # 2.5 profiled on an H200. The forward's tensors are counted as held under the rows (a sum).
+    forward = 4 * num_tokens * width * elem
+    return StepActivations(num_tokens=num_tokens, forward=forward, held=forward,
+                           per_row=config.vocab_size * (elem + 4 + 4 + 4 + 8),
+                           profiled_rows=max(1, min(sample_rows, num_tokens)))
 
 
-def prefill_graph_bytes(step_activations: int, num_tokens: int, prefill_graph_tokens: int) -> int:
+def prefill_graph_bytes(per_token: float, num_tokens: int, prefill_graph_tokens: int) -> int:
     """What prefill graphs of up to `prefill_graph_tokens` tokens take (engine/prefill_graphs.py):
-    their pool holds a step of that many tokens' activations (`step_activations` being a step of
-    `num_tokens`, which also caps the graphs), plus a fixed amount per captured size; 0 for none."""
+    their pool holds a step of that many tokens' activations (`per_token` a token, from a step
+    of `num_tokens`, which also caps the graphs: StepActivations.per_token), plus a fixed amount
+    per captured size; 0 for none."""
     tokens = graph_token_limit(prefill_graph_tokens, num_tokens)
     if tokens <= 0:
         return 0
-    per_token = step_activations / max(1, num_tokens)
     return int(per_token * tokens) + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
 
 
-def plan_kv(*, device: torch.device, fraction: float, step_activations: int, num_tokens: int, max_batch: int,
+def plan_kv(*, device: torch.device, fraction: float, step: StepActivations, max_batch: int,
             graph_batches: int, vocab_size: int, prefill_graph_tokens: int = 0,
             graph_rows: int | None = None, shared_weight_bytes: int = 0) -> MemoryPlan:
-    """The budget of an engine on `device` whose weights are loaded: `step_activations` from
-    `profile_step` (or `estimate_step`) for a step of `num_tokens`; `max_batch` the largest
+    """The budget of an engine on `device` whose weights are loaded: `step` from `profile_step`
+    (or `estimate_step`), its peak with `max_batch` rows sampled; `max_batch` the largest
     decode batch (sampler rows, and the largest CUDA graph when `graph_batches` > 0 graphs are
     captured, unless `graph_rows` names the largest graph's rows); `prefill_graph_tokens` the
     largest prefill graph (engine/prefill_graphs.py, whose pool holds a step of that many tokens'
     activations), 0 for none; `shared_weight_bytes` the weights in a shared arena
     (engine/shared_weights.py) this engine's budget holds, which torch does not count."""
     total = torch.cuda.get_device_properties(device).total_memory
-    per_token = step_activations / max(1, num_tokens)
     rows = graph_rows or max_batch
-    graphs = int(per_token * rows * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
-    graphs += prefill_graph_bytes(step_activations, num_tokens, prefill_graph_tokens)
+    graphs = int(step.per_token * rows * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
+    graphs += prefill_graph_bytes(step.per_token, step.num_tokens, prefill_graph_tokens)
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device) + shared_weight_bytes,
-                      activations=step_activations, graphs=graphs,
+                      activations=step.peak(max_batch), graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)
 
 
@@ -207,12 +244,12 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
                       max_model_len: int, block_bytes: int, shared_weight_bytes: int = 0) -> int:
     """KV blocks for an engine whose weights are loaded on `device`. On CUDA: the whole budget
     of its gpu_memory_fraction once weights (its own allocations, plus `shared_weight_bytes` of
-    weights it shares with other processes and is charged for), the largest step's activations (profiled when the
-    process runs the model `alone`, else `estimate_step` for its tensor-parallel share), CUDA
-    graphs, the sampler and the rest are counted (`plan_kv`; for a derived max_running, the
-    sampler's rows and the decode graphs' batches it can reach: `fitted_batch`); on the CPU:
-    cpu_kv_cache_gb. With an explicit max_running, no more than max_running max-length requests
-    can use. ValueError naming the flag when one request of max_model_len does not fit."""
+    weights it shares with other processes and is charged for), the largest step's activations
+    (profiled when the process runs the model `alone`, else `estimate_step` for its
+    tensor-parallel share), CUDA graphs, the sampler and the rest are counted (`plan_kv`; for a
+    derived max_running, the sampler's rows, the step's sampled rows and the decode graphs'
+    batches it can reach: `fitted_batch`); on the CPU: cpu_kv_cache_gb. With an explicit
+    max_running, no more than max_running max-length requests can use. ValueError naming the flag when one request of max_model_len does not fit."""
     bs = config.block_size
     per_request = -(-max_model_len // bs)
     max_batch = config.max_running or (MAX_RUNNING_CEILING_CUDA if device.type == "cuda" else MAX_RUNNING_CEILING_CPU)
@@ -230,8 +267,7 @@ def derive_num_blocks(config: EngineConfig, model: torch.nn.Module, model_config
             # Buckets up to the cap, the cap, and the timed spares above it (engine/cuda_graphs.py).
             spares = spare_buckets(graph_batch) if timed_buckets_enabled() else []
             captured = sum(1 for b in DEFAULT_BUCKETS if b <= graph_batch) + 1 + len(spares)
-            return plan_kv(device=device, fraction=config.gpu_memory_fraction, step_activations=step,
-                           num_tokens=num_tokens, max_batch=batch,
+            return plan_kv(device=device, fraction=config.gpu_memory_fraction, step=step, max_batch=batch,
                            graph_batches=captured if alone and config.cuda_graphs else 0,
                            graph_rows=max([graph_batch, *spares]), vocab_size=model_config.vocab_size,
                            prefill_graph_tokens=config.prefill_graph_tokens if alone else 0,
@@ -262,8 +298,8 @@ def fitted_batch(pool_tokens: Callable[[int], int], max_model_len: int, ceiling:
     with: the smallest batch b <= `ceiling` whose pool (`pool_tokens(b)`, tokens left for KV once
     b rows are planned) derives no more than b running sequences (derive_max_running). Planning
     the device's ceiling (512 rows, ~1.5 GiB of Llama-3.1-8B's sampler buffers) for an engine that
-    derives 148 would leave the difference unused; the step's activations stay profiled at the
-    ceiling's rows (an upper bound). The pool shrinks as b grows, so the rule is monotonic and a
+    derives 148 would leave the difference unused, and so would the step's logits for 512 rows
+    (StepActivations.peak). The pool shrinks as b grows, so the rule is monotonic and a
     bisection finds it."""
     lo, hi = 1, ceiling  # hi always qualifies: no derived max_running exceeds the ceiling
     while lo < hi:

@@ -50,22 +50,24 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     (`fp8_weights`: the projections e4m3, engine.memory.weight_bytes; none where
     `shared_weights`: a decode worker's share holds them, engine/shared_weights.py),
     KV for one request of `max_model_len` (None: the model's) plus one step's prompts, a step's
-    activations and the sampler's rows as the worker plans them (`engine.memory.derive_num_blocks`:
-    `max_running` rows, or the device's ceiling before the pool is known; the sampler's rows for
-    the sequences that KV derives, `engine.memory.fitted_batch`), its prefill graphs
+    activations and the sampler's buffers for the rows the worker plans
+    (`engine.memory.derive_num_blocks`: `max_running` rows, else the sequences that KV derives,
+    `engine.memory.fitted_batch`), its prefill graphs
     (`prefill_graph_tokens`, as `engine.memory.plan_kv` counts them), what torch does not see,
     and MARGIN_BYTES."""
     context = min(max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     kv_dtype = KVCache.storage_dtype(kv_cache_dtype, dtype)
     kv_tokens = context + max_batched_tokens
     kv = kv_tokens * KVCache.bytes_per_block(mc, 1, kv_dtype) // tp
-    rows = max_running or MAX_RUNNING_CEILING_CUDA
-    activations = estimate_step(mc, dtype, max_batched_tokens, min(rows, max_batched_tokens), tp)
+    step = estimate_step(mc, dtype, max_batched_tokens, max_running or MAX_RUNNING_CEILING_CUDA, tp)
     weights = 0 if shared_weights else weight_bytes(mc, dtype, tp, fp8_weights)
-    # The worker plans its sampler for the sequences its pool derives (engine.memory.fitted_batch).
-    sampler = (max_running or derive_max_running(kv_tokens, context, "cuda")) * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    # The worker plans its sampler and its step's sampled rows for the sequences its pool derives
+    # (engine.memory.fitted_batch).
+    rows = max_running or derive_max_running(kv_tokens, context, "cuda")
+    activations = step.peak(rows)
+    sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
-    graphs = prefill_graph_bytes(activations, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
+    graphs = prefill_graph_bytes(step.per_token, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
     return weights + kv + activations + sampler + graphs + NON_TORCH_BYTES + MARGIN_BYTES
 
 

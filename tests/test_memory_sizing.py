@@ -77,7 +77,7 @@ def test_a_derived_max_running_plans_its_own_sampler_rows_not_the_ceilings(monke
     from bench.h200_bench import LLAMA31_8B
     from engine.config import EngineConfig, ModelConfig
     from engine.kv_cache import KVCache
-    from engine.memory import SAMPLER_BYTES_PER_LOGIT, derive_num_blocks
+    from engine.memory import SAMPLER_BYTES_PER_LOGIT, derive_num_blocks, estimate_step
 
     GiB = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * GiB))
@@ -94,4 +94,18 @@ def test_a_derived_max_running_plans_its_own_sampler_rows_not_the_ceilings(monke
     running = derive_max_running(derived * 16, 131072, "cuda")
     assert running < MAX_RUNNING_CEILING_CUDA
     gained = (derived - ceiling) * block_bytes
-    assert gained >= (MAX_RUNNING_CEILING_CUDA - running) * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT - block_bytes
+    # Its sampler's rows and its step's logits rows (estimate_step, as a tensor-parallel rank plans).
+    per_row = mc.vocab_size * SAMPLER_BYTES_PER_LOGIT + estimate_step(mc, torch.bfloat16, 4096, 512).per_row
+    assert gained >= (MAX_RUNNING_CEILING_CUDA - running) * per_row - block_bytes
+
+
+def test_a_steps_peak_is_its_forward_or_its_held_tensors_and_sampled_rows() -> None:
+    """StepActivations.peak: the larger of the forward's peak and what it holds plus the rows'
+    logits; rows past the step's tokens sample nothing more."""
+    from engine.memory import StepActivations
+
+    step = StepActivations(num_tokens=4096, forward=1000, held=100, per_row=3, profiled_rows=512)
+    assert step.peak(0) == 1000 and step.peak(300) == 1000  # the forward's peak dominates
+    assert step.peak(301) == 100 + 301 * 3 and step.peak(512) == 1636
+    assert step.peak(10**6) == 100 + 4096 * 3  # no more rows than tokens
+    assert step.per_token == pytest.approx(1636 / 4096)  # the graphs' estimate, at the profiled rows

@@ -14,7 +14,7 @@ import torch
 
 from bench.h200_bench import LLAMA31_8B
 from engine.config import ModelConfig
-from engine.memory import NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT
+from engine.memory import NON_TORCH_BYTES, SAMPLER_BYTES_PER_LOGIT, estimate_step
 from entrypoints.memory_split import CUDA_VISIBLE_SHARE, MARGIN_BYTES, prefill_memory_ratio, prefill_need_bytes
 from entrypoints.nvidia_smi import parse_compute_cap, parse_memory_mib
 from entrypoints.placement import MIN_PREFILL_MEMORY_RATIO, SHARED_PREFILL_MAX_MODEL_LEN, place
@@ -36,12 +36,14 @@ def test_the_need_covers_weights_one_longest_request_and_a_step() -> None:
     assert kv_per_token == 128 << 10
     need = _need()
     floor = weights + (131072 + 4096) * kv_per_token + NON_TORCH_BYTES + MARGIN_BYTES
-    # Plus a step's activations (with 512 rows' logits, as the worker profiles them) and sampler
-    # rows for the sequences the KV derives (135,168 tokens over 2,048 a sequence: 66).
+    # Plus a step's activations and sampler rows, both for the sequences the KV derives (135,168
+    # tokens over 2,048 a sequence: 66), as the worker plans them (engine.memory.fitted_batch).
     row = mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    assert floor + 66 * row + 2 * GiB < need < floor + 66 * row + 4 * GiB
-    assert _need(max_model_len=8192) == need - (131072 - 8192) * kv_per_token - (66 - 6) * row  # 12,288 tokens: 6
-    assert _need(max_running=64) < need - GiB  # fewer rows in the step's logits
+    logits_row = estimate_step(mc, torch.bfloat16, 4096, 512).per_row
+    assert floor + 66 * row + GiB < need < floor + 66 * row + 2.5 * GiB
+    assert _need(max_running=66) == need  # the rows derived, as if given
+    assert _need(max_running=512) == need + (512 - 66) * (row + logits_row)  # not the device's ceiling
+    assert _need(max_model_len=8192) == need - (131072 - 8192) * kv_per_token - (66 - 6) * (row + logits_row)
     assert _need(max_model_len=10**7) == need  # capped at the model's context
     assert need - _need(kv_cache_dtype="fp8") == pytest.approx((131072 + 4096) * kv_per_token / 2, rel=0.01)
     assert _need(tp=2) < need / 2 + 3 * GiB  # each rank holds half the weights and half the KV heads
