@@ -13,9 +13,9 @@ given size. Unless `--prefill-memory-ratio` is given, `tandem up` uses it when i
 GPU's size (`nvidia-smi`), and the fixed `PREFILL_MEMORY_RATIO` otherwise.
 
 Llama-3.1-8B (bf16, one copy of the weights in the decode worker's share): a prefill worker of
-32,768 tokens needs ~11.5 GiB, and the decode worker gets 75.4% of an 80 GB H100 (81.7% of an
-H200); one of the model's 131,072 tokens would need ~23.7 GiB, leaving the decode worker 60%
-(73%).
+32,768 tokens needs ~10.2 GiB, and the decode worker gets 77.0% of an 80 GB H100 (82.6% of an
+H200); one of the model's 131,072 tokens would need ~22.5 GiB, leaving the decode worker 61.5%
+(73.8%).
 """
 from __future__ import annotations
 
