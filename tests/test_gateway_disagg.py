@@ -148,8 +148,12 @@ def test_a_refused_reservation_aborts_the_prefill_sent_with_it(model_dir: Path, 
     decode worker has no room, the prefill is aborted (P frees its blocks), the attempts after
     that wait for a reservation before they prefill, and the request completes once room frees
     up, with the offline engine's tokens."""
-    [small] = start_workers([("decode", ["--num-kv-blocks", "16", "--max-running", "4"], {OVERLAP_ENV: "1"})],
-                            model_dir, tmp_path)
+    # The small worker's steps: 10 ms, so the stream's reader keeps up with the first request,
+    # then 100 ms once it holds its blocks, so they stay held until the second's Reserve came.
+    slow = tmp_path / "step-delay"
+    slow.write_text("0.01")
+    [small] = start_workers([("decode", ["--num-kv-blocks", "16", "--max-running", "4"],
+                              {OVERLAP_ENV: "1", ENV_STEP_DELAY: f"@{slow}"})], model_dir, tmp_path)
     gw = gateway_for(model_dir, [cluster["p"]], [small])
     p = cluster["p"].worker_id
     try:
@@ -160,9 +164,11 @@ def test_a_refused_reservation_aborts_the_prefill_sent_with_it(model_dir: Path, 
             stream = c.stream(first, max_tokens=200, ignore_eos=True, **GREEDY)
             got_first = []
             # 166 tokens in 11 blocks: 5 free, too few for the second; the 50 tokens still to come
-            # keep it so while the second's Reserve arrives (at 30 a loaded machine was too slow).
+            # keep it so while the second's Reserve arrives: 5 s at 0.1 s a step (at full speed a
+            # loaded machine streamed them before the Reserve came).
             while len(got_first) < 150:
                 got_first += next(stream).token_ids
+            slow.write_text("0.1")
             late = pool.submit(c.generate, second, max_tokens=4, **GREEDY)
             wait_until(lambda: gw.metric("tandem_gateway_prefill_requests_total", {"worker": p}) >= 2, WAIT,
                        what="the second request's prefill to be sent with its Reserve")
