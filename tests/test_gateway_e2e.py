@@ -20,9 +20,14 @@ from entrypoints.cluster import command
 from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, wait_idle, wait_until
 from tandem import Client, SamplingParams, Tier, TandemError, wire
+from worker.faults import ENV_STEP_DELAY
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
 LONG = 450  # tokens of a request meant to still be running when the test acts on it
+# The worker's steps take 5 ms more (worker/faults.py), so LONG tokens take over 2 s on any
+# machine: a fast one decodes this tiny model's 450 tokens in ~0.5 s, near the 0.3 and 0.5 s
+# deadlines the tests set and the round trips they make before acting on such a request.
+STEP_DELAY_S = "0.005"
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +44,8 @@ def llm(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def worker(model_dir: Path, tmp_path_factory):
-    (w,) = start_workers([("both", ["--num-kv-blocks", "160", "--max-running", "64"])], model_dir,
-                         tmp_path_factory.mktemp("gw-e2e-workers"))
+    (w,) = start_workers([("both", ["--num-kv-blocks", "160", "--max-running", "64"], {ENV_STEP_DELAY: STEP_DELAY_S})],
+                         model_dir, tmp_path_factory.mktemp("gw-e2e-workers"))
     yield w
     w.stop()
 
