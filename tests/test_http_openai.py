@@ -21,9 +21,14 @@ from gateway.config import GatewayConfig, TierConfig, WorkerPoolConfig
 from harness import GatewayThread, start_workers, stop_workers, wait_idle, wait_until
 from tandem import Client, Tier, TandemError
 from tandem.tokenizer import Tokenizer
+from worker.faults import ENV_STEP_DELAY
 
 WAIT = 60.0  # bound on waits for server-side events; never a timing assertion
 LONG = 500  # tokens of a request meant to still be running when the test acts on it
+# The decode worker's steps take 5 ms more (worker/faults.py), so LONG tokens take over 2 s on
+# any machine, not the ~0.5 s stories260K needs here, while a test waits for the request to be
+# seen running or queues others behind it.
+STEP_DELAY_S = "0.005"
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
                  "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}Assistant: {{ m['content'] }}\n"
                  "{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
@@ -48,7 +53,8 @@ def model_dir(stories_dir: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def workers(model_dir: Path, tmp_path_factory):
     blocks = ["--num-kv-blocks", "128", "--max-running", "16"]
-    ws = start_workers([("prefill", blocks), ("decode", blocks)], model_dir, tmp_path_factory.mktemp("http-workers"))
+    ws = start_workers([("prefill", blocks), ("decode", blocks, {ENV_STEP_DELAY: STEP_DELAY_S})], model_dir,
+                       tmp_path_factory.mktemp("http-workers"))
     yield ws
     stop_workers(ws)
 
