@@ -209,15 +209,14 @@ def estimate_step(config: ModelConfig, dtype: torch.dtype, num_tokens: int, samp
                            profiled_rows=max(1, min(sample_rows, num_tokens)))
 
 
-def prefill_graph_bytes(per_token: float, num_tokens: int, prefill_graph_tokens: int) -> int:
+def prefill_graph_bytes(step: StepActivations, prefill_graph_tokens: int) -> int:
     """What prefill graphs of up to `prefill_graph_tokens` tokens take (engine/prefill_graphs.py):
-    their pool holds a step of that many tokens' activations (`per_token` a token, from a step
-    of `num_tokens`, which also caps the graphs: StepActivations.per_token), plus a fixed amount
-    per captured size; 0 for none."""
-    tokens = graph_token_limit(prefill_graph_tokens, num_tokens)
+    their pool holds a step of that many tokens' activations (`step.per_token` a token; the
+    step's num_tokens also caps the graphs), plus a fixed amount per captured size; 0 for none."""
+    tokens = graph_token_limit(prefill_graph_tokens, step.num_tokens)
     if tokens <= 0:
         return 0
-    return int(per_token * tokens) + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
+    return int(step.per_token * tokens) + len(buckets_up_to(tokens)) * GRAPH_BYTES_PER_BATCH_SIZE
 
 
 def plan_kv(*, device: torch.device, fraction: float, step: StepActivations, max_batch: int,
@@ -233,7 +232,7 @@ def plan_kv(*, device: torch.device, fraction: float, step: StepActivations, max
     total = torch.cuda.get_device_properties(device).total_memory
     rows = graph_rows or max_batch
     graphs = int(step.per_token * rows * 2) + graph_batches * GRAPH_BYTES_PER_BATCH_SIZE if graph_batches else 0
-    graphs += prefill_graph_bytes(step.per_token, step.num_tokens, prefill_graph_tokens)
+    graphs += prefill_graph_bytes(step, prefill_graph_tokens)
     return MemoryPlan(limit=int(fraction * total), weights=torch.cuda.memory_allocated(device) + shared_weight_bytes,
                       activations=step.peak(max_batch), graphs=graphs,
                       sampler=max_batch * vocab_size * SAMPLER_BYTES_PER_LOGIT, other=NON_TORCH_BYTES)

@@ -67,7 +67,7 @@ def prefill_need_bytes(mc: ModelConfig, *, dtype: torch.dtype, kv_cache_dtype: s
     activations = step.peak(rows)
     sampler = rows * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT
     # Tensor-parallel workers capture no prefill graphs.
-    graphs = prefill_graph_bytes(step.per_token, max_batched_tokens, prefill_graph_tokens) if tp == 1 else 0
+    graphs = prefill_graph_bytes(step, prefill_graph_tokens) if tp == 1 else 0
     return weights + kv + activations + sampler + graphs + NON_TORCH_BYTES + MARGIN_BYTES
 
 
