@@ -75,6 +75,11 @@ def _routing(metrics_port: int) -> dict[str, float]:
             re.finditer(r'^tandem_gateway_routing_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
 
 
+def _routed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The routing decisions, by reason, counted between two `_routing` readings."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source(p)
@@ -105,9 +110,8 @@ def main() -> int:
             result["ordinary"] = asyncio.run(_one_round(target, streams[a.streams:2 * a.streams], a.stream_out,
                                                         streams[-1]))
             after = _routing(metrics)
-            result["long"]["routed"] = {k: v - before.get(k, 0) for k, v in after_long.items() if v != before.get(k, 0)}
-            result["ordinary"]["routed"] = {k: v - after_long.get(k, 0) for k, v in after.items()
-                                            if v != after_long.get(k, 0)}
+            result["long"]["routed"] = _routed(before, after_long)
+            result["ordinary"]["routed"] = _routed(after_long, after)
         finally:
             result["exit_code"] = stop(proc)
     text = json.dumps(result, indent=1)
