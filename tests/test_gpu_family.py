@@ -24,10 +24,10 @@ def test_the_first_family_in_the_table_wins_where_two_match() -> None:
 
 
 def test_the_kernels_tables_and_the_benchmarks_ceilings_read_the_same_rule() -> None:
-    from bench import throughput_bench as tb
+    from bench import throughput_gpu
     from tandem_kernels import gemv_tilings as gt
 
     h100 = "NVIDIA H100 80GB HBM3"
     assert gt.device_tilings(h100) == gt.DEVICE_TILINGS["H100"]
     assert gt.device_tilings("NVIDIA GeForce RTX 4090") == {}
-    assert tb.run_ceilings_for(None, h100)["copy_GBps"] == tb.KNOWN_CEILINGS["H100"]["copy_GBps"]
+    assert throughput_gpu.run_ceilings_for(None, h100)["copy_GBps"] == throughput_gpu.KNOWN_CEILINGS["H100"]["copy_GBps"]

@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 from bench import throughput_bench as tb
+from bench import throughput_clusters as clusters
+from bench import throughput_gpu as gpu
+from bench import throughput_summary as summary
+from bench.throughput_context import Context
 
 REPO = Path(__file__).resolve().parents[1]
 ISSUE_KEYS = ("offline_bf16_out_tok_s", "offline_fp8kv_out_tok_s", "fp8kv_over_bf16", "offline_fp8_out_tok_s",
@@ -68,7 +72,7 @@ def test_writes_json_records_a_failing_gpu_section_and_runs_the_rest(tmp_path):
         assert key in res and res[key] is None
     assert res["runs"][0]["sections"] == ["decode_b1", "env"]
     assert set(res["runs"][0]["section_seconds"]) == {"decode_b1", "env"}
-    table = r.stdout.splitlines()[-len(tb.summarize({})) - 1:]  # printed last: a header, a row per key
+    table = r.stdout.splitlines()[-len(summary.summarize({})) - 1:]  # printed last: a header, a row per key
     assert table[0].split() == ["key", "measured", "goal", "met"]
     assert any(line.startswith("offline_bf16_out_tok_s") for line in table)
 
@@ -105,18 +109,18 @@ def test_a_ratio_comes_from_one_run_not_from_sections_of_two(tmp_path):
     assert res["services_vs_offline"] is None and res["runs"][-1]["ratios"] == {}
     sections = {"services": {"output_tok_s": 7_000.0}, "offline_subset": {"output_tok_s": 8_750.0},
                 "colocated": {"output_tok_s": 1.0}}
-    assert tb.run_ratios(sections, ["services", "offline_subset"]) == {"services_vs_offline": 0.8}
-    assert tb.run_ratios(sections, ["colocated"]) == {}
+    assert summary.run_ratios(sections, ["services", "offline_subset"]) == {"services_vs_offline": 0.8}
+    assert summary.run_ratios(sections, ["colocated"]) == {}
 
 
 def test_summary_ratios_skip_failed_sections():
-    s = tb.summarize({"services": {"output_tok_s": 7_000.0}, "colocated": {"error": "boom", "output_tok_s": 1.0},
+    s = summary.summarize({"services": {"output_tok_s": 7_000.0}, "colocated": {"error": "boom", "output_tok_s": 1.0},
                       "offline_subset": {"output_tok_s": 8_750.0},
                       "online": {"ttft_p50_ms": 41.234, "tpot_p50_ms": 6.1}})
     assert s["services_vs_offline"] == 0.8
     assert s["colocated_vs_offline"] is None
     assert (s["online_ttft_p50_ms"], s["online_tpot_p50_ms"]) == (41.23, 6.1)
-    table = tb.format_table(s)
+    table = summary.format_table(s)
     assert "services_vs_offline" in table and ">= 0.9" in table and "NO" in table
 
 
@@ -131,9 +135,9 @@ def test_every_cluster_mode_is_flags_that_tandem_up_takes():
     device), and the hold section's mode asks for the hold it compares."""
     from entrypoints.launcher import parse_args
 
-    for mode, flags in tb.Clusters.MODES.items():
+    for mode, flags in clusters.Clusters.MODES.items():
         parse_args(["--model", "m", *flags])
-    assert parse_args(["--model", "m", *tb.Clusters.MODES["disagg_hold_reserving"]]).gpu_turn_hold == "reserving"
+    assert parse_args(["--model", "m", *clusters.Clusters.MODES["disagg_hold_reserving"]]).gpu_turn_hold == "reserving"
     assert parse_args(["--model", "m"]).gpu_turn_hold != "reserving"  # `online`, its baseline, holds otherwise
 
 
@@ -144,22 +148,22 @@ def test_max_rate_search_steps_up_then_bisects():
         seen.append(rate)
         return _row(rate, capacity=14.5)
 
-    res = tb.search_max_rate(measure, [8, 12, 16, 20], refine=2, ttft_ms=500, tpot_ms=25, fits=lambda r: True)
+    res = clusters.search_max_rate(measure, [8, 12, 16, 20], refine=2, ttft_ms=500, tpot_ms=25, fits=lambda r: True)
     assert seen == [8, 12, 16, 14, 15]
     assert res["max_rate_within_slo"] == 14 and res["first_rate_missing_slo"] == 15 and res["stopped"] is None
-    none = tb.search_max_rate(lambda r: _row(r, capacity=1), [8, 12], refine=1, ttft_ms=500, tpot_ms=25,
+    none = clusters.search_max_rate(lambda r: _row(r, capacity=1), [8, 12], refine=1, ttft_ms=500, tpot_ms=25,
                               fits=lambda r: True)
     assert none["max_rate_within_slo"] == 0 and none["first_rate_missing_slo"] == 4
-    cut = tb.search_max_rate(lambda r: _row(r, capacity=100), [8, 12, 16], refine=1, ttft_ms=500, tpot_ms=25,
+    cut = clusters.search_max_rate(lambda r: _row(r, capacity=100), [8, 12, 16], refine=1, ttft_ms=500, tpot_ms=25,
                              fits=lambda r: r < 16)
     assert cut["max_rate_within_slo"] == 12 and "16" in cut["stopped"]
 
 
 def test_a_failed_request_misses_the_slo():
     row = _row(8, capacity=100)
-    assert tb.within_slo(row, 500, 25)
-    assert not tb.within_slo({**row, "failed": 1}, 500, 25)
-    assert not tb.within_slo({**row, "tpot_p99_ms": 25.5}, 500, 25)
+    assert clusters.within_slo(row, 500, 25)
+    assert not clusters.within_slo({**row, "failed": 1}, 500, 25)
+    assert not clusters.within_slo({**row, "tpot_p99_ms": 25.5}, 500, 25)
 
 
 def test_the_cluster_sections_run_end_to_end_on_a_tiny_model(tiny_models, tmp_path):
@@ -196,7 +200,7 @@ def test_cublas_workspace_section_sets_the_variable_before_its_run(monkeypatch) 
     (cuBLAS reads it at its first GEMM in the child; the engine leaves a set value alone)."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded, so the section's value is undone after
     seen = []
-    section = tb._cublas_workspace(
+    section = gpu.with_cublas_workspace(
         lambda ctx: seen.append((ctx, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or {"ok": 1})
     assert section("ctx") == {"ok": 1} and seen == [("ctx", ":4096:8")]
     names = {n for n in tb.SECTIONS if "cublas_workspace" in n}
@@ -211,7 +215,7 @@ def test_fused_rotary_sections_turn_it_on_before_their_run(monkeypatch) -> None:
 
     monkeypatch.setenv(FUSED_ROTARY_ENV, "0")  # recorded, so the section's value is undone after
     seen = []
-    section = tb._fused_rotary(lambda ctx: seen.append((ctx, fused_rotary_enabled())) or {"ok": 1})
+    section = gpu.with_fused_rotary(lambda ctx: seen.append((ctx, fused_rotary_enabled())) or {"ok": 1})
     assert section("ctx") == {"ok": 1} and seen == [("ctx", True)]
     names = {n for n in tb.SECTIONS if n.endswith("_fused_rotary")}
     assert names == {"decode_b1_fused_rotary", "offline_bf16_fused_rotary", "offline_fp8_fused_rotary"}
@@ -228,9 +232,9 @@ def test_untimed_buckets_section_turns_timing_off_before_its_run(monkeypatch) ->
 
     monkeypatch.setenv(TIMED_BUCKETS_ENV, "1")  # recorded, so the section's value is undone after
     seen = []
-    monkeypatch.setattr(tb, "_offline", lambda ctx, kv, quantization: seen.append(
+    monkeypatch.setattr(gpu, "run_offline", lambda ctx, kv, quantization: seen.append(
         (kv, quantization, timed_buckets_enabled())) or {"ok": 1})
-    assert tb.run_offline_bf16_untimed_buckets("ctx") == {"ok": 1}
+    assert gpu.run_offline_bf16_untimed_buckets("ctx") == {"ok": 1}
     assert seen == [("auto", None, False)]
     assert tb.SECTIONS["offline_bf16_untimed_buckets"].where == "child"
 
@@ -261,17 +265,17 @@ def test_the_four_row_sweep_times_separate_norm_only_where_a_norm_is_in_front(mo
                     for w in weights]
         return {key: out}
 
-    monkeypatch.setattr(tb, "_need_cuda", lambda: None)
+    monkeypatch.setattr(gpu, "need_cuda", lambda: None)
     monkeypatch.setattr(kernel_bench, "gemv_sweep", fake_sweep)
-    res = tb.run_gemv_sweep_b4(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0), fp8=True)
-    assert [c[1] for c in calls] == [tb.GEMV_AB_WEIGHTS, tb.GEMV_B4_NORMED] and all(c[2] for c in calls)
+    res = gpu.run_gemv_sweep_b4(Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0), fp8=True)
+    assert [c[1] for c in calls] == [gpu.GEMV_AB_WEIGHTS, gpu.GEMV_B4_NORMED] and all(c[2] for c in calls)
     assert all(c[0] == (4,) for c in calls) and not any(t.separate_norm for t in calls[0][3])
     assert all(t.separate_norm for t in calls[1][3])
     rows = next(v for k, v in res.items() if k.startswith("rows"))
-    assert sum(1 for r in rows if r[2] is None) == len(tb.GEMV_AB_WEIGHTS)  # cuBLAS once a weight
+    assert sum(1 for r in rows if r[2] is None) == len(gpu.GEMV_AB_WEIGHTS)  # cuBLAS once a weight
     picks = res["best_tilings_by_rows"]["4"]
     assert picks["gate_up"]["separate_norm"] and not picks["down"].get("separate_norm")
-    assert set(picks) == set(tb.GEMV_AB_WEIGHTS)
+    assert set(picks) == set(gpu.GEMV_AB_WEIGHTS)
 
 
 def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
@@ -285,7 +289,7 @@ def test_best_tilings_takes_each_weights_fastest_tiling_at_one_row():
         ["down", 1, None, 32.0, 3700, 0.0],
         ["down", 1, {**t, "num_warps": 8, "prefetch": False}, 36.0, 3300, 1e-3],
     ]
-    got = tb.best_tilings(rows)
+    got = gpu.best_tilings(rows)
     assert got["best_tilings"] == {"qkv": {**t, "block_n": 4, "late_reduce": True},
                                    "down": {**t, "num_warps": 8, "prefetch": False}}
     assert got["gemv_us_at_1_row"] == {"qkv": {"cublas": 19.0, "fused": 14.2}, "down": {"cublas": 32.0, "fused": 36.0}}
@@ -305,7 +309,7 @@ def test_small_batch_rows_are_each_variant_against_its_batch_default():
         "decode_b4": {"decode_b4_ms_per_step": 4.8},
         "decode_b4_fused_qkv_o": {"decode_b4_ms_per_step": 5.0},
     }
-    got = tb.small_batch(sections)
+    got = summary.small_batch(sections, tb.GROUPS["S"])
     assert set(got) == {"decode_b1", "decode_b1_fused_qkv_o", "decode_b4", "decode_b4_fused_qkv_o"}
     assert got["decode_b1_fused_qkv_o"] == {"ms": 4.2, "vs_default": round(4.5 / 4.2, 3)}
     assert got["decode_b4_fused_qkv_o"]["vs_default"] < 1 < got["decode_b1_fused_qkv_o"]["vs_default"]
@@ -329,14 +333,14 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
                     env={k: os.environ.get(k) for k in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV)})
         return {f"decode_b{batch}_ms_per_step": 4.0}
 
-    monkeypatch.setattr(tb, "_need_cuda", lambda: None)
+    monkeypatch.setattr(gpu, "need_cuda", lambda: None)
     monkeypatch.setattr(h200_bench, "decode_b1", fake_decode_b1)
     for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):  # the sections' settings go at teardown
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     tilings = {"qkv": {"block_n": 4, "block_k": 1024, "num_warps": 4, "prefetch": True}}
     at_4 = {"qkv": {"block_n": 2, "block_k": 1024, "wide_rows": True}}
-    ctx = tb.Context(argparse.Namespace(), tmp_path, tmp_path, {"copy_GBps": 4000.0}, 0.0,
+    ctx = Context(argparse.Namespace(), tmp_path, tmp_path, {"copy_GBps": 4000.0}, 0.0,
                      earlier={"gemv_sweep": {"best_tilings": tilings, "best_tilings_by_rows": {"4": at_4}}})
     tb.SECTIONS["decode_b4_fused_qkv_o"].fn(ctx)  # the sweep's fastest at 4 rows, where it has them
     assert json.loads(seen["env"][TILING_ENV]) == at_4
@@ -369,13 +373,13 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
     # The prefetch section sets only the decode tuning: the engine's default GEMVs (fused None).
     for name in (FUSED_GEMV_ENV, FUSED_GEMV_ROWS_ENV, TILING_ENV, TUNING_ENV):
         monkeypatch.delenv(name, raising=False)
-    tb.SECTIONS["decode_b1_attn_prefetch"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
+    tb.SECTIONS["decode_b1_attn_prefetch"].fn(Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
     assert seen["fused"] is None and seen["batch"] == 1
-    assert json.loads(seen["env"][TUNING_ENV]) == tb.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
+    assert json.loads(seen["env"][TUNING_ENV]) == gpu.SMALL_BATCH_TUNING and seen["env"][FUSED_GEMV_ENV] is None
     assert seen["prompt_len"] == 128
     # The online TPOT's shape: 4 sequences of 1,024-token prompts, the engine's own tuning.
     monkeypatch.delenv(TUNING_ENV, raising=False)
-    tb.SECTIONS["decode_b4_ctx1024"].fn(tb.Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
+    tb.SECTIONS["decode_b4_ctx1024"].fn(Context(argparse.Namespace(), tmp_path, tmp_path, {}, 0.0))
     assert seen["batch"] == 4 and seen["prompt_len"] == 1024 and seen["fused"] is None
     assert seen["env"][TUNING_ENV] is None
 
@@ -383,15 +387,15 @@ def test_a_fused_gemv_section_takes_the_sweeps_tilings_from_the_runs_earlier_res
 def test_a_run_reads_its_fractions_against_ceilings_measured_on_its_own_gpu():
     h100 = "NVIDIA H100 80GB HBM3"
     measured = {"copy_GBps": 3001.0, "matmul_bf16_TFLOPs": 700.0, "device": h100}
-    assert tb.run_ceilings_for(measured, h100) is measured
-    assert tb.run_ceilings_for(measured, None) is measured  # no nvidia-smi: what was measured stands
+    assert gpu.run_ceilings_for(measured, h100) is measured
+    assert gpu.run_ceilings_for(measured, None) is measured  # no nvidia-smi: what was measured stands
     merged_h200 = {**measured, "copy_GBps": 4240.0, "device": "NVIDIA H200"}
-    on_h100 = tb.run_ceilings_for(merged_h200, h100)  # an H100 run that merged an H200 file
-    assert on_h100["copy_GBps"] == tb.KNOWN_CEILINGS["H100"]["copy_GBps"]
+    on_h100 = gpu.run_ceilings_for(merged_h200, h100)  # an H100 run that merged an H200 file
+    assert on_h100["copy_GBps"] == gpu.KNOWN_CEILINGS["H100"]["copy_GBps"]
     assert "NVIDIA H200" in on_h100["assumed"] and on_h100["device"] == h100
-    none = tb.run_ceilings_for({"error": "CUDA is not available"}, "NVIDIA H200")
-    assert none["copy_GBps"] == tb.KNOWN_CEILINGS["H200"]["copy_GBps"] and "no ceilings" in none["assumed"]
-    assert tb.run_ceilings_for(None, "Some Other GPU")["copy_GBps"] == tb.KNOWN_CEILINGS["H200"]["copy_GBps"]
+    none = gpu.run_ceilings_for({"error": "CUDA is not available"}, "NVIDIA H200")
+    assert none["copy_GBps"] == gpu.KNOWN_CEILINGS["H200"]["copy_GBps"] and "no ceilings" in none["assumed"]
+    assert gpu.run_ceilings_for(None, "Some Other GPU")["copy_GBps"] == gpu.KNOWN_CEILINGS["H200"]["copy_GBps"]
 
 
 def test_nvidia_smi_names_the_gpu_it_is_asked_about(tmp_path, monkeypatch):
@@ -406,5 +410,5 @@ def test_nvidia_smi_names_the_gpu_it_is_asked_about(tmp_path, monkeypatch):
     assert "--query-gpu=name" in (tmp_path / "nvidia-smi.args").read_text()
     assert "-i 1" in (tmp_path / "nvidia-smi.args").read_text()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    assert tb.this_gpu_name() == "NVIDIA H100 80GB HBM3"
+    assert gpu.this_gpu_name() == "NVIDIA H100 80GB HBM3"
     nvidia_smi._asked.cache_clear()
