@@ -8,10 +8,15 @@ next forward, measure that gap on the device's own clock: the time from one step
 next forward's start, which is idle time plus the few copies queued between them (swaps, a
 decode graph's staged inputs).
 
+Only the waits while the engine has work count: once a step queues nothing (every request has
+ended, or none can run), the device's wait for the next request is not the host's, and
+`nothing_to_run` drops the gap that began at the last step's end.
+
 `DeviceIdleClock` is called on the engine thread only: `forward_starts` right before a forward
-is queued, `step_ends` after the step's last kernel is queued, `take_gaps` (each gap) or `take`
-(their sum and number) whenever the caller wants the gaps completed since the last take (it never
-waits for the device: a gap is counted once its second event has been reached). Events are reused.
+is queued, `step_ends` after the step's last kernel is queued, `nothing_to_run` when a step queued
+nothing, `take_gaps` (each gap) or `take` (their sum and number) whenever the caller wants the gaps
+completed since the last take (it never waits for the device: a gap is counted once its second
+event has been reached). Events are reused.
 """
 from __future__ import annotations
 
@@ -49,6 +54,13 @@ class DeviceIdleClock:
         if self._end is not None:  # a step whose forward start was not marked: no gap
             self._free.append(self._end)
         self._end = self._event()
+
+    def nothing_to_run(self) -> None:
+        """A step queued nothing: the gap that began at the last step's end (if any) waits for
+        work, not for the host, and is not counted."""
+        if self._end is not None:
+            self._free.append(self._end)
+            self._end = None
 
     def take_gaps(self) -> list[float]:
         """The seconds of each gap the device has passed since the last take, in order."""

@@ -416,6 +416,7 @@ class Engine:
             results, self._ready = _returned(self._ready, outputs), []
             out = self._schedule()
             if out.is_empty:
+                self._queued_nothing()
                 return results
             plan = StepPlan(out)
             hook = None if on_layer is None else lambda layer: on_layer(layer, plan)  # noqa: E731
@@ -467,7 +468,15 @@ class Engine:
         if launched is not None:
             self._postprocess(out)
             self._inflight = launched
+        else:
+            self._queued_nothing()
         return results
+
+    def _queued_nothing(self) -> None:
+        """A step that queued no forward: the device's wait until the next one is for work
+        (DeviceIdleClock.nothing_to_run)."""
+        if self.runner.idle_clock is not None:
+            self.runner.idle_clock.nothing_to_run()
 
     def _resolve(self, step: _InFlight, outputs: bool = True) -> list[StepOutput]:
         """Wait for a launched step's samples and process them (see `step` for `outputs`)."""

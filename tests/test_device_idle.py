@@ -49,3 +49,26 @@ def test_a_host_pause_between_steps_is_counted_and_queued_work_is_not() -> None:
     assert gaps == 4  # the gap after the first run's last step, and the three pauses
     assert sum(pauses) - 0.001 < idle < sum(pauses) + 0.01
     assert clock.take() == (0.0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_wait_for_the_next_request_is_not_counted(tiny_models) -> None:
+    """An engine with nothing to run waits for work, not for its host: the pause between two
+    requests is no gap, while the steps of each still are."""
+    from engine.llm import LLM
+    from tandem.types import SamplingParams
+
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", device="cuda", num_kv_blocks=64)
+    clock = llm.engine.measure_device_idle()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm.generate([1, 2, 3, 4], params)
+    torch.cuda.synchronize()
+    clock.take()
+    pause = 0.2
+    llm.generate([5, 6, 7, 8], params)
+    time.sleep(pause)
+    llm.generate([9, 10, 11, 12], params)
+    torch.cuda.synchronize()
+    gaps = clock.take_gaps()
+    assert len(gaps) >= 2 * (16 - 2)  # each request's steps after its first are still measured
+    assert max(gaps) < pause / 2, gaps

@@ -125,9 +125,9 @@ class WorkerMetrics(MetricsEndpoint):
                                   "Seconds a decode worker's steps waited for prefill steps on its GPU (--gpu-turn)",
                                   list(labels), registry=self.registry).labels(**labels)
         self._device_idle = Histogram("tandem_engine_device_idle_seconds",
-                                      "Each wait of the GPU for the host between engine steps: from a step's last "
-                                      "kernel to the next step's forward, on the device's clock "
-                                      "(engine/device_idle.py); the sum is the device's idle time",
+                                      "Each wait of the GPU for the host between engine steps while the engine has "
+                                      "work: from a step's last kernel to the next step's forward, on the device's "
+                                      "clock (engine/device_idle.py); the sum is the device's idle time",
                                       list(labels), buckets=_IDLE_BUCKETS, registry=self.registry).labels(**labels)
         ProcessCollector(registry=self.registry)
         self._labels = labels
