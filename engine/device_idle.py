@@ -51,13 +51,16 @@ class DeviceIdleClock:
 
     def step_ends(self) -> None:
         """After the step's last kernel is queued: a gap begins."""
-        if self._end is not None:  # a step whose forward start was not marked: no gap
-            self._free.append(self._end)
+        self._drop_gap()  # a step whose forward start was not marked: no gap
         self._end = self._event()
 
     def nothing_to_run(self) -> None:
         """A step queued nothing: the gap that began at the last step's end (if any) waits for
         work, not for the host, and is not counted."""
+        self._drop_gap()
+
+    def _drop_gap(self) -> None:
+        """Forget the gap begun at the last step's end, if one is open; its event is reused."""
         if self._end is not None:
             self._free.append(self._end)
             self._end = None
