@@ -120,6 +120,17 @@ def bench_point(ctx: Context, target: str, rate: float, num_requests: int, seed:
     return json.loads(out.read_text())["runs"][0]["summary"]
 
 
+def staged_point(ctx: Context, target: str, info: dict, rate: float, num_requests: int, seed: int,
+                 out: Path) -> tuple[dict, dict]:
+    """bench_point, and the workers' mean stage times over it (their metrics scraped before and
+    after; `info` is the cluster's, its banner names the metrics ports)."""
+    from bench import step_gaps
+
+    ports = step_gaps.metrics_ports(info["banner"])
+    before = step_gaps.scrape_all(ports)
+    summary = bench_point(ctx, target, rate, num_requests, seed, out)
+    return summary, step_gaps.stage_means(before, step_gaps.scrape_all(ports))
+
 def _point_row(rate: float, s: dict) -> dict:
     req = s["requests"]
     return {"rate": rate, "requests": req["measured"], "failed": req["failed"],
@@ -141,12 +152,8 @@ def within_slo(row: dict, ttft_ms: float, tpot_ms: float) -> bool:
 def run_online(ctx: Context, mode: str = "disagg") -> dict:
     a = ctx.args
     target, info = ctx.clusters.get(mode, ctx.left())
-    from bench import step_gaps
-
-    ports = step_gaps.metrics_ports(info["banner"])
-    before = step_gaps.scrape_all(ports)
-    s = bench_point(ctx, target, a.online_rate, a.online_requests, seed=1, out=ctx.work / f"online-{mode}.json")
-    stages = step_gaps.stage_means(before, step_gaps.scrape_all(ports))
+    s, stages = staged_point(ctx, target, info, a.online_rate, a.online_requests, seed=1,
+                             out=ctx.work / f"online-{mode}.json")
     return {**info, "mode": mode, "rate": a.online_rate, "input_len": a.input_len, "output_len": a.online_output_len,
             **_point_row(a.online_rate, s), "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "itl_ms": s["itl_ms"],
             "stage_means_ms": stages}
@@ -197,17 +204,13 @@ def search_max_rate(measure: Callable[[float], dict], rates: list[float], refine
 def run_max_rate(ctx: Context, mode: str = "disagg") -> dict:
     a = ctx.args
     target, info = ctx.clusters.get(mode, ctx.left())
-    from bench import step_gaps
-
-    ports = step_gaps.metrics_ports(info["banner"])
     n = [0]
 
     def measure(rate: float) -> dict:
         n[0] += 1
-        before = step_gaps.scrape_all(ports)
-        s = bench_point(ctx, target, rate, point_requests(rate, a.point_s, a.point_min_requests),
-                        seed=100 + n[0], out=ctx.work / f"rate-{mode}-{n[0]}.json")
-        return {**_point_row(rate, s), "stage_means_ms": step_gaps.stage_means(before, step_gaps.scrape_all(ports))}
+        s, stages = staged_point(ctx, target, info, rate, point_requests(rate, a.point_s, a.point_min_requests),
+                                 seed=100 + n[0], out=ctx.work / f"rate-{mode}-{n[0]}.json")
+        return {**_point_row(rate, s), "stage_means_ms": stages}
 
     def fits(rate: float) -> bool:  # the arrivals, the last requests' tail and the client's start-up
         return ctx.left() > point_requests(rate, a.point_s, a.point_min_requests) / rate + 10
