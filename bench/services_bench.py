@@ -24,7 +24,8 @@ from entrypoints.cluster import Cluster  # noqa: E402
 
 def start_cluster(model: str, port: int, extra: list[str], log_dir: Path) -> Cluster:
     """The processes `tandem up` would start (its flags `extra`), once every one is healthy."""
-    from entrypoints.launcher import build_children, parse_args
+    from entrypoints.launcher import build_children
+    from entrypoints.up_flags import parse_args
 
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(build_children(parse_args(["--model", model, "--port", str(port), *extra]), model, log_dir))

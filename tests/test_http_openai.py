@@ -10,7 +10,6 @@ import http.client
 import json
 import shutil
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -364,7 +363,8 @@ def test_gateway_process_and_tandem_up_take_http_port(model_dir: Path, workers, 
     import subprocess
 
     from entrypoints.cluster import command
-    from entrypoints.launcher import build_children, parse_args
+    from entrypoints.launcher import build_children
+    from entrypoints.up_flags import parse_args
 
     gw = next(c for c in build_children(parse_args(["--http-port", "0"]), str(model_dir)) if c.role == "gateway")
     port = gw.argv[gw.argv.index("--http-port") + 1]

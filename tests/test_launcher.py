@@ -161,7 +161,8 @@ def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
     """`--kv-transport` goes to every prefill and decode worker (both ends must agree); auto picks
     CUDA IPC when both sides share a GPU, NCCL across GPUs and ZMQ on the CPU; colocated workers
     move no KV and get none."""
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     def transports(*argv: str, gpus: int = 0) -> dict[str, str | None]:
         a = parse_args(list(argv))
@@ -184,7 +185,8 @@ def test_kv_transport_reaches_both_sides_of_every_transfer() -> None:
 def test_kv_push_goes_to_the_prefill_workers() -> None:
     """`--kv-push` is the prefill workers' (auto: step where one shares a GPU with a decode worker,
     layer on GPUs of its own and on the CPU); decode workers and the gateway get none."""
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     def pushes(*argv: str, visible: int = 1) -> dict[str, str | None]:
         a = parse_args(list(argv))
@@ -211,7 +213,8 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
     directory: the prefill worker marks it, the decode worker waits on it (with the bound it was
     given; under MPS only while its batch is at most MPS_MAX_BATCH, unless told otherwise); none
     with --no-gpu-turn, on separate GPUs, or on the CPU."""
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
     from worker.gpu_turn import MAX_WAIT_S, MPS_MAX_BATCH
 
     def turns(*argv: str, visible: int = 1) -> dict[str, list[str]]:
@@ -261,7 +264,8 @@ def test_workers_sharing_a_gpu_get_turn_files(tmp_path) -> None:
 
 def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
     """What each child is handed from the placement and the users' flags (no GPU needed)."""
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the launcher's own view: indices map to these
     a = parse_args(["--max-model-len", "4096", "--kv-cache-dtype", "fp8", "--quantization", "fp8", "--no-prefix-cache",
@@ -291,7 +295,7 @@ def test_children_get_their_gpus_memory_share_and_flags(monkeypatch) -> None:
 
 @pytest.mark.parametrize("value", ["-1", "100000"])
 def test_a_bad_prefill_graph_size_names_the_flag(value, capsys) -> None:
-    from entrypoints.launcher import parse_args
+    from entrypoints.up_flags import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--prefill-graph-tokens", value])
@@ -301,7 +305,7 @@ def test_a_bad_prefill_graph_size_names_the_flag(value, capsys) -> None:
 @pytest.mark.parametrize("argv,names", [(["--quantization", "int4"], "--quantization"),
                                         (["--quantization", "fp8", "--tp", "2"], "--tp 1")])
 def test_a_quantization_the_workers_cannot_run_names_the_flag(argv, names, capsys) -> None:
-    from entrypoints.launcher import parse_args
+    from entrypoints.up_flags import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -316,7 +320,8 @@ def test_fp8_on_a_gpu_that_cannot_hold_it_is_refused_before_anything_starts(tmp_
     import json
 
     from bench.h200_bench import LLAMA31_8B
-    from entrypoints.launcher import fp8_gpu_error, parse_args, placement_for
+    from entrypoints.launcher import fp8_gpu_error, placement_for
+    from entrypoints.up_flags import parse_args
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -348,7 +353,8 @@ def test_no_drawn_port_is_one_the_user_fixed(monkeypatch) -> None:
     import random
 
     from entrypoints.cluster import _handed_out, port_in_use
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     free = [p for p in range(21000, 21300) if p not in _handed_out and not port_in_use("0.0.0.0", p)]
     fixed = free[:3]

@@ -108,7 +108,8 @@ def nvidia_smi(tmp_path: Path, monkeypatch) -> Path:
 
 def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidia_smi: Path, monkeypatch) -> None:
     from entrypoints import launcher
-    from entrypoints.launcher import parse_args, placement_for
+    from entrypoints.launcher import placement_for
+    from entrypoints.up_flags import parse_args
 
     monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
 
@@ -151,7 +152,8 @@ def test_tandem_up_gives_the_prefill_worker_what_it_needs(model_dir: Path, nvidi
 
 
 def test_without_nvidia_smi_the_fixed_ratio_stays(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from entrypoints.launcher import parse_args, placement_for
+    from entrypoints.launcher import placement_for
+    from entrypoints.up_flags import parse_args
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here
     pl = placement_for(parse_args([]), visible=1, model=str(model_dir))
@@ -161,7 +163,8 @@ def test_without_nvidia_smi_the_fixed_ratio_stays(model_dir: Path, tmp_path: Pat
 
 def test_a_model_that_cannot_be_read_keeps_the_fixed_ratio(tmp_path: Path, nvidia_smi: Path) -> None:
     """The workers name what is wrong with the model; placement does not fail on it first."""
-    from entrypoints.launcher import parse_args, placement_for
+    from entrypoints.launcher import placement_for
+    from entrypoints.up_flags import parse_args
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -181,7 +184,8 @@ def test_tandem_up_fits_the_context_to_a_gpu_that_cannot_hold_the_models(model_d
     prefill worker of a shorter context (the default), on an H200, with --max-model-len, or with
     nothing shared, it keeps what it was given."""
     from entrypoints import launcher
-    from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
+    from entrypoints.launcher import fitted_max_model_len, placement_for
+    from entrypoints.up_flags import parse_args
     from entrypoints.memory_split import DECODE_GRAPH_BYTES
 
     monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
@@ -221,7 +225,8 @@ def test_shared_weights_leave_the_prefill_worker_no_weights_and_the_decode_worke
     """With one copy of the weights (the default on a GPU) the prefill worker's need holds no
     weights, the decode worker's share grows by them, and on an 80 GB H100 Llama-3.1-8B's whole
     context fits the pair again."""
-    from entrypoints.launcher import fitted_max_model_len, parse_args, placement_for
+    from entrypoints.launcher import fitted_max_model_len, placement_for
+    from entrypoints.up_flags import parse_args
 
     mc = ModelConfig.from_dict(LLAMA31_8B)
     assert _need() - _need(shared_weights=True) == mc.num_params() * 2
@@ -265,7 +270,8 @@ def test_tandem_up_sizes_fp8_weights_as_e4m3(model_dir: Path, nvidia_smi: Path, 
     worker's own copy of the weights, and the decode worker's shared one, at their e4m3 size."""
     from engine.memory import weight_bytes
     from entrypoints import launcher
-    from entrypoints.launcher import parse_args, placement_for
+    from entrypoints.launcher import placement_for
+    from entrypoints.up_flags import parse_args
 
     monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)
     mc = ModelConfig.from_dict(LLAMA31_8B)

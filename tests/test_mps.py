@@ -182,7 +182,8 @@ def test_a_daemon_that_does_not_come_up_is_an_error_naming_mps(nvidia_tools: Pat
 
 
 def test_tandem_up_hands_the_daemon_to_the_workers_on_its_gpu(nvidia_tools: Path, tmp_path: Path) -> None:
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     a = parse_args(["--mps"])
     placement = placement_for(a, visible=1)
@@ -215,7 +216,8 @@ def test_without_a_flag_tandem_up_runs_a_shared_gpu_under_mps_where_it_can(nvidi
     """Neither --mps nor --no-mps: tandem up's own daemon where a GPU hosts both roles, the tools
     are on PATH, --tp is 1 and no MPS of the user's is in effect; turns otherwise, the banner
     saying why. --no-mps never starts one; --mps insists."""
-    from entrypoints.launcher import mps_daemons, parse_args
+    from entrypoints.launcher import mps_daemons
+    from entrypoints.up_flags import parse_args
 
     runs = iter(range(100))
 
@@ -280,7 +282,8 @@ def test_the_banner_says_how_the_workers_share_the_gpu(tmp_path: Path) -> None:
 
 
 def test_mps_flag_errors_name_the_flag(capsys) -> None:
-    from entrypoints.launcher import main, parse_args
+    from entrypoints.launcher import main
+    from entrypoints.up_flags import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--mps", "--tp", "2"])

@@ -18,7 +18,8 @@ from tests.test_launcher import start_up, stop
 
 def _contexts(*argv: str, visible: int = 1, model: str = "/models/m") -> dict[str, str | None]:
     """Each child's --max-model-len (the gateway's --max-context), None where it has none."""
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     a = parse_args(list(argv))
     out = {}
@@ -53,7 +54,7 @@ def test_a_prefill_worker_sharing_a_gpu_gets_a_shorter_context(tiny_models, monk
                                        (["--max-model-len", "100", "--prefill-max-model-len", "200"],
                                         "--prefill-max-model-len 200")])
 def test_a_bad_context_names_the_flag(argv, flag, capsys) -> None:
-    from entrypoints.launcher import parse_args
+    from entrypoints.up_flags import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)

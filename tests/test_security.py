@@ -409,7 +409,8 @@ def test_tp_worker_ranks_share_the_token_off_the_command_line(tiny_models: dict[
 
 
 def test_tandem_up_hands_secrets_over_off_the_command_line(tmp_path: Path) -> None:
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     a = parse_args(["--api-key", API_KEY])
     assert len(a.auth_token) >= 32  # generated

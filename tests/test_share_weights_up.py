@@ -14,7 +14,8 @@ from tests.test_launcher import cmdline, processes_with, start_up, stop
 
 def test_workers_on_one_device_get_one_rendezvous_and_one_charge(tmp_path, monkeypatch) -> None:
     from entrypoints import launcher
-    from entrypoints.launcher import build_children, parse_args, placement_for
+    from entrypoints.launcher import build_children, placement_for
+    from entrypoints.up_flags import parse_args
 
     monkeypatch.setattr(launcher, "gpu_can_share_memory", lambda gpu: True)  # these GPUs are placed, not real
 

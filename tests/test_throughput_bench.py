@@ -133,7 +133,7 @@ def _row(rate: float, capacity: float) -> dict:
 def test_every_cluster_mode_is_flags_that_tandem_up_takes():
     """Each Clusters mode's flags parse as `tandem up`'s (a misspelt one would fail only on the
     device), and the hold section's mode asks for the hold it compares."""
-    from entrypoints.launcher import parse_args
+    from entrypoints.up_flags import parse_args
 
     for mode, flags in clusters.Clusters.MODES.items():
         parse_args(["--model", "m", *flags])
