@@ -76,7 +76,7 @@ from bench.throughput_gpu import (  # noqa: E402
     run_decode_b1_unfused, run_gemv_sweep, run_gemv_sweep_b4, run_gptfast, run_gpu_parity, run_offline,
     run_offline_2d_tile, run_offline_bf16_untimed_buckets, run_offline_fp8_deferred_scales, run_offline_subset,
     this_gpu_name, with_cached_kv, with_cublas_workspace, with_fused_rotary, with_nano_batch)
-from bench.throughput_summary import GOALS, format_table, run_ratios, small_batch, summarize  # noqa: E402
+from bench.throughput_summary import GOALS, format_table, goal_text, run_ratios, small_batch, summarize  # noqa: E402
 
 
 def _small_batch_sections(batch: int, what: str) -> list[Section]:
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                   "sections": [s.name for s, _ in steps], "section_seconds": {}}
     result.setdefault("runs", []).append(run_record)
     result["model"] = f"{a.model}, dummy weights" if a.model else "Llama-3.1-8B shape, dummy weights"
-    result["goals"] = {k: f"{op} {g:g}" for k, (op, g) in GOALS.items() if op}
+    result["goals"] = {k: goal_text(k) for k, (op, _) in GOALS.items() if op}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = False
