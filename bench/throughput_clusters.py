@@ -131,6 +131,7 @@ def staged_point(ctx: Context, target: str, info: dict, rate: float, num_request
     summary = bench_point(ctx, target, rate, num_requests, seed, out)
     return summary, step_gaps.stage_means(before, step_gaps.scrape_all(ports))
 
+
 def _point_row(rate: float, s: dict) -> dict:
     req = s["requests"]
     return {"rate": rate, "requests": req["measured"], "failed": req["failed"],
