@@ -423,7 +423,10 @@ class Engine:
             running = None if while_running is None else lambda ready: while_running(plan, ready)  # noqa: E731
             sampled_idx, samples = self.runner.execute(out, hook, hold, running)
             self._postprocess(out)
-            return results + self._process_samples(out, sampled_idx, samples, outputs)
+            results += self._process_samples(out, sampled_idx, samples, outputs)
+            if not self.has_unfinished():  # no step follows until work comes (a prefill worker's prompt handed over)
+                self._queued_nothing()
+            return results
         return self._overlapped_step(hold, outputs)
 
     def _schedule(self) -> SchedulerOutput:
@@ -473,8 +476,8 @@ class Engine:
         return results
 
     def _queued_nothing(self) -> None:
-        """A step that queued no forward: the device's wait until the next one is for work
-        (DeviceIdleClock.nothing_to_run)."""
+        """A step that queued no forward, or one after which nothing is left to step: the
+        device's wait until the next forward is for work (DeviceIdleClock.nothing_to_run)."""
         if self.runner.idle_clock is not None:
             self.runner.idle_clock.nothing_to_run()
 

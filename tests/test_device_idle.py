@@ -52,13 +52,17 @@ def test_a_host_pause_between_steps_is_counted_and_queued_work_is_not() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_wait_for_the_next_request_is_not_counted(tiny_models) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "synchronous"])
+def test_the_wait_for_the_next_request_is_not_counted(tiny_models, overlap: bool) -> None:
     """An engine with nothing to run waits for work, not for its host: the pause between two
-    requests is no gap, while the steps of each still are."""
+    requests is no gap, while the steps of each still are. Overlapped steps end with one that
+    queues nothing; synchronous ones (a prefill worker's) with the step that ends the last
+    request, after which the engine is not stepped until work comes."""
     from engine.llm import LLM
     from tandem.types import SamplingParams
 
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", device="cuda", num_kv_blocks=64)
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", device="cuda", num_kv_blocks=64,
+              overlap_schedule=overlap)
     clock = llm.engine.measure_device_idle()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     llm.generate([1, 2, 3, 4], params)
