@@ -9,8 +9,9 @@ next forward's start, which is idle time plus the few copies queued between them
 decode graph's staged inputs).
 
 Only the waits while the engine has work count: once a step queues nothing (every request has
-ended, or none can run), the device's wait for the next request is not the host's, and
-`nothing_to_run` drops the gap that began at the last step's end.
+ended, or none can run), or a synchronous step leaves the engine nothing to run (a prefill
+worker's last prompt handed over), the device's wait for the next request is not the host's,
+and `nothing_to_run` drops the gap that began at the last step's end.
 
 `DeviceIdleClock` is called on the engine thread only: `forward_starts` right before a forward
 is queued, `step_ends` after the step's last kernel is queued, `nothing_to_run` when a step queued
