@@ -118,6 +118,11 @@ def _has(cmd: str) -> bool:
     return shutil.which(cmd) is not None
 
 
+# An online section's (budget, expected) seconds: a new cluster's start (19-26 s on an H100), 80
+# requests sent over 40 s at 2 req/s, and the point's 15 s margin for the last ones to finish; at
+# 75 s a 26 s start cut the sending short (BENCHMARKS.md §51).
+ONLINE_BUDGET = (95, 65)
+
 SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("ceilings", "A", 45, 15, "child", run_ceilings, "device copy GB/s, bf16 and FP8 matmul TFLOP/s"),
     Section("decode_b1", "A", 75, 35, "child", run_decode_b1, "ours, batch 1, ms/token vs the weight-read floor"),
@@ -128,46 +133,46 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
     Section("offline_fp8", "A", 180, 100, "child", lambda c: run_offline(c, "fp8", "fp8"), "FP8 weights + FP8 KV"),
     Section("gptfast", "A", 200, 130, "child", run_gptfast, "gpt-fast-style peer, batch 1 (compiles first)"),
     Section("services", "B", 130, 90, "cluster", run_services, "`tandem up` (P + D on one GPU), 512 prompts"),
-    Section("online", "B", 75, 45, "cluster", run_online, "`tandem up`, Poisson 2 req/s, 1024/256"),
+    Section("online", "B", *ONLINE_BUDGET, "cluster", run_online, "`tandem up`, Poisson 2 req/s, 1024/256"),
     Section("max_rate", "B", 170, 125, "cluster", run_max_rate, "`tandem up`, highest rate within the SLO"),
     Section("colocated", "B", 110, 80, "cluster", lambda c: run_services(c, "colocated"), "`tandem up --colocated`"),
-    Section("online_colocated", "B", 75, 45, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
-    Section("online_hold_reserving", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_hold_reserving"),
+    Section("online_colocated", "B", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "colocated"), "--colocated, 2 req/s"),
+    Section("online_hold_reserving", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_hold_reserving"),
             "online with --gpu-turn-hold reserving: the held launch's cost on TPOT against `online` (always)"),
-    Section("online_gil_100us", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_gil_100us"),
+    Section("online_gil_100us", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_gil_100us"),
             "online with the workers' GIL switch interval at 0.1 ms (TANDEM_GIL_SWITCH_US; 0.5 ms by default): "
             "whether the held launch waits for the GIL"),
     Section("services_own_weights", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_own_weights"),
             "`tandem up --no-share-weights`: a copy of the weights each, the decode worker's K/V smaller by one"),
-    Section("online_own_weights", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_own_weights"),
+    Section("online_own_weights", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_own_weights"),
             "online with --no-share-weights (TTFT / TPOT against `online`)"),
-    Section("online_fp8", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8"),
+    Section("online_fp8", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_fp8"),
             "online with FP8 weights (`tandem up --quantization fp8`; TTFT / TPOT against `online`)"),
     Section("max_rate_fp8", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8"),
             "max_rate with FP8 weights"),
-    Section("online_colocated_fp8", "", 75, 45, "cluster", lambda c: run_online(c, "colocated_fp8"),
+    Section("online_colocated_fp8", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "colocated_fp8"),
             "online_colocated with FP8 weights"),
-    Section("online_fp8_one_row", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_one_row"),
+    Section("online_fp8_one_row", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_fp8_one_row"),
             "online_fp8 with fused GEMVs at one row only (TANDEM_FUSED_GEMV_ROWS=1): steps of 2+ sequences "
             "through cuBLASLt's FP8 GEMM, against online_fp8's fused ones"),
-    Section("online_no_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_no_mps"),
+    Section("online_no_mps", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_no_mps"),
             "online with `tandem up --no-mps`: turns at every batch, where `online` runs under MPS on a GPU with "
             "its tools (turns only while the decode batch is small; BENCHMARKS.md §46-47)"),
     Section("services_no_mps", "", 130, 90, "cluster", lambda c: run_services(c, "disagg_no_mps"),
             "services with `tandem up --no-mps`"),
     Section("max_rate_no_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_no_mps"),
             "max_rate with `tandem up --no-mps`"),
-    Section("online_fp8_no_mps", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_no_mps"),
+    Section("online_fp8_no_mps", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_fp8_no_mps"),
             "online_fp8 with `tandem up --no-mps`"),
     Section("max_rate_fp8_no_mps", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_no_mps"),
             "max_rate_fp8 with `tandem up --no-mps` (BENCHMARKS.md §46: 24 req/s on an H100, 26 under MPS)"),
-    Section("online_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_no_turn"),
+    Section("online_mps_no_turn", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_mps_no_turn"),
             "online with --mps --no-gpu-turn: side by side at every batch (BENCHMARKS.md §45: TTFT P50 +4-5 ms)"),
-    Section("online_fp8_mps_no_turn", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_fp8_mps_no_turn"),
+    Section("online_fp8_mps_no_turn", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_fp8_mps_no_turn"),
             "online_fp8 with --mps --no-gpu-turn"),
     Section("max_rate_fp8_mps_no_turn", "", 170, 125, "cluster", lambda c: run_max_rate(c, "disagg_fp8_mps_no_turn"),
             "max_rate_fp8 with --mps --no-gpu-turn"),
-    Section("online_mps_layer_push", "", 75, 45, "cluster", lambda c: run_online(c, "disagg_mps_layer_push"),
+    Section("online_mps_layer_push", "", *ONLINE_BUDGET, "cluster", lambda c: run_online(c, "disagg_mps_layer_push"),
             "online under --mps with --kv-push layer: each layer's KV sent as it is computed (BENCHMARKS.md §46: "
             "the same TTFT as `auto`'s push after the forward)"),
     Section("offline_subset", "B", 110, 75, "child", run_offline_subset, "offline engine, defaults, same 512 prompts"),
