@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "bench/results/h200_throughput.json"), help="where the JSON goes")
     p.add_argument("--merge", default=None, metavar="FILE", help="start from this results file (an earlier group)")
-    p.add_argument("--only", default="", help="comma list of sections or groups (A, B, S) to run; default: all")
+    p.add_argument("--only", default="", help="comma list of sections or groups (A, B, S) to run (a decode_* section "
+                                          "brings `ceilings`: its fractions are of them); default: all")
     p.add_argument("--skip", default="", help="comma list of sections or groups to leave out")
     p.add_argument("--budget", default="", help="per-section time budgets, NAME=SECONDS,... (see --dry-run)")
     p.add_argument("--deadline-s", type=_positive(float), default=560.0,
@@ -418,7 +419,12 @@ def plan(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[tuple[Sectio
         p.error(f"--model: no config.json in {a.model}")
     if a.merge is not None and not Path(a.merge).is_file():
         p.error(f"--merge: no such file {a.merge}")
-    chosen = [SECTIONS[n] for n in SECTIONS if n in only and n not in skip]  # the table's order
+    # The decode sections' fractions are of this machine's copy speed: a run with one measures the
+    # ceilings too (15 s), since another machine's, even another card of the same kind, are off by
+    # the machines' spread (BENCHMARKS.md §51); --skip ceilings leaves them out.
+    floors = any(n.startswith("decode_") for n in only if n not in skip)
+    chosen = [SECTIONS[n] for n in SECTIONS
+              if (n in only or (n == "ceilings" and floors)) and n not in skip]  # the table's order
     if not chosen:
         p.error("--only/--skip: no section left to run")
     return [(s, budgets.get(s.name, s.budget_s)) for s in chosen]

@@ -45,6 +45,20 @@ def test_dry_run_lists_each_group_with_budgets():
     assert tb.build_parser().parse_args([]).deadline_s <= 570
 
 
+def test_a_decode_section_brings_this_machines_ceilings():
+    """The decode sections' fractions are of the copy speed: a run with one measures it too, unless
+    --skip ceilings; a run without one does not."""
+    def names(*argv: str) -> list[str]:
+        r = run("--dry-run", *argv)
+        assert r.returncode == 0, r.stderr
+        return [line.split()[0] for line in r.stdout.splitlines()[1:-1]]
+
+    assert names("--only", "decode_b4_ctx1024") == ["ceilings", "decode_b4_ctx1024"]
+    assert names("--only", "decode_b1,ceilings") == ["ceilings", "decode_b1"]
+    assert names("--only", "decode_b1", "--skip", "ceilings") == ["decode_b1"]
+    assert names("--only", "gptfast,online") == ["gptfast", "online"]
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--only", "nope"], "--only"), (["--skip", "A,bogus"], "--skip"), (["--budget", "gptfast=abc"], "--budget"),
     (["--budget", "nosuch=10"], "--budget"), (["--rates", "8,4"], "--rates"), (["--online-rate", "0"], "--online-rate"),
@@ -70,8 +84,8 @@ def test_writes_json_records_a_failing_gpu_section_and_runs_the_rest(tmp_path):
     assert "error" not in env and env["python"] and env["cuda_available"] is False
     for key in ISSUE_KEYS:
         assert key in res and res[key] is None
-    assert res["runs"][0]["sections"] == ["decode_b1", "env"]
-    assert set(res["runs"][0]["section_seconds"]) == {"decode_b1", "env"}
+    assert res["runs"][0]["sections"] == ["ceilings", "decode_b1", "env"]  # decode_b1 brings the ceilings
+    assert set(res["runs"][0]["section_seconds"]) == {"ceilings", "decode_b1", "env"}
     table = r.stdout.splitlines()[-len(summary.summarize({})) - 1:]  # printed last: a header, a row per key
     assert table[0].split() == ["key", "measured", "goal", "met"]
     assert any(line.startswith("offline_bf16_out_tok_s") for line in table)
@@ -243,7 +257,7 @@ def test_group_s_runs_the_sweep_before_the_fused_sections_and_compares_with_deco
     r = run("--dry-run", "--only", "S")
     assert r.returncode == 0, r.stderr
     names = [line.split()[0] for line in r.stdout.splitlines()[1:-1]]
-    assert names[0] == "decode_b1" and "gpu_parity" in names and "decode_b4" in names
+    assert names[:2] == ["ceilings", "decode_b1"] and "gpu_parity" in names and "decode_b4" in names
     assert names.index("gemv_sweep") < min(names.index(n) for n in names if "fused" in n)
     assert names.index("gemv_sweep_fp8") < min(names.index(n) for n in names if "fp8_fused" in n)
     assert names.index("gemv_sweep_b4") < min(names.index(n) for n in names if n.startswith("decode_b4_"))
