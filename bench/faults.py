@@ -457,10 +457,11 @@ def burst(r: Rig, n: int, *, interactive_every: int = 20, channels: int = 4, lib
 # ---------------------------------------------------------------- scenario: frozen worker (SIGSTOP)
 
 async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: int, min_tokens_before: int,
-                              inject: Any, gaps: list[float] | None = None) -> list[CallOutcome]:
-    """Start one stream per prompt; once every stream has `min_tokens_before` tokens, call
-    `inject()` (in a thread); return every stream's outcome. `gaps[i]`: the longest wait for a
-    chunk of stream i after the injection."""
+                              inject: Any, gaps: list[float] | None = None, *,
+                              any_stream: bool = False) -> list[CallOutcome]:
+    """Start one stream per prompt; once every stream (`any_stream`: one) has `min_tokens_before`
+    tokens, call `inject()` (in a thread); return every stream's outcome. `gaps[i]`: the longest
+    wait for a chunk of stream i after the injection."""
     gaps = gaps if gaps is not None else [0.0] * len(prompts)
     counts = [0] * len(prompts)
     ready = asyncio.Event()
@@ -475,7 +476,7 @@ async def _streams_with_fault(target: str, prompts: Sequence[str], max_tokens: i
                 if injected and last[i]:
                     gaps[i] = max(gaps[i], now - max(last[i], injected[0]))
                 counts[i], last[i] = got, now
-                if all(c >= min_tokens_before for c in counts):
+                if (any if any_stream else all)(c >= min_tokens_before for c in counts):
                     ready.set()
             return on_chunk
 
@@ -642,7 +643,12 @@ def lost_device(r: Rig, arm: Path, n_streams: int = 16, max_tokens: int = 400) -
     """A decode worker's device lost mid-stream (worker/device_fault.py; the worker "dl", started
     with device_loss_env(arm)): the worker leaves with DEVICE_LOST_EXIT at its next step instead
     of failing every request it holds, and its streams resume on the other decode worker, token
-    for token, as after a kill -9."""
+    for token, as after a kill -9.
+
+    The fault is armed once the first stream has two tokens and the victim runs a stream, not
+    once every stream has them: a slow worker beside it (a loaded CI machine) can delay the last
+    stream's tokens until the victim's have all ended, and a victim with nothing to run never
+    takes the step that would find its device lost."""
     from worker.device_fault import DEVICE_LOST_EXIT
     from worker.faults import ENV_DEVICE_LOST
 
@@ -653,7 +659,14 @@ def lost_device(r: Rig, arm: Path, n_streams: int = 16, max_tokens: int = 400) -
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} Lost {i}." for i in range(n_streams)]
     try:
         ref = run_client(reference_tokens(gw.target, prompts, max_tokens))
-        outs = run_client(_streams_with_fault(gw.target, prompts, max_tokens, 2, arm.touch))
+        def arm_while_it_runs() -> None:
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline and (running := victim.stats().running) == 0:
+                time.sleep(0.01)
+            result.extra["victim_running_at_arm"] = running
+            arm.touch()
+
+        outs = run_client(_streams_with_fault(gw.target, prompts, max_tokens, 2, arm_while_it_runs, any_stream=True))
         score(result, prompts, outs, ref)
         code = victim.wait(WAIT)  # killed (and so counted a failure) if it has not left by then
         result.extra["exit_code"] = code
@@ -661,7 +674,8 @@ def lost_device(r: Rig, arm: Path, n_streams: int = 16, max_tokens: int = 400) -
             result.failures += 1
         log = victim.log_tail(1 << 20)
         result.extra["logged_why"] = "the device is lost" in log and ENV_DEVICE_LOST in log
-        result.notes.append(f"the worker exited with code {code}; retries {retries(gw)}")
+        result.notes.append(f"the worker ran {result.extra.get('victim_running_at_arm')} streams when its device "
+                            f"was lost and exited with code {code}; retries {retries(gw)}")
         settle(gw, [r.workers[x] for x in ("p0", "d0")], result)  # the victim's log holds its CRITICAL line
     finally:
         gw.stop()
