@@ -99,11 +99,11 @@ def summarize(sections: dict, runs: list[dict] | None = None) -> dict:
         if runs is None:
             summary[key] = quotient
             continue
-        touched = [run for run in runs if {num, den} & set(run.get("sections", ()))]
-        both = [run for run in touched if {num, den} <= set(run.get("sections", ()))]
-        if both and isinstance(both[-1].get("ratios"), dict):
-            summary[key] = both[-1]["ratios"].get(key)
-        elif both and touched[-1] is both[-1]:  # an older record, and no later run measured either
+        run = measured_by(key, runs)  # the latest run that measured both
+        touched = [r for r in runs if {num, den} & set(r.get("sections", ()))]
+        if run is not None and isinstance(run.get("ratios"), dict):
+            summary[key] = run["ratios"].get(key)
+        elif run is not None and touched[-1] is run:  # an older record, and no later run measured either
             summary[key] = quotient
     return summary
 
