@@ -345,8 +345,8 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
     """Every decode-attention tuning on the shapes the engine meets: the kernel issue's batch 64 at
     context 4096, the offline workload's batch 384 at 1024, and batch-1 decode at 1024. Each row:
     [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum,
-    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, max error vs
-    reference]. `order`: where each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
+    lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, min_splits, GB/s, max error
+    vs reference]. `order`: where each sequence's KV blocks lie (paged_kv). `only`: these DecodeTunings instead of the grid
     (_decode_grid), also at batch 512 / context 1,536 (the FP8 offline run's full batch), on
     `caches` (DECODE_CACHES names). `shapes`: these (batch, context) pairs instead. `spread`: the
     contexts of a batch vary around its ctx (spread_lens); GB/s counts the bytes of each."""
@@ -374,11 +374,11 @@ def decode_sweep(order: str = "random", only: list | None = None, caches: tuple[
                     err, gbps = None, repr(exc)[:80]
                 rows.append([str(cache).split(".")[-1], batch, ctx, t.block_n, t.num_stages, t.num_warps,
                              t.opaque_cvt, t.min_partition, t.resident, t.defer_sum, t.lazy_rescale, t.narrow_offsets,
-                             t.unsigned_index, t.warp_split, t.prefetch, gbps, err])
+                             t.unsigned_index, t.warp_split, t.prefetch, t.min_splits, gbps, err])
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress: the sweep takes minutes
             del kc, vc
     return {"rows [cache, batch, ctx, block_n, stages, warps, opaque_cvt, min_partition, resident, defer_sum, "
-            "lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, GB/s, err]": rows}
+            "lazy_rescale, narrow_offsets, unsigned_index, warp_split, prefetch, min_splits, GB/s, err]": rows}
 
 
 def _at_more_rows(fastest: list) -> list:

@@ -80,6 +80,10 @@ class DecodeTuning:
     prefetch_tiles: with prefetch, how many of a program's first tiles (1 or 2) are loaded before
       the wait. At 2 a program of two tiles (batch 4 at ~1,100 tokens of context, the online
       step) issues every K/V load before the wait, at twice the tile's registers held over it.
+    min_splits: the fewest splits a launch divides each context into (where its contexts reach
+      that many min_partition-token splits), even where the batch alone fills a round of resident
+      programs: a batch of 1.2 rounds runs as two, the second a fifth full, and more, shorter
+      programs fill the last round (choose_splits).
     """
 
     block_n: int = 64
@@ -95,8 +99,11 @@ class DecodeTuning:
     warp_split: bool = False
     prefetch: bool = False
     prefetch_tiles: int = 1
+    min_splits: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.min_splits <= MAX_SPLITS:
+            raise ValueError(f"min_splits must be in [1, {MAX_SPLITS}], got {self.min_splits}")
         if self.opaque_cvt not in ("", "v", "kv"):
             raise ValueError(f"opaque_cvt must be '', 'v' or 'kv', got {self.opaque_cvt!r}")
         if self.prefetch_tiles not in (1, 2):
@@ -185,18 +192,20 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
 
     Splits only until (sequence, KV head, split) programs fill one round of resident programs
     (`tuning.resident` per SM): more, shorter programs cost more than they balance; and no more
-    than `max_context` fills with splits of `tuning.min_partition` tokens. (The kernel gives each
-    sequence its own split length: its context over this count.)
+    than `max_context` fills with splits of `tuning.min_partition` tokens. At least
+    `tuning.min_splits`, where `max_context` fills that many. (The kernel gives each sequence its
+    own split length: its context over this count.)
     """
     pairs = max(1, batch * num_kv_heads)
     wanted = max(1, min(MAX_SPLITS, tuning.resident * sms // pairs))
     partition = triton.cdiv(max(1, max_context), wanted)
-    partition = max(tuning.min_partition, tuning.block_n, next_pow2(partition))
+    shortest = max(tuning.min_partition, tuning.block_n)
+    partition = max(shortest, next_pow2(partition))
     splits = triton.cdiv(max(1, max_context), partition)
     while splits > MAX_SPLITS:
         partition *= 2
         splits = triton.cdiv(max_context, partition)
-    return splits
+    return max(splits, min(tuning.min_splits, triton.cdiv(max(1, max_context), shortest)))
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -806,6 +806,44 @@ def case_decode_wide_table() -> None:
         close(got, want, torch.bfloat16, what, scale=2.0)
 
 
+def case_decode_min_splits() -> None:
+    """A batch that fills a round of resident programs on its own runs one split a sequence; with
+    min_splits each context is divided into that many (no more than min_partition-token splits
+    reach), and the result is the reference's (bf16 and FP8; a short context, an empty one)."""
+    from tandem_kernels import decode_attention as da, reference as ref
+
+    b, hq, hk, d, bs, width = 6, 8, 2, 64, 16, 8
+    sms = 2  # 6 sequences x 2 KV heads = 12 programs: past the 2 SMs' round of resident programs
+    launch_sms, da.num_sms = da.num_sms, lambda device: sms  # launches as on a 2-SM GPU
+    try:
+        _decode_min_splits(da, ref, b, hq, hk, d, bs, width, sms)
+    finally:
+        da.num_sms = launch_sms
+    try:
+        da.DecodeTuning(min_splits=0)
+    except ValueError as exc:
+        assert "min_splits" in str(exc)
+    else:
+        raise AssertionError("min_splits 0 must raise ValueError")
+
+
+def _decode_min_splits(da, ref, b: int, hq: int, hk: int, d: int, bs: int, width: int, sms: int) -> None:
+    for cdt in (torch.bfloat16, FP8):
+        base = dataclasses.replace(da.default_tuning(cdt), block_n=16, min_partition=16)
+        assert da.choose_splits(b, hk, width * bs, sms, base) == 1
+        for min_splits, want_splits in ((3, 3), (64, width * bs // 16)):
+            tuning = dataclasses.replace(base, min_splits=min_splits)
+            assert da.choose_splits(b, hk, width * bs, sms, tuning) == want_splits, (cdt, min_splits)
+            lens = [width * bs, 0, 5, int(torch.randint(17, width * bs, ())), 47, width * bs - 1]
+            kc, vc, table = paged(lens, bs, hk, d, cdt, width)
+            q = rand(b, hq, d, dtype=torch.bfloat16)
+            ctx = torch.tensor(lens, dtype=torch.int32)
+            got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
+            live = ctx > 0
+            want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, 0.5, 1.5)
+            close(got[live], want, torch.bfloat16, f"decode min_splits={min_splits} cache={cdt} lens={lens}", scale=2.0)
+
+
 def case_extend() -> None:
     from tandem_kernels import ops, reference as ref
 
