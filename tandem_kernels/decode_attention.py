@@ -40,6 +40,8 @@ LOG2E = 1.4426950408889634
 LAZY_RESCALE_LOG2 = 8.0  # DecodeTuning.lazy_rescale: the growth of a row's max that forces a rescale
 NUM_WARPS = 4
 MAX_SPLITS = 64
+BALANCE_FILL = 0.9  # DecodeTuning.balance_rounds: how full the last round of programs must be
+BALANCE_MAX_SPLITS = 8  # and the most splits it divides a context into for that
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class DecodeTuning:
       that many min_partition-token splits), even where the batch alone fills a round of resident
       programs: a batch of 1.2 rounds runs as two, the second a fifth full, and more, shorter
       programs fill the last round (choose_splits).
+    balance_rounds: where a batch's (sequence, KV head) programs fill more than one round of
+      resident programs, divide each context into the fewest splits (up to BALANCE_MAX_SPLITS)
+      whose programs fill their last round to BALANCE_FILL (balanced_splits): at one split a
+      batch of 3.2 rounds (an H100's 210 sequences) runs four, the last a fifth full.
     """
 
     block_n: int = 64
@@ -100,6 +106,7 @@ class DecodeTuning:
     prefetch: bool = False
     prefetch_tiles: int = 1
     min_splits: int = 1
+    balance_rounds: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_splits <= MAX_SPLITS:
@@ -205,7 +212,23 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
     while splits > MAX_SPLITS:
         partition *= 2
         splits = triton.cdiv(max_context, partition)
-    return max(splits, min(tuning.min_splits, triton.cdiv(max(1, max_context), shortest)))
+    most = min(MAX_SPLITS, triton.cdiv(max(1, max_context), shortest))
+    if tuning.balance_rounds:
+        splits = max(splits, balanced_splits(pairs, tuning.resident * sms, most))
+    return max(splits, min(tuning.min_splits, most))
+
+
+def balanced_splits(pairs: int, round_size: int, most: int) -> int:
+    """The fewest splits (at most `most`, BALANCE_MAX_SPLITS) that let `pairs` (sequence, KV head)
+    programs, each split that many ways, fill their last round of `round_size` resident programs
+    to BALANCE_FILL of the rounds they take (equal programs run in whole rounds); the best-filling
+    count where none does; 1 where the pairs fit one round."""
+    if pairs <= round_size:
+        return 1
+    def fill(s: int) -> float:
+        return pairs * s / (round_size * -(-pairs * s // round_size))
+    counts = range(1, max(1, min(most, BALANCE_MAX_SPLITS)) + 1)
+    return next((s for s in counts if fill(s) >= BALANCE_FILL), max(counts, key=lambda s: (fill(s), -s)))
 
 
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

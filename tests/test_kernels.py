@@ -809,7 +809,8 @@ def case_decode_wide_table() -> None:
 def case_decode_min_splits() -> None:
     """A batch that fills a round of resident programs on its own runs one split a sequence; with
     min_splits each context is divided into that many (no more than min_partition-token splits
-    reach), and the result is the reference's (bf16 and FP8; a short context, an empty one)."""
+    reach), with balance_rounds into as many as fill the last round, and the result is the
+    reference's (bf16 and FP8; a short context, an empty one)."""
     from tandem_kernels import decode_attention as da, reference as ref
 
     b, hq, hk, d, bs, width = 6, 8, 2, 64, 16, 8
@@ -831,9 +832,10 @@ def _decode_min_splits(da, ref, b: int, hq: int, hk: int, d: int, bs: int, width
     for cdt in (torch.bfloat16, FP8):
         base = dataclasses.replace(da.default_tuning(cdt), block_n=16, min_partition=16)
         assert da.choose_splits(b, hk, width * bs, sms, base) == 1
-        for min_splits, want_splits in ((3, 3), (64, width * bs // 16)):
-            tuning = dataclasses.replace(base, min_splits=min_splits)
-            assert da.choose_splits(b, hk, width * bs, sms, tuning) == want_splits, (cdt, min_splits)
+        # balance_rounds: 12 programs in rounds of 4 x 2 = 8 fill 0.75 of two; split in two, 24 fill three
+        for min_splits, balance, want_splits in ((3, False, 3), (64, False, width * bs // 16), (1, True, 2)):
+            tuning = dataclasses.replace(base, min_splits=min_splits, balance_rounds=balance)
+            assert da.choose_splits(b, hk, width * bs, sms, tuning) == want_splits, (cdt, min_splits, balance)
             lens = [width * bs, 0, 5, int(torch.randint(17, width * bs, ())), 47, width * bs - 1]
             kc, vc, table = paged(lens, bs, hk, d, cdt, width)
             q = rand(b, hq, d, dtype=torch.bfloat16)
@@ -841,7 +843,8 @@ def _decode_min_splits(da, ref, b: int, hq: int, hk: int, d: int, bs: int, width
             got = da.paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, 0.5, 1.5, tuning=tuning)
             live = ctx > 0
             want = ref.paged_decode_attention(q[live], kc, vc, table[live], ctx[live], d ** -0.5, 0.5, 1.5)
-            close(got[live], want, torch.bfloat16, f"decode min_splits={min_splits} cache={cdt} lens={lens}", scale=2.0)
+            close(got[live], want, torch.bfloat16,
+                  f"decode min_splits={min_splits} balance_rounds={balance} cache={cdt} lens={lens}", scale=2.0)
 
 
 def case_extend() -> None:
@@ -1050,6 +1053,20 @@ def case_dispatch() -> None:
         assert "TANDEM_KERNELS" in str(exc)
     else:
         raise AssertionError("an unknown TANDEM_KERNELS value must raise ValueError")
+
+
+@pytest.mark.parametrize("pairs, round_size, most, want", [
+    (1680, 528, 64, 2),   # an H100's 210 sequences x 8 KV heads: 3.2 rounds -> 0.80 full at one split, 0.91 at two
+    (640, 528, 64, 3),    # 1.2 rounds: 0.61 at one, 0.81 at two, 0.91 at three
+    (640, 528, 2, 2),     # no context reaches three splits: the better of one and two
+    (3072, 528, 64, 1),   # 5.8 rounds: 0.97 full already
+    (400, 528, 64, 1),    # one round, less than full: choose_splits' own rule fills it
+    (528, 528, 64, 1),
+])
+def test_balanced_splits_fill_the_last_round(pairs: int, round_size: int, most: int, want: int) -> None:
+    from tandem_kernels.decode_attention import balanced_splits
+
+    assert balanced_splits(pairs, round_size, most) == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
