@@ -75,7 +75,8 @@ from bench.throughput_gpu import (  # noqa: E402
     run_decode_b1_fp8, run_decode_b1_fp8_unfused, run_decode_b1_fused_gemv, run_decode_b1_no_pdl,
     run_decode_b1_unfused, run_gemv_sweep, run_gemv_sweep_b4, run_gptfast, run_gpu_parity, run_offline,
     run_offline_2d_tile, run_offline_bf16_untimed_buckets, run_offline_fp8_deferred_scales, run_offline_subset,
-    this_gpu_name, with_cached_kv, with_cublas_workspace, with_fused_rotary, with_nano_batch)
+    this_gpu_name, with_balanced_rounds, with_cached_kv, with_cublas_workspace, with_fused_rotary,
+    with_nano_batch)
 from bench.throughput_summary import GOALS, format_table, goal_text, run_ratios, small_batch, summarize  # noqa: E402
 
 
@@ -238,6 +239,12 @@ SECTIONS: dict[str, Section] = {s.name: s for s in [
             "offline_fp8kv with TANDEM_NANO_BATCH=auto"),
     Section("offline_bf16_nano_batch", "", 150, 120, "child", with_nano_batch(lambda c: run_offline(c, "auto", None)),
             "offline_bf16 with TANDEM_NANO_BATCH=auto"),
+    Section("offline_bf16_balance_rounds", "", 150, 120, "child",
+            with_balanced_rounds(lambda c: run_offline(c, "auto", None)),
+            "offline_bf16 with decode attention's splits filling the last round of programs (balance_rounds)"),
+    Section("offline_fp8kv_balance_rounds", "", 140, 110, "child",
+            with_balanced_rounds(lambda c: run_offline(c, "fp8", None)),
+            "offline_fp8kv with balance_rounds"),
     Section("offline_bf16_fused_rotary", "", 150, 120, "child", with_fused_rotary(lambda c: run_offline(c, "auto", None)),
             "offline_bf16 with TANDEM_FUSED_ROTARY=1"),
     Section("offline_fp8_fused_rotary", "", 125, 100, "child", with_fused_rotary(lambda c: run_offline(c, "fp8", "fp8")),

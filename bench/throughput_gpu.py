@@ -297,6 +297,14 @@ def with_cached_kv(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
     return _engine_env(run, "engine.attention", "EXTEND_NEW_KV_ENV", "0")
 
 
+def with_balanced_rounds(run: Callable[[Context], dict]) -> Callable[[Context], dict]:
+    """`run` with TANDEM_DECODE_TUNING={"balance_rounds": true}: decode attention splits each
+    context where a batch's programs would leave their last round of resident programs less than
+    0.9 full (tandem_kernels.decode_attention.balanced_splits; an H100's 210-sequence bf16 batch
+    runs two splits a sequence)."""
+    return _engine_env(run, "tandem_kernels.decode_attention", "TUNING_ENV", '{"balance_rounds": true}')
+
+
 def run_offline(ctx: Context, kv: str, quantization: str | None, max_running: int | None = None,
              kv_layout: str = "nhd") -> dict:
     """The offline workload; `max_running` (else --max-running, else derived) caps the batch;

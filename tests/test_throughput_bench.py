@@ -239,6 +239,25 @@ def test_fused_rotary_sections_turn_it_on_before_their_run(monkeypatch) -> None:
         fused_rotary_enabled()
 
 
+def test_balance_rounds_sections_turn_it_on_before_their_run(monkeypatch) -> None:
+    """The *_balance_rounds sections run their row's function with balance_rounds in every
+    default decode tuning, each in a child of its own."""
+    import torch
+
+    from tandem_kernels.decode_attention import TUNING_ENV, default_tuning
+
+    monkeypatch.setenv(TUNING_ENV, "")  # recorded, so the section's value is undone after
+    assert not default_tuning(torch.bfloat16, 1680, 132).balance_rounds
+    seen = []
+    section = gpu.with_balanced_rounds(
+        lambda ctx: seen.append([default_tuning(dt, p, 132).balance_rounds
+                                 for dt in (torch.bfloat16, torch.float8_e4m3fn) for p in (8, 1680, 4000)]) or {"ok": 1})
+    assert section("ctx") == {"ok": 1} and seen == [[True] * 6]
+    names = {n for n in tb.SECTIONS if n.endswith("_balance_rounds")}
+    assert names == {"offline_bf16_balance_rounds", "offline_fp8kv_balance_rounds"}
+    assert all(tb.SECTIONS[n].where == "child" for n in names)
+
+
 def test_untimed_buckets_section_turns_timing_off_before_its_run(monkeypatch) -> None:
     """offline_bf16_untimed_buckets builds its engine with TANDEM_TIMED_BUCKETS=0 (every decode
     graph up to the cap, as before timed buckets), in a child of its own."""
