@@ -199,9 +199,10 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
 
     Splits only until (sequence, KV head, split) programs fill one round of resident programs
     (`tuning.resident` per SM): more, shorter programs cost more than they balance; and no more
-    than `max_context` fills with splits of `tuning.min_partition` tokens. At least
-    `tuning.min_splits`, where `max_context` fills that many. (The kernel gives each sequence its
-    own split length: its context over this count.)
+    than `max_context` fills with splits of `tuning.min_partition` tokens. With
+    `tuning.balance_rounds`, a batch past one round is split until its last round is full enough
+    (balanced_splits). At least `tuning.min_splits`, where `max_context` fills that many. (The
+    kernel gives each sequence its own split length: its context over this count.)
     """
     pairs = max(1, batch * num_kv_heads)
     wanted = max(1, min(MAX_SPLITS, tuning.resident * sms // pairs))
@@ -225,8 +226,10 @@ def balanced_splits(pairs: int, round_size: int, most: int) -> int:
     count where none does; 1 where the pairs fit one round."""
     if pairs <= round_size:
         return 1
+
     def fill(s: int) -> float:
-        return pairs * s / (round_size * -(-pairs * s // round_size))
+        return pairs * s / (round_size * triton.cdiv(pairs * s, round_size))
+
     counts = range(1, max(1, min(most, BALANCE_MAX_SPLITS)) + 1)
     return next((s for s in counts if fill(s) >= BALANCE_FILL), max(counts, key=lambda s: (fill(s), -s)))
 
