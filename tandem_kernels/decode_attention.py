@@ -205,7 +205,8 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
     kernel gives each sequence its own split length: its context over this count.)
     """
     pairs = max(1, batch * num_kv_heads)
-    wanted = max(1, min(MAX_SPLITS, tuning.resident * sms // pairs))
+    round_size = tuning.resident * sms
+    wanted = max(1, min(MAX_SPLITS, round_size // pairs))
     partition = triton.cdiv(max(1, max_context), wanted)
     shortest = max(tuning.min_partition, tuning.block_n)
     partition = max(shortest, next_pow2(partition))
@@ -215,7 +216,7 @@ def choose_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
         splits = triton.cdiv(max_context, partition)
     most = min(MAX_SPLITS, triton.cdiv(max(1, max_context), shortest))
     if tuning.balance_rounds:
-        splits = max(splits, balanced_splits(pairs, tuning.resident * sms, most))
+        splits = max(splits, balanced_splits(pairs, round_size, most))
     return max(splits, min(tuning.min_splits, most))
 
 
