@@ -661,7 +661,7 @@ def lost_device(r: Rig, arm: Path, n_streams: int = 16, max_tokens: int = 400) -
         ref = run_client(reference_tokens(gw.target, prompts, max_tokens))
         def arm_while_it_runs() -> None:
             deadline = time.monotonic() + WAIT
-            while time.monotonic() < deadline and (running := victim.stats().running) == 0:
+            while (running := victim.stats().running) == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
             result.extra["victim_running_at_arm"] = running
             arm.touch()
